@@ -1,0 +1,40 @@
+"""Data for sparrow: built-in generated tasks, text/TSV files and TFDS, tokenizers and batching.
+
+Usage: `task = data.build(config.data, family=..., workdir=..., seed=...)`.
+"""
+
+from transformer.data.grammar import Grammar, make_grammar
+from transformer.data.numbers import numbers_to_words, words_to_numbers
+from transformer.data.tasks import Task, build, default_config
+from transformer.data.tokenizers import (
+  BOS_ID,
+  EOS_ID,
+  MASK_ID,
+  PAD_ID,
+  UNK_ID,
+  ByteTokenizer,
+  SentencePieceTokenizer,
+  Tokenizer,
+  load_tokenizer,
+  train_sentencepiece,
+)
+
+__all__ = [
+  'BOS_ID',
+  'EOS_ID',
+  'MASK_ID',
+  'PAD_ID',
+  'UNK_ID',
+  'ByteTokenizer',
+  'Grammar',
+  'SentencePieceTokenizer',
+  'Task',
+  'Tokenizer',
+  'build',
+  'default_config',
+  'load_tokenizer',
+  'make_grammar',
+  'numbers_to_words',
+  'train_sentencepiece',
+  'words_to_numbers',
+]

@@ -1,0 +1,172 @@
+"""The built-in `grammar` LM task: documents from a random sparse word-level Markov chain.
+
+Its entropy rate is known exactly, so a trained LM's loss can be compared with the floor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import ml_collections
+import numpy as np
+
+_CONSONANTS = 'bdfgklmnprstvz'
+_VOWELS = 'aeiou'
+_START_WORDS = 24  # words that may begin a sentence
+_SUCCESSORS = (2, 6)  # each word is followed by 2..6 distinct words (inclusive)
+_SENTENCE_END = (0.1, 0.35)  # per-word probability that the sentence ends after it
+_DOCUMENT_END = 0.6  # probability that a document ends after a sentence
+
+
+@dataclasses.dataclass(frozen=True)
+class Grammar:
+  """A first-order Markov chain over word types plus two boundary symbols.
+
+  States 0..V-1 are words, state V is '.' (end of sentence) and state V+1 is END (end of
+  document, the tokenizer's eos). A document is the path from END back to END; '.' is written
+  glued to the previous word: 'tabo ku rime. fa losi.'.
+
+  Attributes:
+    words: the V word strings.
+    transitions: [V+2, V+2] row-stochastic matrix P[from, to].
+  """
+
+  words: tuple[str, ...]
+  transitions: np.ndarray
+
+  @property
+  def period(self) -> int:
+    return len(self.words)
+
+  @property
+  def end(self) -> int:
+    return len(self.words) + 1
+
+  def stationary(self) -> np.ndarray:
+    """[V+2] stationary distribution pi of the chain (pi P = pi, sum 1)."""
+    n = len(self.transitions)
+    system = self.transitions.T - np.eye(n)  # (P^T - I) pi = 0 ...
+    system[-1] = 1.0  # ... with the last equation replaced by sum(pi) = 1
+    rhs = np.zeros(n)
+    rhs[-1] = 1.0
+    return np.linalg.solve(system, rhs)
+
+  def entropy_per_word(self) -> float:
+    """Entropy rate in nats per word ('.' and END count as words): sum_s pi_s H(P[s])."""
+    p = self.transitions
+    row_entropy = -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0), axis=1)
+    return float(self.stationary() @ row_entropy)
+
+  def unigram_entropy_per_word(self) -> float:
+    """Entropy in nats of the stationary word distribution (the best context-free model)."""
+    pi = self.stationary()
+    pi = pi[pi > 0]
+    return float(-np.sum(pi * np.log(pi)))
+
+  def sample(self, rng: np.random.Generator, count: int) -> tuple[list[str], int]:
+    """Draws `count` documents; returns them and their total number of words (incl. '.', END)."""
+    rows = [np.flatnonzero(row) for row in self.transitions]
+    cdfs = [np.cumsum(row[nz]).tolist() for row, nz in zip(self.transitions, rows)]
+    rows = [nz.tolist() for nz in rows]
+    uniforms, used = rng.random(4096).tolist(), 0
+    documents, num_words = [], 0
+    for _ in range(count):
+      state, states = self.end, []
+      while True:
+        if used == len(uniforms):
+          uniforms, used = rng.random(4096).tolist(), 0
+        cdf = cdfs[state]
+        k = min(bisect.bisect_right(cdf, uniforms[used]), len(cdf) - 1)
+        used += 1
+        state = rows[state][k]
+        states.append(state)
+        if state == self.end:
+          break
+      documents.append(self.render(states))
+      num_words += len(states)
+    return documents, num_words
+
+  def render(self, states: list[int]) -> str:
+    """Text of a state path; END is not written."""
+    text = []
+    for s in states:
+      if s == self.period:
+        text[-1] += '.'
+      elif s != self.end:
+        text.append(self.words[s])
+    return ' '.join(text)
+
+  def parse(self, document: str) -> list[int]:
+    """Inverse of `render` for a whole document: its states, ending with END."""
+    index = {w: i for i, w in enumerate(self.words)}
+    states = []
+    for token in document.split():
+      word = token.rstrip('.')
+      states.append(index[word])
+      states += [self.period] * (len(token) - len(word))
+    return states + [self.end]
+
+  def log_prob(self, document: str) -> tuple[float, int]:
+    """(log p(document) in nats, number of words incl. '.' and END), starting from END."""
+    states = [self.end] + self.parse(document)
+    probs = self.transitions[states[:-1], states[1:]]
+    return float(np.sum(np.log(probs))), len(states) - 1
+
+
+def _make_words(rng: np.random.Generator, count: int) -> list[str]:
+  """`count` distinct pronounceable words of 1-3 consonant-vowel syllables."""
+  words: dict[str, None] = {}
+  while len(words) < count:
+    syllables = rng.integers(1, 4)
+    word = ''.join(
+      rng.choice(list(_CONSONANTS)) + rng.choice(list(_VOWELS)) for _ in range(syllables)
+    )
+    words[word] = None
+  return list(words)
+
+
+def make_grammar(seed: int, num_words: int = 256) -> Grammar:
+  """A random sparse Markov chain over `num_words` word types, fixed by `seed`."""
+  if not 2 * _START_WORDS <= num_words <= 5000:
+    raise ValueError(f'grammar_words={num_words} is out of range; use {2 * _START_WORDS}..5000')
+  rng = np.random.default_rng(seed)
+  words = _make_words(rng, num_words)
+  n = num_words + 2
+  period, end = num_words, num_words + 1
+  p = np.zeros([n, n])
+  for w in range(num_words):
+    successors = rng.choice(
+      num_words, size=rng.integers(*_SUCCESSORS, endpoint=True), replace=False
+    )
+    sentence_end = rng.uniform(*_SENTENCE_END)
+    p[w, successors] = (1 - sentence_end) * rng.dirichlet(np.ones(len(successors)))
+    p[w, period] = sentence_end
+  starts = rng.choice(num_words, size=_START_WORDS, replace=False)
+  start_probs = rng.dirichlet(np.ones(_START_WORDS))
+  p[end, starts] = start_probs  # a new document starts a sentence
+  p[period, starts] = (1 - _DOCUMENT_END) * start_probs
+  p[period, end] = _DOCUMENT_END
+  return Grammar(words=tuple(words), transitions=p)
+
+
+def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict]:
+  """Train documents, eval documents and info for the `grammar` task.
+
+  Returns:
+    (train, eval, info); info holds `entropy_per_word` and `unigram_entropy_per_word` in nats,
+    and `train_words`, the number of words (incl. '.' and END) in the training documents.
+  """
+  grammar = make_grammar(int(cfg.grammar_seed), int(cfg.grammar_words))
+  train, train_words = grammar.sample(
+    np.random.default_rng([cfg.grammar_seed, 1]), cfg.num_train_examples
+  )
+  evaluation, _ = grammar.sample(
+    np.random.default_rng([cfg.grammar_seed, 2]), cfg.num_eval_examples
+  )
+  info = {
+    'entropy_per_word': grammar.entropy_per_word(),
+    'unigram_entropy_per_word': grammar.unigram_entropy_per_word(),
+    'train_words': train_words,
+  }
+  return train, evaluation, info

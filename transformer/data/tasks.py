@@ -1,0 +1,351 @@
+"""`build(data_cfg, ...)` -> a Task: tokenizer, resumable training batches, fixed eval batches.
+
+Every source is tokenised into memory once (a process keeps only its shard), then shuffled,
+packed or bucketed by the same NumPy code, so all tasks are deterministic and resumable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+from collections.abc import Iterable
+
+import ml_collections
+import numpy as np
+
+from transformer.data import batching, grammar, numbers, sources
+from transformer.data.tokenizers import (
+  ByteTokenizer,
+  Tokenizer,
+  load_tokenizer,
+  train_sentencepiece,
+)
+
+TASKS = ('numbers', 'grammar', 'text', 'tsv', 'tfds')
+TOKENIZERS = ('byte', 'sentencepiece')
+_CHUNK = 4096  # examples tokenised at a time
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """The data knobs with their defaults (copied into configs/base.py as config.data)."""
+  c = ml_collections.ConfigDict()
+  c.task = 'numbers'  # numbers | grammar (built-in, generated) | text | tsv (local files) | tfds
+  c.train_path = ''  # text/tsv: file path or glob; text = a document per line, tsv = src<TAB>tgt
+  c.eval_path = ''  # text/tsv: '' holds out the last max(64, 1%) training lines instead
+  c.tfds_name = 'wmt14_translate/de-en'  # tfds: dataset name, e.g. 'wmt17_translate/de-en', 'lm1b'
+  c.tfds_data_dir = ''  # tfds: where datasets are stored; '' = TFDS default (~/tensorflow_datasets)
+  c.tfds_train_split = 'train'  # tfds: training split (any TFDS split string, e.g. 'train[:10%]')
+  c.tfds_eval_split = 'test'  # tfds: eval split (wmt14 'test' = newstest2014); slice big ones
+  c.source_lang = 'en'  # tfds translation: feature used as the source
+  c.target_lang = 'de'  # tfds translation: feature used as the target
+  c.tfds_text_key = 'text'  # tfds LM datasets: the feature holding the text (lm1b: 'text')
+  c.tokenizer = 'byte'  # byte (261 ids) | sentencepiece (trained on the training split)
+  c.vocab_size = 32000  # sentencepiece: target vocabulary size (tiny corpora may give fewer)
+  c.spm_train_lines = 1_000_000  # sentencepiece: trains on the first this many training examples
+  c.max_length = 256  # LM families: tokens per row; encoder_decoder ignores it
+  c.max_source_length = 256  # encoder_decoder: source tokens (incl. eos); LM pairs: source part
+  c.max_target_length = 256  # encoder_decoder: target tokens (incl. eos)
+  c.batch_size = 64  # GLOBAL training batch (rows); each process gets batch_size // process_count
+  c.eval_batch_size = 64  # GLOBAL eval batch (rows)
+  c.pack = False  # pack several examples per row (segments, positions restart per example)
+  # Unpacked training batches are padded to the smallest bucket >= their longest example:
+  # True = 8, 16, 32, ... (few shapes, so few recompiles), False = always the max, or a list.
+  c.buckets = ml_collections.FieldReference(True, field_type=object)
+  c.num_train_examples = 100_000  # numbers/grammar: generated training examples
+  c.num_eval_examples = 1_000  # numbers/grammar: generated eval examples
+  c.mlm_prob = 0.15  # bidirectional_lm: fraction of tokens masked and predicted
+  c.numbers_max = 999_999  # numbers: largest number (>= 1000)
+  c.numbers_direction = 'digits_to_words'  # numbers: digits_to_words | words_to_digits
+  c.grammar_seed = 0  # grammar: fixes the Markov chain and its documents
+  c.grammar_words = 256  # grammar: number of word types
+  return c
+
+
+@dataclasses.dataclass(eq=False)
+class Task:
+  """A built data task: name, family, tokenizer, info and the three methods below.
+
+  The underscored fields are internal (built by `build`).
+  """
+
+  name: str
+  family: str
+  tokenizer: Tokenizer
+  info: dict
+  _train: batching.Examples = dataclasses.field(repr=False)
+  _evaluation: batching.Examples = dataclasses.field(repr=False)
+  _eval_raw: list = dataclasses.field(repr=False)  # this process's raw eval examples
+  _batcher: batching.Batcher = dataclasses.field(repr=False)
+  _rows: int = 0  # training rows per process
+  _eval_rows: int = 0
+  _num_eval_batches: int = 0  # the same on every process
+  _seed: int = 0
+  _pack: bool = False
+  _process: int = 0
+  _eval_cache: list | None = dataclasses.field(default=None, repr=False)
+
+  def train_iterator(self) -> batching.TrainIterator:
+    """A fresh infinite iterator over this process's training batches, from the start."""
+    return batching.TrainIterator(
+      self._train, self._batcher, self._rows, self._seed, self._pack, self._process
+    )
+
+  def eval_batches(self) -> list[dict[str, np.ndarray]]:
+    """This process's eval batches: unpacked, padded to the max lengths, in dataset order.
+
+    Every process gets the same number of batches; missing rows are padding (weights 0).
+    """
+    if self._eval_cache is None:
+      self._eval_cache = batching.eval_batches(
+        self._evaluation, self._batcher, self._eval_rows, self._num_eval_batches
+      )
+    return self._eval_cache
+
+  def eval_examples(self, n: int) -> list[tuple[str, str]]:
+    """The first n raw eval examples of this process as (source, reference) strings.
+
+    Translation tasks give (source, target). LM tasks split each document's words in half:
+    (prompt, continuation).
+    """
+    out = []
+    for example in self._eval_raw[:n]:
+      if isinstance(example, tuple):
+        out.append(example)
+      else:
+        words = example.split(' ')
+        half = max(1, len(words) // 2)
+        out.append((' '.join(words[:half]), ' '.join(words[half:])))
+    return out
+
+
+def _raw_data(cfg, family: str) -> tuple[str, Iterable, list, dict]:
+  """(kind, train examples, eval examples, info); kind 'pairs' or 'text'."""
+  task = cfg.task
+  if task == 'numbers':
+    train, evaluation, info = numbers.generate(cfg)
+    return 'pairs', train, evaluation, info
+  if task == 'grammar':
+    train, evaluation, info = grammar.generate(cfg)
+    return 'text', train, evaluation, info
+  if task in ('text', 'tsv'):
+    columns = 1 if task == 'text' else 2
+    train = sources.read_lines(cfg.train_path, 'train_path', columns)
+    if cfg.eval_path:
+      evaluation = sources.read_lines(cfg.eval_path, 'eval_path', columns)
+    else:
+      held = max(64, len(train) // 100)
+      if len(train) <= held:
+        raise ValueError(
+          f'train_path={cfg.train_path!r} has {len(train)} usable lines, too few to hold out '
+          f'{held} for evaluation; add lines or set eval_path'
+        )
+      train, evaluation = train[:-held], train[-held:]
+    return ('text' if task == 'text' else 'pairs'), train, evaluation, {}
+  if task == 'tfds':
+    name, data_dir = cfg.tfds_name, cfg.tfds_data_dir
+    features = sources.tfds_features(name, data_dir)
+    if family != 'encoder_decoder' and cfg.tfds_text_key in features:
+      kind, keys = 'text', (cfg.tfds_text_key,)
+    else:
+      kind, keys = 'pairs', (cfg.source_lang, cfg.target_lang)
+
+    class _Train:  # re-iterable: SentencePiece training and tokenisation each read the split
+      def __iter__(self):
+        return sources.tfds_examples(name, cfg.tfds_train_split, data_dir, keys)
+
+    evaluation = list(sources.tfds_examples(name, cfg.tfds_eval_split, data_dir, keys))
+    return kind, _Train(), evaluation, {}
+  raise ValueError(f'unknown task={task!r}; choose one of {TASKS}')
+
+
+def _tokenizer(cfg, train: Iterable, workdir: str | None, process_index: int) -> Tokenizer:
+  """The byte tokenizer, or SentencePiece loaded from workdir/tokenizer or trained and cached."""
+  if cfg.tokenizer not in TOKENIZERS:
+    raise ValueError(f'unknown tokenizer={cfg.tokenizer!r}; choose one of {TOKENIZERS}')
+  cache = os.path.join(workdir, 'tokenizer') if workdir else None
+  if cache and os.path.exists(os.path.join(cache, 'tokenizer.json')):
+    tokenizer = load_tokenizer(cache)
+    requested = getattr(tokenizer, 'requested_vocab_size', None)
+    if tokenizer.kind != cfg.tokenizer or (requested and requested != cfg.vocab_size):
+      raise ValueError(
+        f'{cache!r} holds a {tokenizer.kind} tokenizer (vocab_size={requested}) but the config '
+        f'asks for {cfg.tokenizer} (vocab_size={cfg.vocab_size}); use a new workdir or delete it'
+      )
+    return tokenizer
+  if cfg.tokenizer == 'byte':
+    tokenizer = ByteTokenizer()
+  else:
+    lines = []  # every process trains on the same lines (single-threaded, so identical models)
+    for example in itertools.islice(train, cfg.spm_train_lines):
+      lines += [example] if isinstance(example, str) else list(example)
+    tokenizer = train_sentencepiece(lines, cfg.vocab_size)
+  if cache and process_index == 0:
+    tokenizer.save(cache)
+  return tokenizer
+
+
+def _tokenize(examples: Iterable, num_parts: int, tokenizer, family: str, lengths, shard):
+  """Tokenises and truncates this process's examples (index % count == process).
+
+  Returns:
+    (Examples, number of examples in the whole split, this shard's stats dict).
+  """
+  process, count = shard
+  dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
+  chunks, buffer, total, kept_count, truncated = [], [], 0, 0, 0
+  token_sums, token_max = None, None
+
+  def flush():
+    nonlocal truncated, token_sums, token_max
+    columns = list(zip(*[(x,) if isinstance(x, str) else x for x in buffer]))
+    encoded = [tokenizer.encode_batch(list(col)) for col in columns]  # [parts][examples][tokens]
+    per_example = list(zip(*encoded))
+    sizes = np.array([[len(p) for p in ex] for ex in per_example])  # [examples, parts]
+    token_sums = sizes.sum(0) + (0 if token_sums is None else token_sums)
+    token_max = sizes.max(0) if token_max is None else np.maximum(token_max, sizes.max(0))
+    kept = []
+    for ex in per_example:
+      parts, cut = batching.truncate(family, ex, *lengths)
+      kept.append(parts)
+      truncated += cut
+    chunks.append([batching.Ragged.from_lists(p, dtype) for p in zip(*kept)])
+    buffer.clear()
+
+  for index, example in enumerate(examples):
+    total += 1
+    if index % count == process:
+      buffer.append(example)
+      kept_count += 1
+      if len(buffer) == _CHUNK:
+        flush()
+  if buffer:
+    flush()
+  parts = tuple(batching.Ragged.concatenate(p, dtype) for p in zip(*chunks, strict=True))
+  parts = parts or tuple(batching.Ragged.concatenate([], dtype) for _ in range(num_parts))
+  names = ['tokens'] if num_parts == 1 else ['source_tokens', 'target_tokens']
+  stats = {'truncated': truncated}
+  for name, s, m in zip(names, token_sums if kept_count else [], token_max if kept_count else []):
+    stats |= {f'{name}_mean': float(s) / kept_count, f'{name}_max': int(m)}
+  return batching.Examples(parts), total, stats
+
+
+def build(
+  data_cfg: ml_collections.ConfigDict,
+  *,
+  family: str,
+  workdir: str | None,
+  seed: int,
+  process_index: int = 0,
+  process_count: int = 1,
+) -> Task:
+  """Builds the data task described by `data_cfg` (see `default_config`) for one model family.
+
+  Args:
+    data_cfg: the data ConfigDict.
+    family: 'encoder_decoder', 'causal_lm' or 'bidirectional_lm' (decides the batch format).
+    workdir: where the trained SentencePiece model is cached (workdir/tokenizer); None = no cache.
+    seed: drives the training order and MLM masking (the generated data depend only on the task
+      knobs, and eval batches are the same for every seed).
+    process_index, process_count: this process keeps the examples whose index in the split is
+      process_index modulo process_count.
+
+  Returns:
+    A Task whose batches are per-process: batch_size // process_count rows each.
+  """
+  cfg = data_cfg
+  if family not in batching.FAMILIES:
+    raise ValueError(f'unknown family={family!r}; choose one of {batching.FAMILIES}')
+  if not 0 <= process_index < process_count:
+    raise ValueError(f'process_index={process_index} must be in [0, process_count={process_count})')
+  for key in ('batch_size', 'eval_batch_size'):
+    if cfg[key] < process_count or cfg[key] % process_count:
+      raise ValueError(
+        f'{key}={cfg[key]} is not a positive multiple of process_count={process_count}'
+      )
+  if seed < 0:
+    raise ValueError(f'seed={seed} must be >= 0')
+  target_length = cfg.max_target_length if family == 'encoder_decoder' else cfg.max_length
+  target_key = 'max_target_length' if family == 'encoder_decoder' else 'max_length'
+  for key in ('max_source_length', target_key):
+    if cfg[key] < 2:
+      raise ValueError(f'{key}={cfg[key]} must be >= 2 (room for a token and eos)')
+
+  kind, train_raw, eval_raw, task_info = _raw_data(cfg, family)
+  if kind == 'text' and family == 'encoder_decoder':
+    raise ValueError(
+      f"family='encoder_decoder' needs (source, target) pairs but task={cfg.task!r} gives single "
+      "documents; use task='numbers', 'tsv' or a TFDS translation dataset"
+    )
+  tokenizer = _tokenizer(cfg, train_raw, workdir, process_index)
+  lengths = (target_length, cfg.max_source_length)
+  shard = (process_index, process_count)
+  num_parts = 1 if kind == 'text' else 2
+  train, num_train, train_stats = _tokenize(train_raw, num_parts, tokenizer, family, lengths, shard)
+  if not len(train):
+    raise ValueError(
+      f'process {process_index} of {process_count} got no training examples out of {num_train}'
+    )
+  evaluation, num_eval, eval_stats = _tokenize(
+    eval_raw, num_parts, tokenizer, family, lengths, shard
+  )
+
+  if family == 'encoder_decoder':
+    max_lengths = {'inputs': cfg.max_source_length, 'targets': cfg.max_target_length}
+  else:
+    max_lengths = {'': cfg.max_length}
+  batcher = batching.Batcher(
+    family=family,
+    max_lengths=max_lengths,
+    buckets={s: batching.bucket_lengths(n, cfg.buckets) for s, n in max_lengths.items()},
+    vocab_size=tokenizer.vocab_size,
+    mlm_prob=cfg.mlm_prob,
+  )
+  eval_rows = cfg.eval_batch_size // process_count
+  info = {
+    **task_info,
+    'tokenizer': tokenizer.kind,
+    'vocab_size': tokenizer.vocab_size,
+    'num_train_examples': num_train,
+    'num_eval_examples': num_eval,
+    'truncated_train': train_stats.pop('truncated'),  # counts over this process's shard
+    'truncated_eval': eval_stats.pop('truncated'),
+    **{f'train_{k}': v for k, v in train_stats.items()},
+  }
+  if cfg.task == 'grammar':
+    info |= _grammar_token_info(task_info, train_raw, tokenizer)
+  return Task(
+    name=cfg.tfds_name if cfg.task == 'tfds' else cfg.task,
+    family=family,
+    tokenizer=tokenizer,
+    info=info,
+    _train=train,
+    _evaluation=evaluation,
+    _eval_raw=eval_raw[process_index::process_count],
+    _batcher=batcher,
+    _rows=cfg.batch_size // process_count,
+    _eval_rows=eval_rows,
+    _num_eval_batches=math.ceil(math.ceil(num_eval / process_count) / eval_rows),
+    _seed=seed,
+    _pack=bool(cfg.pack),
+    _process=process_index,
+  )
+
+
+def _grammar_token_info(task_info: dict, documents: list[str], tokenizer) -> dict:
+  """Converts the grammar's per-word entropies to per-token floors with this tokenizer.
+
+  A word ('.' and the document end included) costs tokens_per_word tokens on average, measured on
+  up to 2000 training documents with eos counted, so the loss per target token of a causal LM
+  cannot go below entropy_per_word / tokens_per_word (for documents that are not truncated).
+  """
+  sample = documents[:2000]
+  tokens = sum(len(tokenizer.encode(d)) + 1 for d in sample)  # + eos
+  words = sum(len(d.split()) + d.count('.') + 1 for d in sample)  # + END
+  per_word = tokens / words
+  return {
+    'tokens_per_word': per_word,
+    'entropy_per_token': task_info['entropy_per_word'] / per_word,
+    'unigram_entropy_per_token': task_info['unigram_entropy_per_word'] / per_word,
+  }

@@ -1,0 +1,165 @@
+"""Byte and SentencePiece tokenizers with one fixed set of special ids.
+
+Both save to a directory as `tokenizer.json` (plus `spm.model` for SentencePiece); nothing is
+pickled.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+PAD_ID, BOS_ID, EOS_ID, MASK_ID, UNK_ID = 0, 1, 2, 3, 4
+NUM_SPECIAL = 5  # ids below this are specials in both tokenizers
+SPECIAL_IDS = (PAD_ID, BOS_ID, EOS_ID, MASK_ID, UNK_ID)
+MASK_PIECE = '<mask>'  # SentencePiece turns this literal text into MASK_ID
+_JSON = 'tokenizer.json'
+_SPM_MODEL = 'spm.model'
+
+
+class _Specials:
+  """The fixed special ids shared by every tokenizer."""
+
+  pad_id = PAD_ID
+  bos_id = BOS_ID
+  eos_id = EOS_ID
+  mask_id = MASK_ID
+  unk_id = UNK_ID
+
+
+def _strip(ids: Iterable[int]) -> list[int]:
+  """Cuts ids at the first eos and drops pad, bos and mask."""
+  out = []
+  for i in ids:
+    i = int(i)
+    if i == EOS_ID:
+      break
+    if i not in (PAD_ID, BOS_ID, MASK_ID):
+      out.append(i)
+  return out
+
+
+class ByteTokenizer(_Specials):
+  """UTF-8 bytes: byte b is id b + 5, so vocab_size = 261."""
+
+  kind = 'byte'
+  vocab_size = 256 + NUM_SPECIAL
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of `text`, without bos/eos."""
+    return (np.frombuffer(text.encode('utf-8'), np.uint8).astype(np.int32) + NUM_SPECIAL).tolist()
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of `ids`: stops at eos, skips pad/bos/mask; unk becomes U+FFFD."""
+    data = bytes(
+      i - NUM_SPECIAL if NUM_SPECIAL <= i < self.vocab_size else 0xFF for i in _strip(ids)
+    )
+    return data.decode('utf-8', errors='replace')
+
+  def save(self, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, _JSON), 'w') as f:
+      json.dump({'kind': self.kind, 'vocab_size': self.vocab_size}, f)
+
+
+class SentencePieceTokenizer(_Specials):
+  """A trained SentencePiece model whose specials sit at our fixed ids."""
+
+  kind = 'sentencepiece'
+
+  def __init__(self, model_proto: bytes, requested_vocab_size: int | None = None):
+    import sentencepiece as spm
+
+    self.model_proto = model_proto
+    self.requested_vocab_size = requested_vocab_size
+    self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    found = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
+    if found != (PAD_ID, BOS_ID, EOS_ID, UNK_ID) or self._sp.piece_to_id(MASK_PIECE) != MASK_ID:
+      raise ValueError(
+        f'SentencePiece model has special ids pad/bos/eos/unk={found}; expected '
+        f'{(PAD_ID, BOS_ID, EOS_ID, UNK_ID)} and {MASK_PIECE}={MASK_ID}'
+      )
+    self.vocab_size = self._sp.get_piece_size()
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of `text`, without bos/eos."""
+    return self._sp.encode(text, out_type=int)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return self._sp.encode(list(texts), out_type=int)
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of `ids`: stops at eos, skips pad/bos/mask."""
+    return self._sp.decode(_strip(ids))
+
+  def save(self, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, _SPM_MODEL), 'wb') as f:
+      f.write(self.model_proto)
+    meta = {
+      'kind': self.kind,
+      'vocab_size': self.vocab_size,
+      'requested_vocab_size': self.requested_vocab_size,
+      'model_file': _SPM_MODEL,
+    }
+    with open(os.path.join(directory, _JSON), 'w') as f:
+      json.dump(meta, f)
+
+
+Tokenizer = ByteTokenizer | SentencePieceTokenizer
+
+
+def train_sentencepiece(lines: Iterable[str], vocab_size: int) -> SentencePieceTokenizer:
+  """Trains a unigram SentencePiece model with our special ids (digits split one per piece).
+
+  The vocabulary may come out smaller than `vocab_size` when the corpus is tiny.
+  """
+  import sentencepiece as spm
+
+  if vocab_size <= NUM_SPECIAL + 1:
+    raise ValueError(f'vocab_size={vocab_size} is too small; use more than {NUM_SPECIAL + 1}')
+  model = io.BytesIO()
+  lines = [line for line in lines if line.strip()]
+  if not lines:
+    raise ValueError('cannot train SentencePiece on an empty corpus')
+  with open(os.devnull, 'w') as devnull:
+    spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(lines),
+      model_writer=model,
+      vocab_size=vocab_size,
+      hard_vocab_limit=False,  # tiny corpora give a smaller vocabulary instead of an error
+      pad_id=PAD_ID,
+      bos_id=BOS_ID,
+      eos_id=EOS_ID,
+      unk_id=UNK_ID,
+      user_defined_symbols=[MASK_PIECE],  # lands on the free id 3 = MASK_ID
+      split_digits=True,
+      num_threads=1,  # single-threaded training is reproducible across machines
+      minloglevel=2,
+      logstream=devnull,
+    )
+  return SentencePieceTokenizer(model.getvalue(), requested_vocab_size=vocab_size)
+
+
+def load_tokenizer(directory: str) -> Tokenizer:
+  """Restores a tokenizer written by `tokenizer.save(directory)`."""
+  path = os.path.join(directory, _JSON)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'no tokenizer in {directory!r}: {path!r} does not exist')
+  with open(path) as f:
+    meta = json.load(f)
+  if meta['kind'] == 'byte':
+    return ByteTokenizer()
+  if meta['kind'] == 'sentencepiece':
+    with open(os.path.join(directory, meta['model_file']), 'rb') as f:
+      return SentencePieceTokenizer(f.read(), meta.get('requested_vocab_size'))
+  raise ValueError(
+    f'unknown tokenizer kind={meta["kind"]!r} in {path!r}; valid: byte, sentencepiece'
+  )

@@ -1,0 +1,151 @@
+"""Learning-rate schedules and the optax optimizer, both built from the experiment config.
+
+The training loop logs the learning rate by calling `make_schedule(config)(step)` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ('rsqrt', 'warmup_cosine', 'cosine_restarts', 'constant', 'linear')
+OPTIMIZERS = ('adam', 'adamw')
+NO_DECAY_NAMES = ('bias', 'scale')  # flax biases and LayerNorm/RMSNorm scales
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+  """Reads cfg.name from a ConfigDict (or any object), with a default for optional fields."""
+  value = getattr(cfg, name, default)
+  return default if value is None else value
+
+
+def _warmup(step: jax.Array, peak: float, warmup_steps: int) -> jax.Array:
+  """Linear 0 -> peak over warmup_steps (the peak is reached at step == warmup_steps)."""
+  if warmup_steps == 0:
+    return jnp.full_like(step, peak)
+  return peak * jnp.minimum(step / warmup_steps, 1.0)
+
+
+def _cosine(fraction: jax.Array, peak: float, end: float) -> jax.Array:
+  """Half a cosine from peak (fraction 0) to end (fraction 1)."""
+  return end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * fraction))
+
+
+def make_schedule(cfg: Any) -> optax.Schedule:
+  """Learning rate as a function of the optimizer step (0 for the first update).
+
+  Schedules (peak = cfg.learning_rate, end = peak * cfg.end_learning_rate_factor):
+    'rsqrt':           the paper's lr * d_model^-0.5 * min(s^-0.5, s * warmup^-1.5), with the
+                       paper's step s = max(step, 1), so step 0 and step 1 both use s = 1 and the
+                       peak lr * (d_model * warmup)^-0.5 is at step == warmup_steps.
+    'warmup_cosine':   linear warmup, then a cosine from peak to end at step == total_steps.
+    'cosine_restarts': linear warmup, then cosine cycles of restart_period steps from peak to end,
+                       each cycle restarting at peak (SGDR).
+    'constant':        peak, after a linear warmup when warmup_steps > 0.
+    'linear':          linear warmup, then a straight line from peak to end at total_steps.
+  After total_steps, 'warmup_cosine' and 'linear' stay at end.
+  """
+  name = _get(cfg, 'schedule', 'rsqrt')
+  peak = float(cfg.learning_rate)
+  warmup = int(_get(cfg, 'warmup_steps', 0))
+  end_factor = float(_get(cfg, 'end_learning_rate_factor', 0.0))
+  if name not in SCHEDULES:
+    raise ValueError(f'unknown schedule={name!r}; choose one of {SCHEDULES}')
+  if peak < 0:
+    raise ValueError(f'learning_rate={peak} must be >= 0')
+  if warmup < 0:
+    raise ValueError(f'warmup_steps={warmup} must be >= 0')
+  if not 0.0 <= end_factor <= 1.0:
+    raise ValueError(f'end_learning_rate_factor={end_factor} must be in [0, 1]')
+  end = peak * end_factor
+
+  if name == 'rsqrt':
+    d_model = int(cfg.d_model)
+    if d_model <= 0:
+      raise ValueError(f'd_model={d_model} must be > 0 for the rsqrt schedule')
+
+    def rsqrt(step):
+      s = jnp.maximum(jnp.asarray(step, jnp.float32), 1.0)  # the paper counts steps from 1
+      ramp = s * warmup**-1.5 if warmup > 0 else s**-0.5
+      return peak * d_model**-0.5 * jnp.minimum(s**-0.5, ramp)
+
+    return rsqrt
+
+  if name == 'constant':
+    return lambda step: _warmup(jnp.asarray(step, jnp.float32), peak, warmup)
+
+  if name == 'cosine_restarts':
+    period = int(_get(cfg, 'restart_period', 0))
+    if period <= 0:
+      raise ValueError(f'restart_period={period} must be > 0 for schedule=cosine_restarts')
+
+    def restarts(step):
+      step = jnp.asarray(step, jnp.float32)
+      in_cycle = jnp.mod(jnp.maximum(step - warmup, 0.0), period) / period  # 0 at each restart
+      return jnp.where(step < warmup, _warmup(step, peak, warmup), _cosine(in_cycle, peak, end))
+
+    return restarts
+
+  total = int(cfg.total_steps)  # 'warmup_cosine' and 'linear' decay until total_steps
+  if total <= warmup:
+    raise ValueError(f'total_steps={total} must exceed warmup_steps={warmup} for schedule={name}')
+
+  def decay(step):
+    step = jnp.asarray(step, jnp.float32)
+    fraction = jnp.clip((step - warmup) / (total - warmup), 0.0, 1.0)  # 0 -> 1 after warmup
+    decayed = (
+      _cosine(fraction, peak, end) if name == 'warmup_cosine' else peak + (end - peak) * fraction
+    )
+    return jnp.where(step < warmup, _warmup(step, peak, warmup), decayed)
+
+  return decay
+
+
+def decay_mask(params: Any) -> Any:
+  """True for leaves that get weight decay: matrices (ndim >= 2) not named 'bias' or 'scale'.
+
+  Biases, LayerNorm/RMSNorm scales and any other vector or scalar are excluded. Works on a
+  params pytree of arrays or of `jax.ShapeDtypeStruct`s, including boxed (partitioned) leaves.
+  """
+
+  def leaf_name(path) -> str:
+    names = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return names[-1] if names else ''
+
+  return jax.tree_util.tree_map_with_path(
+    lambda path, leaf: len(leaf.shape) >= 2 and leaf_name(path) not in NO_DECAY_NAMES, params
+  )
+
+
+def make_optimizer(cfg: Any) -> optax.GradientTransformation:
+  """clip_by_global_norm (if clip_norm) -> Adam or AdamW (decay masked by `decay_mask`).
+
+  Config fields: optimizer, b1, b2, eps (paper: 0.9, 0.98, 1e-9), weight_decay, clip_norm
+  (0 or None = no clipping), plus the schedule fields of `make_schedule`. AdamW follows optax:
+  the decay is multiplied by the scheduled learning rate.
+  """
+  name = _get(cfg, 'optimizer', 'adam')
+  if name not in OPTIMIZERS:
+    raise ValueError(f'unknown optimizer={name!r}; choose one of {OPTIMIZERS}')
+  weight_decay = float(_get(cfg, 'weight_decay', 0.0))
+  clip_norm = float(_get(cfg, 'clip_norm', 0.0))
+  if weight_decay < 0:
+    raise ValueError(f'weight_decay={weight_decay} must be >= 0')
+  if name == 'adam' and weight_decay > 0:
+    raise ValueError(f"weight_decay={weight_decay} needs optimizer='adamw' (or weight_decay=0)")
+  if clip_norm < 0:
+    raise ValueError(f'clip_norm={clip_norm} must be >= 0 (0 = no clipping)')
+
+  schedule = make_schedule(cfg)
+  adam_args = dict(b1=float(_get(cfg, 'b1', 0.9)), b2=float(_get(cfg, 'b2', 0.98)))
+  adam_args['eps'] = float(_get(cfg, 'eps', 1e-9))
+  if name == 'adamw':
+    optimizer = optax.adamw(schedule, weight_decay=weight_decay, mask=decay_mask, **adam_args)
+  else:
+    optimizer = optax.adam(schedule, **adam_args)
+  if clip_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
+  return optimizer
