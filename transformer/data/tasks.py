@@ -29,38 +29,10 @@ _CHUNK = 4096  # examples tokenised at a time
 
 
 def default_config() -> ml_collections.ConfigDict:
-  """The data knobs with their defaults (copied into configs/base.py as config.data)."""
-  c = ml_collections.ConfigDict()
-  c.task = 'numbers'  # numbers | grammar (built-in, generated) | text | tsv (local files) | tfds
-  c.train_path = ''  # text/tsv: file path or glob; text = a document per line, tsv = src<TAB>tgt
-  c.eval_path = ''  # text/tsv: '' holds out the last max(64, 1%) training lines instead
-  c.tfds_name = 'wmt14_translate/de-en'  # tfds: dataset name, e.g. 'wmt17_translate/de-en', 'lm1b'
-  c.tfds_data_dir = ''  # tfds: where datasets are stored; '' = TFDS default (~/tensorflow_datasets)
-  c.tfds_train_split = 'train'  # tfds: training split (any TFDS split string, e.g. 'train[:10%]')
-  c.tfds_eval_split = 'test'  # tfds: eval split (wmt14 'test' = newstest2014); slice big ones
-  c.source_lang = 'en'  # tfds translation: feature used as the source
-  c.target_lang = 'de'  # tfds translation: feature used as the target
-  c.tfds_text_key = 'text'  # tfds LM datasets: the feature holding the text (lm1b: 'text')
-  c.tokenizer = 'byte'  # byte (261 ids) | sentencepiece (trained on the training split)
-  c.vocab_size = 32000  # sentencepiece: target vocabulary size (tiny corpora may give fewer)
-  c.spm_train_lines = 1_000_000  # sentencepiece: trains on the first this many training examples
-  c.max_length = 256  # LM families: tokens per row; encoder_decoder ignores it
-  c.max_source_length = 256  # encoder_decoder: source tokens (incl. eos); LM pairs: source part
-  c.max_target_length = 256  # encoder_decoder: target tokens (incl. eos)
-  c.batch_size = 64  # GLOBAL training batch (rows); each process gets batch_size // process_count
-  c.eval_batch_size = 64  # GLOBAL eval batch (rows)
-  c.pack = False  # pack several examples per row (segments, positions restart per example)
-  # Unpacked training batches are padded to the smallest bucket >= their longest example:
-  # True = 8, 16, 32, ... (few shapes, so few recompiles), False = always the max, or a list.
-  c.buckets = ml_collections.FieldReference(True, field_type=object)
-  c.num_train_examples = 100_000  # numbers/grammar: generated training examples
-  c.num_eval_examples = 1_000  # numbers/grammar: generated eval examples
-  c.mlm_prob = 0.15  # bidirectional_lm: fraction of tokens masked and predicted
-  c.numbers_max = 999_999  # numbers: largest number (>= 1000)
-  c.numbers_direction = 'digits_to_words'  # numbers: digits_to_words | words_to_digits
-  c.grammar_seed = 0  # grammar: fixes the Markov chain and its documents
-  c.grammar_words = 256  # grammar: number of word types
-  return c
+  """The data knobs and defaults: `config.data` of configs/base.py, which explains each."""
+  from configs import base
+
+  return base.get_config().data
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,0 +1,121 @@
+"""Every knob of a sparrow experiment, once, with a one-line comment each.
+
+An experiment file starts from `get_config()` and overrides what it changes; it never copies this
+file. Command-line flags override further: `--config.model.num_heads=4`.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.name = 'base'  # run name; the default workdir is runs/<name>
+  config.seed = 0  # parameter init, dropout and data order all derive from this
+
+  # Model: the fields of transformer.config.ModelConfig --------------------------------------
+  m = config.model = ml_collections.ConfigDict()
+  m.family = 'encoder_decoder'  # encoder_decoder | bidirectional_lm | causal_lm
+  m.vocab_size = 261  # overwritten by the tokenizer's size at train time
+  m.d_model = 512  # residual stream width
+  m.num_heads = 8  # query heads
+  m.num_kv_heads = ml_collections.FieldReference(None, field_type=int)  # GQA/MQA; None = num_heads
+  m.head_dim = ml_collections.FieldReference(None, field_type=int)  # None = d_model // num_heads
+  m.d_ff = 2048  # feed-forward hidden width
+  m.num_layers = 6  # encoder layers, or the only stack of an LM
+  m.num_decoder_layers = ml_collections.FieldReference(None, field_type=int)  # None = num_layers
+  m.max_length = 512  # longest sequence for learned positions
+  m.position = 'sinusoidal'  # sinusoidal | learned | rope | alibi | none
+  m.rope_theta = 10000.0  # RoPE base
+  m.rope_scaling = 'none'  # none | linear | ntk | yarn (RoPE context extension)
+  m.rope_scaling_factor = 1.0  # target context / trained context
+  m.rope_original_max_length = ml_collections.FieldReference(
+    None, field_type=int
+  )  # None = max_length
+  m.norm = 'layernorm'  # layernorm | rmsnorm
+  m.norm_eps = 1e-6  # epsilon inside the norm
+  m.norm_placement = 'post'  # post (paper) | pre (adds a final norm)
+  m.embedding_norm = False  # a norm right after the embeddings (BERT)
+  m.activation = 'relu'  # relu | gelu | gelu_tanh | swiglu
+  m.use_bias = True  # biases in attention and feed-forward projections
+  m.dropout_rate = 0.1  # embeddings and residual branches
+  m.attention_dropout_rate = 0.0  # attention probabilities (uses the 'xla' path while training)
+  m.ffn_dropout_rate = 0.0  # feed-forward hidden layer
+  m.scale_embeddings = True  # multiply embeddings by sqrt(d_model)
+  m.share_embeddings = True  # one table for source and target (EncoderDecoder)
+  m.tie_output = True  # output projection = transposed target embedding
+  m.attention_scale = True  # 1/sqrt(d_k) scaling of the logits; False = the ablation
+  m.attention_impl = ml_collections.FieldReference(None, field_type=str)  # xla|chunked|pallas|cudnn
+  m.attention_chunk_size = 128  # key block of the 'chunked' implementation
+  m.window = ml_collections.FieldReference(None, field_type=tuple)  # sliding window (left, right)
+  m.init = 'scaled'  # scaled (residual outputs / sqrt(2 * layers)) | plain
+  m.init_distribution = 'xavier'  # xavier | normal
+  m.init_std = 0.02  # std of 'normal' weights and of unscaled embeddings
+  m.type_vocab_size = 0  # token types (BERT: 2)
+  m.num_classes = 0  # >0: BidirectionalLM classifies sequences instead of MLM
+  m.pad_id = 0  # padding token id (segment ids are derived from it when not given)
+  m.dtype = 'float32'  # compute dtype: float32 | bfloat16 | float16
+  m.param_dtype = 'float32'  # parameter dtype (keep float32 for mixed precision)
+  m.remat = 'none'  # gradient checkpointing per block: none | full | save_matmuls
+  m.scan_layers = False  # nn.scan over the blocks (faster compiles)
+
+  # Data: transformer.data.build(config.data, ...) -------------------------------------------
+  d = config.data = ml_collections.ConfigDict()
+  d.task = 'numbers'  # numbers | grammar (built-in, generated) | text | tsv (local files) | tfds
+  d.train_path = ''  # text/tsv: file path or glob; text = a document per line, tsv = src<TAB>tgt
+  d.eval_path = ''  # text/tsv: '' holds out the last max(64, 1%) training lines instead
+  d.tfds_name = 'wmt14_translate/de-en'  # tfds: dataset name, e.g. 'wmt17_translate/de-en', 'lm1b'
+  d.tfds_data_dir = ''  # tfds: where datasets are stored; '' = TFDS default (~/tensorflow_datasets)
+  d.tfds_train_split = 'train'  # tfds: training split (any TFDS split string, e.g. 'train[:10%]')
+  d.tfds_eval_split = 'test'  # tfds: eval split (wmt14 'test' = newstest2014); slice big ones
+  d.source_lang = 'en'  # tfds translation: feature used as the source
+  d.target_lang = 'de'  # tfds translation: feature used as the target
+  d.tfds_text_key = 'text'  # tfds LM datasets: the feature holding the text (lm1b: 'text')
+  d.tokenizer = 'byte'  # byte (261 ids) | sentencepiece (trained on the training split)
+  d.vocab_size = 32000  # sentencepiece: target vocabulary size (tiny corpora may give fewer)
+  d.spm_train_lines = 1_000_000  # sentencepiece: trains on the first this many training examples
+  d.max_length = 256  # LM families: tokens per row; encoder_decoder ignores it
+  d.max_source_length = 256  # encoder_decoder: source tokens (incl. eos); LM pairs: source part
+  d.max_target_length = 256  # encoder_decoder: target tokens (incl. eos)
+  d.batch_size = 64  # GLOBAL training batch (rows); each process gets batch_size // process_count
+  d.eval_batch_size = 64  # GLOBAL eval batch (rows)
+  d.pack = False  # pack several examples per row (segments, positions restart per example)
+  # Unpacked training batches are padded to the smallest bucket >= their longest example:
+  # True = 8, 16, 32, ... (few shapes, few recompiles), False = always the max, or lengths.
+  d.buckets = ml_collections.FieldReference(True, field_type=object)
+  d.num_train_examples = 100_000  # numbers/grammar: generated training examples
+  d.num_eval_examples = 1_000  # numbers/grammar: generated eval examples
+  d.mlm_prob = 0.15  # bidirectional_lm: fraction of tokens masked and predicted
+  d.numbers_max = 999_999  # numbers: largest number (>= 1000)
+  d.numbers_direction = 'digits_to_words'  # numbers: digits_to_words | words_to_digits
+  d.grammar_seed = 0  # grammar: fixes the Markov chain and its documents
+  d.grammar_words = 256  # grammar: number of word types
+
+  # Objective and training loop ---------------------------------------------------------------
+  t = config.train = ml_collections.ConfigDict()
+  t.steps = 2000  # optimizer steps in the run
+  t.label_smoothing = 0.1  # paper: 0.1; 0 = plain cross-entropy
+  t.grad_accum_steps = 1  # micro-batches per step (the data batch is split into this many)
+  t.log_every = 50  # steps between console/TensorBoard scalars
+  t.eval_every = 500  # steps between evaluations (and at the end)
+  t.checkpoint_every = 500  # steps between checkpoints (and at the end)
+  t.keep_checkpoints = 3  # how many recent checkpoints to keep
+  t.num_samples = 4  # sample outputs printed and logged at each evaluation
+  t.eval_decode_examples = 256  # held-out examples decoded for BLEU / exact match (0 = skip)
+  t.max_decode_length = 64  # longest greedy decode during evaluation
+  t.loss_scale = 2.0**15  # float16 only: initial dynamic loss scale
+  t.loss_scale_period = 2000  # float16 only: good steps before the loss scale doubles
+
+  # Optimizer and schedule: transformer.optim ---------------------------------------------------
+  o = config.optim = ml_collections.ConfigDict()
+  o.optimizer = 'adam'  # adam | adamw (decay masks out norms and biases)
+  o.learning_rate = 1.0  # peak LR; for 'rsqrt' a multiplier of d_model^-0.5 * min(...)
+  o.schedule = 'rsqrt'  # rsqrt | warmup_cosine | cosine_restarts | constant | linear
+  o.warmup_steps = 4000  # linear warmup steps (paper: 4000)
+  o.end_learning_rate_factor = 0.0  # cosine/linear: final LR as a fraction of the peak
+  o.restart_period = 1000  # cosine_restarts: steps per cycle
+  o.b1 = 0.9  # Adam beta1 (paper)
+  o.b2 = 0.98  # Adam beta2 (paper)
+  o.eps = 1e-9  # Adam epsilon (paper)
+  o.weight_decay = 0.0  # adamw only
+  o.clip_norm = 0.0  # global gradient-norm clipping; 0 = off
+  return config

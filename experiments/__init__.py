@@ -1,0 +1,1 @@
+"""Command-line entry points; each one parses flags and calls the `transformer` library."""

@@ -1,0 +1,213 @@
+"""The frozen `ModelConfig`: every architecture knob, validated once, with clear errors.
+
+Build it from an experiment ConfigDict (`ModelConfig.from_config(config.model)`) or from a
+named preset in `configs/` (`ModelConfig.from_preset('gpt2_small')`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+FAMILIES = ('encoder_decoder', 'bidirectional_lm', 'causal_lm')
+POSITIONS = ('sinusoidal', 'learned', 'rope', 'alibi', 'none')
+ROPE_SCALINGS = ('none', 'linear', 'ntk', 'yarn')
+NORMS = ('layernorm', 'rmsnorm')
+NORM_PLACEMENTS = ('pre', 'post')
+ACTIVATIONS = ('relu', 'gelu', 'gelu_tanh', 'swiglu')
+ATTENTION_IMPLEMENTATIONS = (None, 'xla', 'chunked', 'pallas', 'cudnn')
+INITS = ('scaled', 'plain')
+INIT_DISTRIBUTIONS = ('xavier', 'normal')
+REMAT_POLICIES = ('none', 'full', 'save_matmuls')
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of one model. Defaults are the 2017 base Transformer with a byte vocabulary."""
+
+  family: str = 'encoder_decoder'  # one of FAMILIES
+  vocab_size: int = 261  # shared source/target vocabulary (byte tokenizer: 256 + 5 specials)
+  d_model: int = 512  # residual stream width
+  num_heads: int = 8  # query heads
+  num_kv_heads: int | None = None  # key/value heads (GQA/MQA); None = num_heads
+  head_dim: int | None = None  # None = d_model // num_heads
+  d_ff: int = 2048  # feed-forward hidden width
+  num_layers: int = 6  # encoder layers, or the only stack of an LM
+  num_decoder_layers: int | None = None  # EncoderDecoder only; None = num_layers
+  max_length: int = 512  # longest sequence for learned positions
+  position: str = 'sinusoidal'  # one of POSITIONS
+  rope_theta: float = 10000.0  # RoPE base
+  rope_scaling: str = 'none'  # RoPE context scaling, one of ROPE_SCALINGS
+  rope_scaling_factor: float = 1.0  # how much longer than the trained context to reach
+  rope_original_max_length: int | None = None  # trained context for YaRN; None = max_length
+  norm: str = 'layernorm'  # one of NORMS
+  norm_eps: float = 1e-6  # epsilon inside the norm
+  norm_placement: str = (
+    'post'  # 'post' (paper, norm after the residual add) or 'pre' (+ final norm)
+  )
+  embedding_norm: bool = False  # a norm right after the embeddings (BERT)
+  activation: str = 'relu'  # one of ACTIVATIONS
+  use_bias: bool = True  # biases in the attention and feed-forward projections
+  dropout_rate: float = 0.1  # embeddings and residual branches
+  attention_dropout_rate: float = 0.0  # attention probabilities (forces the 'xla' path in training)
+  ffn_dropout_rate: float = 0.0  # hidden layer of the feed-forward
+  scale_embeddings: bool = True  # multiply token embeddings by sqrt(d_model) (paper)
+  share_embeddings: bool = True  # EncoderDecoder: one table for source and target
+  tie_output: bool = True  # the output projection is the transposed target embedding
+  attention_scale: bool = True  # scale logits by 1/sqrt(head_dim); False = the ablation
+  attention_impl: str | None = None  # one of ATTENTION_IMPLEMENTATIONS; None = pick for the backend
+  attention_chunk_size: int = 128  # key block of the 'chunked' path
+  window: tuple[int, int] | None = None  # self-attention sliding window (left, right)
+  init: str = 'scaled'  # 'scaled' shrinks residual-branch outputs by 1/sqrt(2*layers); 'plain'
+  init_distribution: str = 'xavier'  # weight init: 'xavier' uniform or 'normal' with init_std
+  init_std: float = 0.02  # std of 'normal' weights and of unscaled embeddings
+  type_vocab_size: int = 0  # BidirectionalLM token types (BERT: 2)
+  num_classes: int = 0  # BidirectionalLM: >0 replaces the MLM head by a classifier
+  pad_id: int | None = 0  # token id treated as padding when no segment ids are given
+  dtype: str = 'float32'  # compute dtype: float32 | bfloat16 | float16
+  param_dtype: str = 'float32'  # parameter storage dtype
+  remat: str = 'none'  # gradient checkpointing of each block: one of REMAT_POLICIES
+  scan_layers: bool = False  # nn.scan over identical blocks for fast compiles
+
+  def __post_init__(self):
+    # Lists and dicts from ConfigDicts become hashable tuples.
+    if self.window is not None:
+      object.__setattr__(self, 'window', tuple(int(w) for w in self.window))
+    _validate(self)
+
+  # Derived sizes -----------------------------------------------------------------------------
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def head_size(self) -> int:
+    return self.head_dim or self.d_model // self.num_heads
+
+  @property
+  def decoder_layers(self) -> int:
+    return self.num_decoder_layers if self.num_decoder_layers is not None else self.num_layers
+
+  @property
+  def compute_dtype(self) -> Any:
+    return DTYPES[self.dtype]
+
+  @property
+  def params_dtype(self) -> Any:
+    return DTYPES[self.param_dtype]
+
+  # Constructors ------------------------------------------------------------------------------
+  @classmethod
+  def from_config(cls, model_config: Mapping[str, Any] | Any) -> ModelConfig:
+    """Builds from a ConfigDict or mapping; an unknown key is an error that lists the valid ones."""
+    items = dict(model_config.items()) if hasattr(model_config, 'items') else dict(model_config)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(items) - names)
+    if unknown:
+      raise ValueError(
+        f'unknown model config key {unknown[0]!r}; valid keys are: {", ".join(sorted(names))}'
+      )
+    return cls(**items)
+
+  @classmethod
+  def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+    """Loads `configs/<name>.py` and returns its model, with optional field overrides."""
+    available = preset_names()
+    if name not in available:
+      raise ValueError(f'unknown preset {name!r}; available presets: {", ".join(available)}')
+    experiment = importlib.import_module(f'configs.{name}').get_config()
+    return dataclasses.replace(cls.from_config(experiment.model), **overrides)
+
+  def replace(self, **changes: Any) -> ModelConfig:
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def preset_names() -> list[str]:
+  """Experiment files in `configs/` that define a model (everything but base and sweeps)."""
+  import configs
+
+  skip = {'base', 'sweeps'}
+  return sorted(m.name for m in pkgutil.iter_modules(configs.__path__) if m.name not in skip)
+
+
+def _choice(name: str, value: Any, valid: tuple) -> None:
+  if value not in valid:
+    shown = ', '.join(repr(v) for v in valid)
+    raise ValueError(f'{name}={value!r} is not valid; choose one of {shown}')
+
+
+def _validate(c: ModelConfig) -> None:
+  """Raises one ValueError that names the first bad value and what would be valid."""
+  _choice('family', c.family, FAMILIES)
+  _choice('position', c.position, POSITIONS)
+  _choice('rope_scaling', c.rope_scaling, ROPE_SCALINGS)
+  _choice('norm', c.norm, NORMS)
+  _choice('norm_placement', c.norm_placement, NORM_PLACEMENTS)
+  _choice('activation', c.activation, ACTIVATIONS)
+  _choice('attention_impl', c.attention_impl, ATTENTION_IMPLEMENTATIONS)
+  _choice('init', c.init, INITS)
+  _choice('init_distribution', c.init_distribution, INIT_DISTRIBUTIONS)
+  _choice('remat', c.remat, REMAT_POLICIES)
+  _choice('dtype', c.dtype, tuple(DTYPES))
+  _choice('param_dtype', c.param_dtype, tuple(DTYPES))
+  positive = ['vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_layers', 'max_length']
+  positive += ['attention_chunk_size']
+  optional_positive = ['num_kv_heads', 'head_dim', 'rope_original_max_length']
+  for name in positive + optional_positive:
+    value = getattr(c, name)
+    if value is None and name in optional_positive:
+      continue
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+      raise ValueError(f'{name}={value!r} must be a positive integer')
+  if c.num_decoder_layers is not None and (
+    not isinstance(c.num_decoder_layers, int) or c.num_decoder_layers < 0
+  ):
+    raise ValueError(f'num_decoder_layers={c.num_decoder_layers!r} must be a non-negative integer')
+  for name in ('type_vocab_size', 'num_classes'):
+    if getattr(c, name) < 0:
+      raise ValueError(f'{name}={getattr(c, name)!r} must be >= 0')
+  if c.head_dim is None and c.d_model % c.num_heads:
+    divisors = [n for n in range(1, c.d_model + 1) if c.d_model % n == 0 and n <= 64]
+    raise ValueError(
+      f'num_heads={c.num_heads} does not divide d_model={c.d_model}; '
+      f'choose a divisor of {c.d_model} such as {divisors[-4:]} or set head_dim'
+    )
+  if c.num_heads % c.kv_heads:
+    raise ValueError(
+      f'num_kv_heads={c.kv_heads} does not divide num_heads={c.num_heads}; '
+      f'choose a divisor of {c.num_heads}'
+    )
+  if c.position == 'rope' and c.head_size % 2:
+    raise ValueError(f'position=rope needs an even head dimension, got head_dim={c.head_size}')
+  if c.position == 'sinusoidal' and c.d_model % 2:
+    raise ValueError(f'position=sinusoidal needs an even d_model, got d_model={c.d_model}')
+  if c.rope_scaling_factor < 1.0:
+    raise ValueError(f'rope_scaling_factor={c.rope_scaling_factor} must be >= 1.0')
+  for name in ('dropout_rate', 'attention_dropout_rate', 'ffn_dropout_rate'):
+    rate = getattr(c, name)
+    if not 0.0 <= rate < 1.0:
+      raise ValueError(f'{name}={rate} must be in [0, 1)')
+  if c.norm_eps <= 0:
+    raise ValueError(f'norm_eps={c.norm_eps} must be > 0')
+  if c.init_std <= 0:
+    raise ValueError(f'init_std={c.init_std} must be > 0')
+  if c.window is not None and (len(c.window) != 2 or min(c.window) < 0):
+    raise ValueError(f'window={c.window} must be a pair (left, right) of non-negative integers')
+  if c.attention_dropout_rate > 0 and c.attention_impl not in (None, 'xla'):
+    raise ValueError(
+      f'attention_dropout_rate={c.attention_dropout_rate} needs the materialised probabilities of '
+      f"attention_impl='xla' (or None), not {c.attention_impl!r}; set attention_dropout_rate=0"
+    )
+  if c.family == 'encoder_decoder' and c.type_vocab_size:
+    raise ValueError('type_vocab_size is for family=bidirectional_lm only; set it to 0')
+  if c.num_classes and c.family != 'bidirectional_lm':
+    raise ValueError(f'num_classes={c.num_classes} is for family=bidirectional_lm only')
