@@ -265,6 +265,31 @@ class Run:
         outputs.append((src, ref, tok.decode(row.tolist())))
     return outputs
 
+  def score(self, params, texts: list[str]) -> list[tuple[float, int]]:
+    """CausalLM: summed negative log-likelihood (nats) and token count of each text (+ eos)."""
+    if self.family != 'causal_lm':
+      raise ValueError(f'scoring texts needs family=causal_lm, not {self.family!r}')
+    tok, length = self.task.tokenizer, self.config.data.max_length
+    results = []
+    for start in range(0, len(texts), self.config.data.eval_batch_size):
+      ids = [
+        tok.encode(t)[: length - 1] for t in texts[start : start + self.config.data.eval_batch_size]
+      ]
+      inputs = _pad([[data.BOS_ID] + row for row in ids], length)
+      targets = _pad([row + [data.EOS_ID] for row in ids], length)
+      nll = _jit_token_nll(self.model, params, inputs, targets)
+      weights = (inputs != data.PAD_ID).astype(np.float32)
+      for row_nll, row_w in zip(np.asarray(nll), weights):
+        results.append((float((row_nll * row_w).sum()), int(row_w.sum())))
+    return results
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_token_nll(model, params, inputs, targets):
+  logits = model.apply({'params': params}, inputs).astype(jnp.float32)  # [B, T, V]
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T]
+
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _jit_translate(model, params, inputs, max_len):
@@ -295,6 +320,20 @@ def translation_metrics(hypotheses: list[str], references: list[str]) -> dict[st
     'exact_match': float(exact),
     'bleu_signature': str(bleu.get_signature()),
   }
+
+
+def load_run(workdir: str, step: int | None = None) -> tuple[Run, TrainState, int]:
+  """Rebuilds the Run of `workdir` from its config.json and restores a checkpoint (latest)."""
+  saved = checkpoint.read_run_config(workdir)
+  if saved is None:
+    raise FileNotFoundError(
+      f'no config.json in workdir {workdir!r}; is it a sparrow run directory?'
+    )
+  run = Run(ml_collections.ConfigDict(saved), workdir)
+  ckpt = checkpoint.Checkpointer(workdir, keep=run.config.train.keep_checkpoints)
+  state, _, step = ckpt.restore(jax.eval_shape(run.init_state), step)
+  ckpt.close()
+  return run, state, step
 
 
 # The loop ----------------------------------------------------------------------------------------
@@ -339,8 +378,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final metrics."""
   config = ml_collections.ConfigDict(config.to_dict())  # never mutate the caller's config
   tcfg = config.train
+  saved = checkpoint.read_run_config(workdir)
+  if saved is not None:  # compare before touching anything; the vocabulary is checked below
+    config.model.vocab_size = saved['model']['vocab_size']
+  checkpoint.check_resume_compatible(workdir, config)
   ckpt = checkpoint.Checkpointer(workdir, keep=tcfg.keep_checkpoints)  # checks it is writable
-  run = Run(config, workdir)
+  run = Run(config, workdir)  # sets model.vocab_size from the tokenizer
   checkpoint.check_resume_compatible(workdir, config)
   checkpoint.write_run_metadata(workdir, config)
   info = run.task.info
