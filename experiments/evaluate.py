@@ -10,17 +10,17 @@ scores each line (nats per token and perplexity).
 
 import json
 import math
-import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags
+
+from experiments import cli
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory to evaluate.', required=True)
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step; default the latest.')
 _JSON = flags.DEFINE_bool('json', False, 'Print one JSON object instead of text.')
 _INPUT = flags.DEFINE_string('input', None, 'A text file: one source or document per line.')
 _OUTPUT = flags.DEFINE_string('output', None, 'Where --input results go; default stdout.')
-_DEBUG = flags.DEFINE_bool('debug', False, 'Show full tracebacks instead of one-line errors.')
 
 
 def _process_file(run, params, path):
@@ -34,29 +34,19 @@ def _process_file(run, params, path):
   return rows
 
 
-def main(argv):
-  del argv
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  logging.set_verbosity(logging.WARNING)
+def main():
   from transformer import train
 
-  try:
-    run, state, step = train.load_run(_WORKDIR.value, _STEP.value)
-    if _INPUT.value:
-      rows = _process_file(run, state.params, _INPUT.value)
-      text = '\n'.join(rows) + '\n'
-      if _OUTPUT.value:
-        with open(_OUTPUT.value, 'w', encoding='utf-8') as f:
-          f.write(text)
-      else:
-        sys.stdout.write(text)
-      return
-    metrics, _ = run.evaluate(state.params)
-  except (ValueError, FileNotFoundError, PermissionError) as error:
-    if _DEBUG.value:
-      raise
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(2)
+  run, state, step = train.load_run(_WORKDIR.value, _STEP.value)
+  if _INPUT.value:
+    text = '\n'.join(_process_file(run, state.params, _INPUT.value)) + '\n'
+    if _OUTPUT.value:
+      with open(_OUTPUT.value, 'w', encoding='utf-8') as f:
+        f.write(text)
+    else:
+      sys.stdout.write(text)
+    return
+  metrics, _ = run.evaluate(state.params)
   metrics['step'] = step
   if _JSON.value:
     print(json.dumps(metrics))
@@ -66,4 +56,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 from typing import Any
@@ -57,6 +58,7 @@ class Checkpointer:
     except OSError as e:
       raise ValueError(f'workdir {workdir!r} is not writable: {e}; choose another --workdir') from e
     _quiet_orbax()
+    _remove_partial_saves(self.directory)
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     for item, args in [('state', ocp.args.StandardSave), ('state', ocp.args.StandardRestore)]:
       registry.add(item, args)
@@ -65,7 +67,7 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(
       preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
       enable_async_checkpointing=async_save,
-      cleanup_tmp_directories=True,
+      cleanup_tmp_directories=False,  # done synchronously above: orbax's thread can outlive us
     )
     self._manager = ocp.CheckpointManager(
       self.directory, options=options, handler_registry=registry
@@ -132,6 +134,15 @@ class Checkpointer:
   def close(self) -> None:
     """Waits for saves and deletions, then releases orbax's threads."""
     self._manager.close()
+
+
+def _remove_partial_saves(directory: str) -> None:
+  """Deletes saves that never completed (orbax's `<step>.orbax-checkpoint-tmp*` directories)."""
+  if jax.process_index() != 0:
+    return
+  for name in os.listdir(directory):
+    if '.orbax-checkpoint-tmp' in name:
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def _path_str(path: tuple) -> str:

@@ -378,18 +378,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final metrics."""
   config = ml_collections.ConfigDict(config.to_dict())  # never mutate the caller's config
   tcfg = config.train
+  ModelConfig.from_config(config.model)  # bad shapes and names fail before anything is written
   saved = checkpoint.read_run_config(workdir)
   if saved is not None:  # compare before touching anything; the vocabulary is checked below
     config.model.vocab_size = saved['model']['vocab_size']
   checkpoint.check_resume_compatible(workdir, config)
   ckpt = checkpoint.Checkpointer(workdir, keep=tcfg.keep_checkpoints)  # checks it is writable
-  run = Run(config, workdir)  # sets model.vocab_size from the tokenizer
-  checkpoint.check_resume_compatible(workdir, config)
-  checkpoint.write_run_metadata(workdir, config)
-  info = run.task.info
-  _log(f'task {run.task.name}: {json.dumps(_jsonable(info))}')
-  _log(f'model: {run.family}, {models.count_params(run.model_cfg):,} parameters')
+  try:
+    run = Run(config, workdir)  # sets model.vocab_size from the tokenizer
+    checkpoint.check_resume_compatible(workdir, config)
+    checkpoint.write_run_metadata(workdir, config)
+    return _train_loop(run, ckpt, workdir)
+  finally:
+    ckpt.close()  # waits for pending saves and stops orbax's threads, also after an error
 
+
+def _train_loop(run: Run, ckpt: checkpoint.Checkpointer, workdir: str) -> dict[str, Any]:
+  config, tcfg = run.config, run.config.train
+  _log(f'task {run.task.name}: {json.dumps(_jsonable(run.task.info))}')
+  _log(f'model: {run.family}, {models.count_params(run.model_cfg):,} parameters')
   state = run.init_state()
   iterator = run.task.train_iterator()
   if ckpt.latest_step() is not None:
@@ -410,9 +417,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     state, metrics = run.train_step(state, batch, rng=rng)
     if step % tcfg.log_every == 0 or step == tcfg.steps:
       metrics = jax.device_get(metrics)
+      denominator = max(float(metrics['denominator']), 1.0)
       scalars = {
-        'loss': float(metrics['loss'] / max(metrics['denominator'], 1.0)),
-        'accuracy': float(metrics['correct'] / max(metrics['denominator'], 1.0)),
+        'loss': float(metrics['loss']) / denominator,
+        'accuracy': float(metrics['correct']) / denominator,
         'learning_rate': float(metrics['learning_rate']),
         'grad_norm': float(metrics['grad_norm']),
         'tokens_per_sec': window_tokens / max(time.time() - window_start, 1e-9),
@@ -431,7 +439,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       ckpt.save(step, state, iterator.get_state())
   progress.close()
   ckpt.wait()
-  ckpt.close()
   if writer is not None:
     writer.flush()
   return {'step': step, 'train': history, 'eval': eval_metrics}
