@@ -85,7 +85,9 @@ def train_step(
         deterministic=False,
         rngs={'dropout': micro_rng},
       )
-      sums = objectives.compute_metrics(logits, micro['targets'], micro['weights'], label_smoothing)
+      sums = objectives.compute_metrics(
+        logits, micro['targets'], micro['weights'], label_smoothing, accuracy=False
+      )
       # Normalise by a static size so fp16 gradients stay in range; undone below.
       return sums['loss'] * state.loss_scale / micro['weights'].size, sums
 
@@ -420,7 +422,7 @@ def _train_loop(run: Run, ckpt: checkpoint.Checkpointer, workdir: str) -> dict[s
       denominator = max(float(metrics['denominator']), 1.0)
       scalars = {
         'loss': float(metrics['loss']) / denominator,
-        'accuracy': float(metrics['correct']) / denominator,
+        'perplexity': math.exp(min(float(metrics['nll']) / denominator, 700.0)),
         'learning_rate': float(metrics['learning_rate']),
         'grad_norm': float(metrics['grad_norm']),
         'tokens_per_sec': window_tokens / max(time.time() - window_start, 1e-9),

@@ -1,0 +1,140 @@
+"""Training-step speed: tokens/s, peak memory and model FLOP utilisation (MFU) for a config.
+
+  python -m experiments.bench_train --config=configs/gpt_bench.py [--steps=10]
+
+The step is `transformer.train.train_step`, jitted exactly as in training, on random tokens of the
+config's batch and length. MFU = model FLOPs/s (transformer.models.flops_per_token) divided by the
+FLOP/s of a large dense float32 matmul timed in the same process. Medians over the timed steps.
+"""
+
+import functools
+import time
+
+import numpy as np
+from absl import flags
+
+from experiments import cli
+
+_CONFIG = cli.define_config('configs/gpt_bench.py')
+_STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps (after 2 warm-up steps).')
+_MATMUL = flags.DEFINE_integer('matmul_size', 2048, 'Size n of the n x n x n reference matmul.')
+
+
+def matmul_flops_per_sec(n: int, repeats: int = 10) -> float:
+  """Median FLOP/s of a jitted float32 [n, n] @ [n, n] matmul."""
+  import jax
+  import jax.numpy as jnp
+
+  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+  b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
+  f = jax.jit(jnp.matmul)
+  f(a, b).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    f(a, b).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * n**3 / float(np.median(times))
+
+
+def main():
+  import jax
+  import jax.numpy as jnp
+
+  from transformer import models, optim, train
+  from transformer.config import ModelConfig
+
+  config = _CONFIG.value
+  cfg = ModelConfig.from_config(config.model)
+  model = models.build(cfg)
+  ocfg = train.optim_config(config, cfg)
+  tx, schedule = optim.make_optimizer(ocfg), optim.make_schedule(ocfg)
+  batch_size = config.data.batch_size
+  length = (
+    config.data.max_length if cfg.family != 'encoder_decoder' else config.data.max_target_length
+  )
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(5, cfg.vocab_size, size=(batch_size, length + 1)).astype(np.int32)
+  ones = np.ones((batch_size, length), np.int32)
+  batch = {
+    'inputs': tokens[:, :-1],
+    'targets': tokens[:, 1:],
+    'decoder_inputs': tokens[:, :-1],
+    'segments': ones,
+    'inputs_segments': ones,
+    'targets_segments': ones,
+    'positions': np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length)),
+    'token_types': np.zeros_like(ones),
+    'weights': np.ones((batch_size, length), np.float32),
+  }
+  batch['inputs_positions'] = batch['targets_positions'] = batch['positions']
+  needed = train.model_inputs(cfg.family, batch).keys() | {'targets', 'weights'}
+  batch = {k: jnp.asarray(v) for k, v in batch.items() if k in needed}
+
+  state = train.create_state(model, cfg, tx, config.seed, config.train.loss_scale)
+  step_fn = jax.jit(
+    functools.partial(
+      train.train_step,
+      model=model,
+      family=cfg.family,
+      tx=tx,
+      schedule=schedule,
+      label_smoothing=config.train.label_smoothing,
+      accum_steps=config.train.grad_accum_steps,
+      dynamic_scale=cfg.dtype == 'float16',
+    ),
+    donate_argnums=(0,),
+  )
+  key = jax.random.PRNGKey(1)
+  peak_before = matmul_flops_per_sec(_MATMUL.value)
+  compiled = step_fn.lower(state, batch, rng=key).compile()
+  memory = compiled.memory_analysis()
+  for _ in range(2):  # warm-up
+    state, metrics = step_fn(state, batch, rng=key)
+  jax.block_until_ready(metrics)
+  times = []
+  for _ in range(_STEPS.value):
+    start = time.perf_counter()
+    state, metrics = step_fn(state, batch, rng=key)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  step_time = float(np.median(times))
+  tokens_per_step = batch_size * length
+  flops = models.flops_per_token(cfg, length)['train'] * tokens_per_step
+  peak_after = matmul_flops_per_sec(_MATMUL.value)
+  peak = max(peak_before, peak_after)  # the faster reference: the conservative MFU
+  achieved = flops / step_time
+  devices = jax.device_count()
+  mem = 'n/a'
+  if memory is not None:
+    total = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
+    mem = f'{total / 2**20:.0f} MiB (temp {memory.temp_size_in_bytes / 2**20:.0f})'
+  rows = [
+    ('config', config.name),
+    ('backend / devices', f'{jax.default_backend()} x {devices}'),
+    ('parameters', f'{models.count_params(cfg):,}'),
+    ('batch x length', f'{batch_size} x {length}'),
+    (
+      'step time (median)',
+      f'{step_time * 1e3:.1f} ms  [min {min(times) * 1e3:.1f}, '
+      f'max {max(times) * 1e3:.1f}] over {len(times)} steps',
+    ),
+    (
+      'tokens/s',
+      f'{tokens_per_step / step_time:,.0f} ({tokens_per_step / step_time / devices:,.0f} per device)',
+    ),
+    ('model FLOPs/step', f'{flops:.4g}'),
+    ('achieved FLOP/s', f'{achieved / 1e9:.1f} GFLOP/s'),
+    (
+      f'dense matmul {_MATMUL.value}^3',
+      f'{peak / 1e9:.1f} GFLOP/s (before {peak_before / 1e9:.1f}, after {peak_after / 1e9:.1f})',
+    ),
+    ('MFU vs matmul', f'{100 * achieved / peak:.1f}%'),
+    ('compiled memory', mem),
+  ]
+  width = max(len(r[0]) for r in rows)
+  print('\n'.join(f'{name:<{width}}  {value}' for name, value in rows))
+
+
+if __name__ == '__main__':
+  cli.run(main)
