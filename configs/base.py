@@ -81,7 +81,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.pack = False  # pack several examples per row (segments, positions restart per example)
   # Unpacked training batches are padded to the smallest bucket >= their longest example:
   # True = 8, 16, 32, ... (few shapes, few recompiles), False = always the max, or lengths.
-  d.buckets = ml_collections.FieldReference(True, field_type=object)
+  d.buckets = ml_collections.FieldReference(False, field_type=object)
   d.num_train_examples = 100_000  # numbers/grammar: generated training examples
   d.num_eval_examples = 1_000  # numbers/grammar: generated eval examples
   d.mlm_prob = 0.15  # bidirectional_lm: fraction of tokens masked and predicted

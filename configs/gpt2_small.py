@@ -21,4 +21,13 @@ def get_config():
   m.init = 'scaled'
   m.dropout_rate = 0.1
   m.attention_dropout_rate = 0.1
+  d = config.data
+  d.task, d.tfds_name, d.tfds_text_key = 'tfds', 'lm1b', 'text'
+  d.tokenizer, d.vocab_size = 'sentencepiece', 32000
+  d.max_length, d.batch_size, d.pack = 1024, 64, True
+  config.train.steps = 100_000
+  config.train.label_smoothing = 0.0
+  o = config.optim
+  o.optimizer, o.schedule, o.learning_rate, o.warmup_steps = 'adamw', 'warmup_cosine', 6e-4, 2000
+  o.b2, o.eps, o.weight_decay, o.clip_norm = 0.95, 1e-8, 0.1, 1.0
   return config

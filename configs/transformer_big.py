@@ -9,4 +9,5 @@ def get_config():
   m = config.model
   m.d_model, m.num_heads, m.d_ff = 1024, 16, 4096
   m.dropout_rate = 0.3
+  config.train.steps = 300_000  # paper: 300k steps for big
   return config

@@ -34,7 +34,7 @@ def tiny_config(family='encoder_decoder', task=None, **train_overrides):
   t = config.train
   t.steps, t.log_every, t.eval_every, t.checkpoint_every = 4, 1, 4, 2
   t.eval_decode_examples, t.max_decode_length, t.num_samples = 4, 8, 1
-  config.optim.warmup_steps = 10
+  config.optim.schedule, config.optim.warmup_steps = 'rsqrt', 10
   t.update(train_overrides)
   return config
 
@@ -241,3 +241,12 @@ def test_cli_errors_are_one_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith('error: '), proc.stderr
     assert 'nmu_heads' in lines[0] or '/nonexistent/file.txt' in lines[0]
+
+
+@pytest.mark.parametrize('family', ['encoder_decoder', 'bidirectional_lm'])
+def test_train_step_compiles_once(family, tmp_path):
+  run, _ = _run_and_batch(tiny_config(family), tmp_path)
+  state, iterator = run.init_state(), run.task.train_iterator()
+  for _ in range(4):
+    state, _ = run.train_step(state, next(iterator), rng=jax.random.PRNGKey(0))
+  assert run.train_step._cache_size() == 1

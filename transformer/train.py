@@ -398,6 +398,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 def _train_loop(run: Run, ckpt: checkpoint.Checkpointer, workdir: str) -> dict[str, Any]:
   config, tcfg = run.config, run.config.train
   _log(f'task {run.task.name}: {json.dumps(_jsonable(run.task.info))}')
+  if 'entropy_per_token' in run.task.info:  # the generated corpus: the best loss any model can reach
+    info = run.task.info
+    _log(
+      f'entropy floor {info["entropy_per_token"]:.3f} nats/token '
+      f'(unigram {info["unigram_entropy_per_token"]:.3f}): compare with the eval loss'
+    )
   _log(f'model: {run.family}, {models.count_params(run.model_cfg):,} parameters')
   state = run.init_state()
   iterator = run.task.train_iterator()
