@@ -211,9 +211,11 @@ def test_cross_entropy_gradient_matches_autodiff_of_the_definition(label_smoothi
   weights = jnp.asarray(rng.integers(0, 2, size=(B, T)), jnp.float32)
 
   def reference(x):  # smoothed target distribution built explicitly, autodiff through log_softmax
-    q = jnp.full((B, T, V), label_smoothing / (V - 1)).at[
-      jnp.arange(B)[:, None], jnp.arange(T)[None], targets
-    ].set(1.0 - label_smoothing)
+    q = (
+      jnp.full((B, T, V), label_smoothing / (V - 1))
+      .at[jnp.arange(B)[:, None], jnp.arange(T)[None], targets]
+      .set(1.0 - label_smoothing)
+    )
     nll = -jnp.sum(q * jax.nn.log_softmax(x.astype(jnp.float32)), axis=-1)
     return jnp.sum(nll * weights)
 

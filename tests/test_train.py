@@ -1,6 +1,7 @@
 """The training loop: smoke runs per family, exact resume, accumulation, loss scaling, errors."""
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -66,19 +67,19 @@ def test_tfds_mock_data_trains(family, name, tmp_path):
   assert result['step'] == 2 and np.isfinite(result['eval']['loss'])
 
 
-def test_evaluate_cli_prints_json_metrics(tmp_path):
-  train.train_and_evaluate(tiny_config('encoder_decoder', steps=2), str(tmp_path))
-  out = subprocess.run(
-    [sys.executable, '-m', 'experiments.evaluate', f'--workdir={tmp_path}', '--json'],
-    capture_output=True,
-    text=True,
-    check=True,
-  ).stdout
-  import json
-
+def test_evaluate_cli_prints_json_metrics_and_translates_a_file(tmp_path):
+  workdir = tmp_path / 'run'
+  train.train_and_evaluate(tiny_config('encoder_decoder', steps=2), str(workdir))
+  evaluate = [sys.executable, '-m', 'experiments.evaluate', f'--workdir={workdir}']
+  out = subprocess.run(evaluate + ['--json'], capture_output=True, text=True, check=True).stdout
   metrics = json.loads(out.strip().splitlines()[-1])
   assert metrics['step'] == 2
   assert {'loss', 'perplexity', 'accuracy', 'bleu', 'exact_match'} <= set(metrics)
+  sources = tmp_path / 'sources.txt'
+  sources.write_text('12\n345\n6789\n')
+  translations = tmp_path / 'out.txt'
+  subprocess.run(evaluate + [f'--input={sources}', f'--output={translations}'], check=True)
+  assert len(translations.read_text().splitlines()) == 3  # one (untrained) translation per line
 
 
 # Resumption ---------------------------------------------------------------------------------------

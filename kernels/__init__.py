@@ -1,0 +1,5 @@
+"""Pallas flash-attention kernels (GPU via Triton; TPU planned) behind one `[B, T, N, H]` API."""
+
+from kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference
+
+__all__ = ['BlockSizes', 'flash_attention', 'flash_attention_reference']

@@ -1,0 +1,306 @@
+"""Public flash attention: block sizes, input checks, padding, the custom_vjp and a reference.
+
+The tiled kernels live in `kernels/gpu.py` (Triton lowering); everything here is layout `[B, T, N, H]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels import gpu
+
+Array = jax.Array
+_MIN_GPU_BLOCK = 16  # Triton's smallest tile for tl.dot
+
+
+def _is_pow2(x: int) -> bool:
+  return isinstance(x, int) and x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes for the forward, dQ and dK/dV kernels (powers of two; None = same as forward).
+
+  Blocks larger than a (padded) sequence are shrunk to fit it, so defaults suit any length.
+  """
+
+  block_q: int
+  block_k: int
+  block_q_dq: int | None = None
+  block_k_dq: int | None = None
+  block_q_dkv: int | None = None
+  block_k_dkv: int | None = None
+  num_warps: int | None = None  # GPU only; None = 4 for head dim <= 64, else 8
+  num_stages: int = 2  # GPU only: software pipelining depth
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.name.startswith('block') and value is not None and not _is_pow2(value):
+        raise ValueError(f'BlockSizes.{field.name}={value!r} must be a positive power of two')
+    if self.num_warps is not None and not _is_pow2(self.num_warps):
+      raise ValueError(f'BlockSizes.num_warps={self.num_warps!r} must be a power of two or None')
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f'BlockSizes.num_stages={self.num_stages!r} must be an int >= 1')
+
+  @classmethod
+  def default(cls, backend: str, head_dim: int) -> BlockSizes:
+    """Reasonable tiles for `backend` ('gpu' or 'tpu') and `head_dim`."""
+    if backend == 'gpu':
+      big = head_dim > 128  # keep [block, H] tiles within shared memory
+      return cls(block_q=64 if big else 128, block_k=32 if big else 64, block_q_dq=64,
+                 block_k_dq=32 if big else 64, block_q_dkv=32 if big else 64, block_k_dkv=64)
+    if backend == 'tpu':
+      return cls(block_q=128, block_k=128)
+    raise ValueError(f"backend={backend!r} has no default block sizes; use 'gpu' or 'tpu'")
+
+  def resolved(self) -> BlockSizes:
+    """A copy with every backward block filled in from the forward blocks."""
+    q, k = self.block_q, self.block_k
+    return dataclasses.replace(
+      self,
+      block_q_dq=self.block_q_dq or q,
+      block_k_dq=self.block_k_dq or k,
+      block_q_dkv=self.block_q_dkv or q,
+      block_k_dkv=self.block_k_dkv or k,
+    )
+
+  def check(self, backend: str) -> None:
+    """Raises ValueError when a block is too small for `backend`."""
+    if backend == 'gpu':
+      for field in dataclasses.fields(self):
+        value = getattr(self, field.name)
+        if field.name.startswith('block') and value is not None and value < _MIN_GPU_BLOCK:
+          raise ValueError(
+            f'BlockSizes.{field.name}={value} is below {_MIN_GPU_BLOCK}, the smallest GPU tile'
+          )
+
+  def fit(self, T: int, S: int) -> BlockSizes:
+    """Shrinks blocks that exceed the sequence lengths (rounded up to a power of two >= 16)."""
+    tq = max(_MIN_GPU_BLOCK, pl_next_pow2(T))
+    tk = max(_MIN_GPU_BLOCK, pl_next_pow2(S))
+    b = self.resolved()
+    return dataclasses.replace(
+      b,
+      block_q=min(b.block_q, tq),
+      block_k=min(b.block_k, tk),
+      block_q_dq=min(b.block_q_dq, tq),
+      block_k_dq=min(b.block_k_dq, tk),
+      block_q_dkv=min(b.block_q_dkv, tq),
+      block_k_dkv=min(b.block_k_dkv, tk),
+    )
+
+
+def pl_next_pow2(x: int) -> int:
+  return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Static settings of one call; hashable so it can be a custom_vjp nondiff argument."""
+
+  scale: float
+  causal: bool
+  window: tuple[int, int] | None
+  kv_len: int | None  # true key length when keys were padded, else None
+  blocks: BlockSizes
+  interpret: bool
+
+  def kernel_kwargs(self) -> dict:
+    return dict(scale=self.scale, causal=self.causal, window=self.window, kv_len=self.kv_len,
+                blocks=self.blocks, interpret=self.interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, q_seg, kv_seg, cfg: _Config):
+  return gpu.forward(q, k, v, q_seg, kv_seg, **cfg.kernel_kwargs())[0]
+
+
+def _attention_fwd(q, k, v, q_seg, kv_seg, cfg: _Config):
+  out, lse = gpu.forward(q, k, v, q_seg, kv_seg, **cfg.kernel_kwargs())  # lse: [B, N, T] f32
+  return out, (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _attention_bwd(cfg: _Config, residuals, do):
+  q, k, v, q_seg, kv_seg, out, lse = residuals
+  dq, dk, dv = gpu.backward(q, k, v, q_seg, kv_seg, out, lse, do, **cfg.kernel_kwargs())
+  return dq, dk, dv, None, None  # segment ids are integers: no cotangent
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _resolve_backend(backend: str | None, interpret: bool) -> str:
+  if backend is None:
+    platform = jax.default_backend()
+    if platform == 'tpu':
+      return 'tpu'
+    if platform in ('gpu', 'cuda', 'rocm'):
+      return 'gpu'
+    if not interpret:
+      raise ValueError(
+        f'flash_attention has no compiled kernel for backend {platform!r}; pass interpret=True '
+        "(slow, for tests) or backend='gpu'/'tpu' to lower for another device, or use the "
+        "'xla' or 'chunked' attention implementation"
+      )
+    return 'gpu'  # interpret the GPU kernel on CPU
+  if backend in ('gpu', 'cuda', 'rocm'):
+    return 'gpu'
+  if backend == 'tpu':
+    return 'tpu'
+  raise ValueError(f"backend={backend!r} is not one of 'gpu', 'tpu' or None")
+
+
+def _check_shapes(q, k, v, q_segment_ids, kv_segment_ids, window):
+  for name, x in (('q', q), ('k', k), ('v', v)):
+    if x.ndim != 4:
+      raise ValueError(f'{name} must have rank 4 ([B, T, N, H] / [B, S, K, H]); got {x.shape}')
+  B, T, N, H = q.shape
+  if k.shape != v.shape:
+    raise ValueError(f'k and v must have the same shape; got k {k.shape} and v {v.shape}')
+  if k.shape[0] != B:
+    raise ValueError(f'batch sizes differ: q has B={B}, k/v have B={k.shape[0]}')
+  if k.shape[3] != H:
+    raise ValueError(f'head dims differ: q has H={H}, k/v have H={k.shape[3]}')
+  K = k.shape[2]
+  if N % K:
+    raise ValueError(f'kv heads K={K} must divide query heads N={N} (grouped-query attention)')
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError('pass both q_segment_ids and kv_segment_ids, or neither')
+  if q_segment_ids is not None:
+    for name, ids, want in (('q', q_segment_ids, (B, T)), ('kv', kv_segment_ids, (B, k.shape[1]))):
+      if ids.shape != want:
+        raise ValueError(f'{name}_segment_ids must have shape {list(want)}; got {list(ids.shape)}')
+      if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f'{name}_segment_ids must be integers; got {ids.dtype}')
+  if window is not None:
+    ok = len(window) == 2 and all(isinstance(w, int) and w >= 0 for w in window)
+    if not ok:
+      raise ValueError(f'window={window!r} must be a pair of non-negative ints (left, right)')
+
+
+def _pad_axis(x: Array, axis: int, size: int) -> Array:
+  """Zero-pads `axis` of `x` up to `size`."""
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=('causal', 'window', 'scale', 'block_sizes', 'backend', 'interpret'),
+)
+def flash_attention(
+  q: Array,
+  k: Array,
+  v: Array,
+  *,
+  causal: bool = False,
+  q_segment_ids: Array | None = None,
+  kv_segment_ids: Array | None = None,
+  window: tuple[int, int] | None = None,
+  scale: float | None = None,
+  block_sizes: BlockSizes | None = None,
+  backend: str | None = None,
+  interpret: bool = False,
+) -> Array:
+  """Tiled flash attention (online softmax); never builds the [T, S] score matrix.
+
+  Query i sees key j iff all given conditions hold: causal (j <= i), equal non-zero segment ids
+  (0 = padding), window=(left, right) (i - left <= j <= i + right). Rows that see no key give 0.
+
+  Args:
+    q: queries `[B, T, N, H]`.
+    k: keys `[B, S, K, H]`; K divides N (grouped-query / multi-query attention).
+    v: values `[B, S, K, H]`.
+    causal: top-left aligned causal mask.
+    q_segment_ids: int `[B, T]`; pass together with `kv_segment_ids`.
+    kv_segment_ids: int `[B, S]`.
+    window: sliding window `(left, right)`, non-negative ints.
+    scale: logit scale; None = 1/sqrt(H).
+    block_sizes: kernel tiles; None = `BlockSizes.default(backend, H)`.
+    backend: 'gpu' or 'tpu' picks the kernel; None = from `jax.default_backend()`.
+    interpret: run the kernel in the Pallas interpreter (slow; for CPU tests).
+
+  Returns:
+    `[B, T, N, H]` in q.dtype.
+  """
+  _check_shapes(q, k, v, q_segment_ids, kv_segment_ids, window)
+  backend = _resolve_backend(backend, interpret)
+  if backend == 'tpu':
+    raise NotImplementedError(
+      "flash_attention has no TPU (Mosaic) kernel yet; use backend='gpu' or the 'chunked' "
+      'attention implementation on TPU'
+    )
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+  blocks = block_sizes or BlockSizes.default(backend, H)
+  if not isinstance(blocks, BlockSizes):
+    raise ValueError(f'block_sizes must be a BlockSizes or None; got {type(blocks).__name__}')
+  blocks.check(backend)
+  blocks = blocks.fit(T, S)
+
+  # Pad lengths to whole blocks and the head dim to a power of two; padded keys are masked.
+  T_pad = -(-T // max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)) * max(
+    blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv
+  )
+  k_tile = max(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)
+  S_pad = -(-S // k_tile) * k_tile
+  H_pad = max(_MIN_GPU_BLOCK, pl_next_pow2(H))
+  qp = _pad_axis(_pad_axis(q, 1, T_pad), 3, H_pad)  # [B, T_pad, N, H_pad]
+  kp = _pad_axis(_pad_axis(k, 1, S_pad), 3, H_pad)  # [B, S_pad, K, H_pad]
+  vp = _pad_axis(_pad_axis(v, 1, S_pad), 3, H_pad)
+  q_seg = kv_seg = None
+  if q_segment_ids is not None:
+    q_seg = _pad_axis(q_segment_ids.astype(jnp.int32), 1, T_pad)  # [B, T_pad], pad = 0
+    kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, S_pad)  # [B, S_pad]
+  kv_len = None if S_pad == S or q_seg is not None else S  # segment id 0 already masks the pad
+  cfg = _Config(scale, bool(causal), window, kv_len, blocks, bool(interpret))
+  out = _attention(qp, kp, vp, q_seg, kv_seg, cfg)  # [B, T_pad, N, H_pad]
+  return out[:, :T, :, :H]  # [B, T, N, H]
+
+
+def flash_attention_reference(
+  q: Array,
+  k: Array,
+  v: Array,
+  *,
+  causal: bool = False,
+  q_segment_ids: Array | None = None,
+  kv_segment_ids: Array | None = None,
+  window: tuple[int, int] | None = None,
+  scale: float | None = None,
+) -> Array:
+  """Dense attention with a float32 softmax and the same masks; for tests. Shapes as above."""
+  _check_shapes(q, k, v, q_segment_ids, kv_segment_ids, window)
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+  qg = q.reshape(B, T, K, N // K, H).astype(jnp.float32)  # [B, T, K, G, H]
+  logits = jnp.einsum('btkgh,bskh->bkgts', qg, k.astype(jnp.float32)) * scale  # [B, K, G, T, S]
+  i = np.arange(T)[:, None]
+  j = np.arange(S)[None, :]
+  ok = jnp.ones((B, T, S), bool)
+  if causal:
+    ok &= j <= i
+  if window is not None:
+    ok &= (j >= i - window[0]) & (j <= i + window[1])
+  if q_segment_ids is not None:
+    qs, ks = q_segment_ids[:, :, None], kv_segment_ids[:, None, :]
+    ok &= (qs == ks) & (qs != 0)
+  ok = ok[:, None, None]  # [B, 1, 1, T, S]
+  logits = jnp.where(ok, logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+  p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)  # fully masked rows: all zeros
+  out = jnp.einsum('bkgts,bskh->btkgh', p, v.astype(jnp.float32))  # [B, T, K, G, H]
+  return out.reshape(B, T, N, H).astype(q.dtype)

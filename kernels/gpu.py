@@ -1,0 +1,271 @@
+"""Pallas flash-attention kernels for GPU (Triton lowering): forward, dQ and dK/dV.
+
+Inputs here are already padded: lengths to block multiples, head dim to a power of two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+Array = jax.Array
+MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
+
+
+def key_block_range(q_block, *, block_q: int, block_k: int, num_k_blocks: int, causal: bool,
+                    window: tuple[int, int] | None):
+  """Key blocks `[lo, hi)` that query block `q_block` must visit; blocks outside are skipped.
+
+  Works on Python ints and on traced int32 scalars (e.g. `pl.program_id`).
+  """
+  first_q = q_block * block_q
+  last_q = first_q + block_q - 1
+  lo, hi = 0, num_k_blocks
+  if window is not None:
+    left, right = window
+    lo = lax.div(jnp.maximum(first_q - left, 0), block_k)
+    hi = jnp.minimum(hi, lax.div(last_q + right, block_k) + 1)
+  if causal:
+    hi = jnp.minimum(hi, lax.div(last_q, block_k) + 1)  # key j <= query i
+  return lo, hi
+
+
+def query_block_range(k_block, *, block_q: int, block_k: int, num_q_blocks: int, causal: bool,
+                      window: tuple[int, int] | None):
+  """Query blocks `[lo, hi)` that can see key block `k_block` (the dK/dV loop bounds)."""
+  first_k = k_block * block_k
+  last_k = first_k + block_k - 1
+  lo, hi = 0, num_q_blocks
+  if causal:
+    lo = lax.div(first_k, block_q)  # query i >= key j
+  if window is not None:
+    left, right = window
+    lo = jnp.maximum(lo, lax.div(jnp.maximum(first_k - right, 0), block_q))
+    hi = jnp.minimum(hi, lax.div(last_k + left, block_q) + 1)
+  return lo, hi
+
+
+def visible(q_pos, k_pos, q_seg, kv_seg, *, causal, window, kv_len):
+  """Boolean `[bq, bk]` mask of which keys each query may see, or None when all are visible."""
+  conds = []
+  if kv_len is not None:
+    conds.append(k_pos[None, :] < kv_len)  # the padded tail of the keys
+  if causal:
+    conds.append(k_pos[None, :] <= q_pos[:, None])
+  if window is not None:
+    conds.append(k_pos[None, :] >= q_pos[:, None] - window[0])
+    conds.append(k_pos[None, :] <= q_pos[:, None] + window[1])
+  if q_seg is not None:
+    conds.append((q_seg[:, None] == kv_seg[None, :]) & (q_seg[:, None] != 0))
+  return functools.reduce(jnp.logical_and, conds) if conds else None
+
+
+def _dot(a, b, trans_b=False):
+  """Matmul with float32 accumulation; `trans_b` contracts the last dims of both."""
+  dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, scale, causal,
+                    window, kv_len, block_q, block_k):
+  q_block = pl.program_id(2)
+  q = q_ref[...]  # [bq, H]
+  q_pos = q_block * block_q + jnp.arange(block_q)
+  q_seg = None if q_seg_ref is None else q_seg_ref[...]  # [bq]
+  num_k_blocks = k_ref.shape[0] // block_k
+
+  def body(kb, carry):
+    acc, m, l = carry  # [bq, H], [bq], [bq]
+    ks = pl.ds(kb * block_k, block_k)
+    k, v = k_ref[ks, :], v_ref[ks, :]  # [bk, H]
+    s = _dot(q, k, trans_b=True) * scale  # [bq, bk]
+    kv_seg = None if kv_seg_ref is None else kv_seg_ref[ks]
+    mask = visible(q_pos, kb * block_k + jnp.arange(block_k), q_seg, kv_seg, causal=causal,
+                   window=window, kv_len=kv_len)
+    if mask is not None:
+      s = jnp.where(mask, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    p = jnp.exp(s - m_new[:, None])  # [bq, bk]
+    if mask is not None:
+      p = jnp.where(mask, p, 0.0)  # a row with nothing visible yet must stay at zero weight
+    alpha = jnp.exp(m - m_new)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+  lo, hi = key_block_range(q_block, block_q=block_q, block_k=block_k, num_k_blocks=num_k_blocks,
+                           causal=causal, window=window)
+  init = (
+    jnp.zeros(q.shape, jnp.float32),
+    jnp.full((block_q,), MASK_VALUE, jnp.float32),
+    jnp.zeros((block_q,), jnp.float32),
+  )
+  acc, m, l = lax.fori_loop(lo, hi, body, init)
+  seen = l > 0.0
+  l_safe = jnp.where(seen, l, 1.0)
+  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)  # fully masked rows: 0
+  lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), MASK_VALUE)
+
+
+def _probs(q, k, lse, q_pos, k_pos, q_seg, kv_seg, *, scale, causal, window, kv_len):
+  """Recompute the softmax block `[bq, bk]` from the saved logsumexp."""
+  s = _dot(q, k, trans_b=True) * scale
+  p = jnp.exp(s - lse[:, None])
+  mask = visible(q_pos, k_pos, q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len)
+  return p if mask is None else jnp.where(mask, p, 0.0)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
+               scale, causal, window, kv_len, block_q, block_k):
+  q_block = pl.program_id(2)
+  q, do = q_ref[...], do_ref[...]  # [bq, H]
+  lse, delta = lse_ref[...], delta_ref[...]  # [bq]
+  q_pos = q_block * block_q + jnp.arange(block_q)
+  q_seg = None if q_seg_ref is None else q_seg_ref[...]
+
+  def body(kb, dq):
+    ks = pl.ds(kb * block_k, block_k)
+    k, v = k_ref[ks, :], v_ref[ks, :]  # [bk, H]
+    kv_seg = None if kv_seg_ref is None else kv_seg_ref[ks]
+    p = _probs(q, k, lse, q_pos, kb * block_k + jnp.arange(block_k), q_seg, kv_seg, scale=scale,
+               causal=causal, window=window, kv_len=kv_len)  # [bq, bk]
+    dp = _dot(do, v, trans_b=True)  # [bq, bk]
+    ds = p * (dp - delta[:, None])
+    return dq + _dot(ds.astype(k.dtype), k)
+
+  lo, hi = key_block_range(q_block, block_q=block_q, block_k=block_k,
+                           num_k_blocks=k_ref.shape[0] // block_k, causal=causal, window=window)
+  dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                dv_ref, *, scale, causal, window, kv_len, block_q, block_k, group):
+  k_block = pl.program_id(2)
+  k, v = k_ref[...], v_ref[...]  # [bk, H]
+  k_pos = k_block * block_k + jnp.arange(block_k)
+  kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
+  lo, hi = query_block_range(k_block, block_q=block_q, block_k=block_k,
+                             num_q_blocks=q_ref.shape[0] // block_q, causal=causal, window=window)
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+  for g in range(group):  # the query heads that share this kv head (GQA), unrolled
+
+    def body(qb, carry, g=g):
+      dk, dv = carry
+      qs = pl.ds(qb * block_q, block_q)
+      q, do = q_ref[qs, g, :], do_ref[qs, g, :]  # [bq, H]
+      lse, delta = lse_ref[g, qs], delta_ref[g, qs]  # [bq]
+      q_seg = None if q_seg_ref is None else q_seg_ref[qs]
+      p = _probs(q, k, lse, qb * block_q + jnp.arange(block_q), k_pos, q_seg, kv_seg,
+                 scale=scale, causal=causal, window=window, kv_len=kv_len)  # [bq, bk]
+      dv = dv + _dot(p.T.astype(do.dtype), do)
+      ds = p * (_dot(do, v, trans_b=True) - delta[:, None])  # [bq, bk]
+      dk = dk + _dot(ds.T.astype(q.dtype), q)
+      return dk, dv
+
+    dk, dv = lax.fori_loop(lo, hi, body, (dk, dv))
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _params(head_dim: int, num_warps: int | None, num_stages: int):
+  warps = num_warps or (4 if head_dim <= 64 else 8)
+  return plgpu.CompilerParams(num_warps=warps, num_stages=num_stages)
+
+
+def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, interpret):
+  """Returns `(out [B, T, N, H], lse [B, N, T] float32)` for padded inputs."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  bq, bk, group = blocks.block_q, blocks.block_k, N // K
+  kernel = functools.partial(_forward_kernel, scale=scale, causal=causal, window=window,
+                             kv_len=kv_len, block_q=bq, block_k=bk)
+  has_seg = q_seg is not None
+  return pl.pallas_call(
+    kernel,
+    grid=(B, N, T // bq),
+    in_specs=[
+      pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
+      pl.BlockSpec((None, S, None, H), lambda b, n, i: (b, 0, n // group, 0)),  # GQA: shared head
+      pl.BlockSpec((None, S, None, H), lambda b, n, i: (b, 0, n // group, 0)),
+      pl.BlockSpec((None, bq), lambda b, n, i: (b, i)) if has_seg else None,
+      pl.BlockSpec((None, S), lambda b, n, i: (b, 0)) if has_seg else None,
+    ],
+    out_specs=[
+      pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
+      pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i)),
+    ],
+    out_shape=[
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+    ],
+    compiler_params=_params(H, blocks.num_warps, blocks.num_stages),
+    interpret=interpret,
+    name='sparrow_flash_forward',
+  )(q, k, v, q_seg, kv_seg)
+
+
+def backward(q, k, v, q_seg, kv_seg, out, lse, do, *, scale, causal, window, kv_len, blocks,
+             interpret):
+  """Returns `(dq, dk, dv)` shaped like `(q, k, v)` for padded inputs."""
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  group = N // K
+  has_seg = q_seg is not None
+  delta = jnp.einsum('btnh,btnh->bnt', out.astype(jnp.float32), do.astype(jnp.float32))  # [B,N,T]
+  static = dict(scale=scale, causal=causal, window=window, kv_len=kv_len)
+  params = _params(H, blocks.num_warps, blocks.num_stages)
+
+  bq, bk = blocks.block_q_dq, blocks.block_k_dq
+  row = pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0))
+  kv_all = pl.BlockSpec((None, S, None, H), lambda b, n, i: (b, 0, n // group, 0))
+  stat = pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))
+  dq = pl.pallas_call(
+    functools.partial(_dq_kernel, block_q=bq, block_k=bk, **static),
+    grid=(B, N, T // bq),
+    in_specs=[
+      row,
+      kv_all,
+      kv_all,
+      pl.BlockSpec((None, bq), lambda b, n, i: (b, i)) if has_seg else None,
+      pl.BlockSpec((None, S), lambda b, n, i: (b, 0)) if has_seg else None,
+      row,
+      stat,
+      stat,
+    ],
+    out_specs=row,
+    out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+    compiler_params=params,
+    interpret=interpret,
+    name='sparrow_flash_dq',
+  )(q, k, v, q_seg, kv_seg, do, lse, delta)
+
+  bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
+  q_group = pl.BlockSpec((None, T, group, H), lambda b, h, j: (b, 0, h, 0))  # all heads of a group
+  stat_group = pl.BlockSpec((None, group, T), lambda b, h, j: (b, h, 0))
+  kv_row = pl.BlockSpec((None, bk, None, H), lambda b, h, j: (b, j, h, 0))
+  dk, dv = pl.pallas_call(
+    functools.partial(_dkv_kernel, block_q=bq, block_k=bk, group=group, **static),
+    grid=(B, K, S // bk),
+    in_specs=[
+      q_group,
+      kv_row,
+      kv_row,
+      pl.BlockSpec((None, T), lambda b, h, j: (b, 0)) if has_seg else None,
+      pl.BlockSpec((None, bk), lambda b, h, j: (b, j)) if has_seg else None,
+      q_group,
+      stat_group,
+      stat_group,
+    ],
+    out_specs=[kv_row, kv_row],
+    out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+    compiler_params=params,
+    interpret=interpret,
+    name='sparrow_flash_dkv',
+  )(q, k, v, q_seg, kv_seg, do, lse, delta)
+  return dq, dk, dv
