@@ -1,7 +1,7 @@
 """The embedded default: a small EncoderDecoder that learns to spell numbers, on a laptop CPU.
 
 Built-in generated data (digits -> English words) and a SentencePiece vocabulary of 64 trained on
-it: no downloads. About 3 minutes on 2 CPU cores to BLEU ~98 and ~97% exact match.
+it: no downloads. About 3 minutes on 2 CPU cores to BLEU ~98 and ~98% exact match.
 """
 
 from configs import base
@@ -26,7 +26,7 @@ def get_config():
   d.num_train_examples = 50_000
   d.num_eval_examples = 512
   t = config.train
-  t.steps = 1500
+  t.steps = 1000
   t.eval_every = 500
   t.checkpoint_every = 500
   t.log_every = 100

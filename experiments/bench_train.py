@@ -121,7 +121,8 @@ def main():
     ),
     (
       'tokens/s',
-      f'{tokens_per_step / step_time:,.0f} ({tokens_per_step / step_time / devices:,.0f} per device)',
+      f'{tokens_per_step / step_time:,.0f} '
+      f'({tokens_per_step / step_time / devices:,.0f} per device)',
     ),
     ('model FLOPs/step', f'{flops:.4g}'),
     ('achieved FLOP/s', f'{achieved / 1e9:.1f} GFLOP/s'),

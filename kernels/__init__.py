@@ -1,4 +1,4 @@
-"""Pallas flash-attention kernels (GPU via Triton; TPU planned) behind one `[B, T, N, H]` API."""
+"""Pallas flash-attention kernels (GPU via Triton, TPU via Mosaic) behind one `[B, T, N, H]` API."""
 
 from kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference
 

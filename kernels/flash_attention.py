@@ -1,6 +1,6 @@
 """Public flash attention: block sizes, input checks, padding, the custom_vjp and a reference.
 
-The tiled kernels live in `kernels/gpu.py` (Triton lowering); everything here is layout `[B, T, N, H]`.
+Kernels live in `kernels/gpu.py` (Triton) and `kernels/tpu.py` (Mosaic); callers see `[B, T, N, H]`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import gpu
+from kernels import gpu, tpu
 
 Array = jax.Array
 _MIN_GPU_BLOCK = 16  # Triton's smallest tile for tl.dot
@@ -54,8 +54,14 @@ class BlockSizes:
     """Reasonable tiles for `backend` ('gpu' or 'tpu') and `head_dim`."""
     if backend == 'gpu':
       big = head_dim > 128  # keep [block, H] tiles within shared memory
-      return cls(block_q=64 if big else 128, block_k=32 if big else 64, block_q_dq=64,
-                 block_k_dq=32 if big else 64, block_q_dkv=32 if big else 64, block_k_dkv=64)
+      return cls(
+        block_q=64 if big else 128,
+        block_k=32 if big else 64,
+        block_q_dq=64,
+        block_k_dq=32 if big else 64,
+        block_q_dkv=32 if big else 64,
+        block_k_dkv=64,
+      )
     if backend == 'tpu':
       return cls(block_q=128, block_k=128)
     raise ValueError(f"backend={backend!r} has no default block sizes; use 'gpu' or 'tpu'")
@@ -72,19 +78,19 @@ class BlockSizes:
     )
 
   def check(self, backend: str) -> None:
-    """Raises ValueError when a block is too small for `backend`."""
-    if backend == 'gpu':
-      for field in dataclasses.fields(self):
-        value = getattr(self, field.name)
-        if field.name.startswith('block') and value is not None and value < _MIN_GPU_BLOCK:
-          raise ValueError(
-            f'BlockSizes.{field.name}={value} is below {_MIN_GPU_BLOCK}, the smallest GPU tile'
-          )
+    """Raises ValueError when a block is too small for `backend` (GPU: 16, TPU: 8)."""
+    smallest = _MIN_GPU_BLOCK if backend == 'gpu' else 8
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.name.startswith('block') and value is not None and value < smallest:
+        raise ValueError(
+          f'BlockSizes.{field.name}={value} is below {smallest}, the smallest {backend} tile'
+        )
 
   def fit(self, T: int, S: int) -> BlockSizes:
     """Shrinks blocks that exceed the sequence lengths (rounded up to a power of two >= 16)."""
-    tq = max(_MIN_GPU_BLOCK, pl_next_pow2(T))
-    tk = max(_MIN_GPU_BLOCK, pl_next_pow2(S))
+    tq = max(_MIN_GPU_BLOCK, _next_pow2(T))
+    tk = max(_MIN_GPU_BLOCK, _next_pow2(S))
     b = self.resolved()
     return dataclasses.replace(
       b,
@@ -97,7 +103,8 @@ class BlockSizes:
     )
 
 
-def pl_next_pow2(x: int) -> int:
+def _next_pow2(x: int) -> int:
+  """Smallest power of two >= x."""
   return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
@@ -111,25 +118,37 @@ class _Config:
   kv_len: int | None  # true key length when keys were padded, else None
   blocks: BlockSizes
   interpret: bool
+  backend: str  # 'gpu' or 'tpu'
+
+  @property
+  def kernels(self):
+    return gpu if self.backend == 'gpu' else tpu
 
   def kernel_kwargs(self) -> dict:
-    return dict(scale=self.scale, causal=self.causal, window=self.window, kv_len=self.kv_len,
-                blocks=self.blocks, interpret=self.interpret)
+    return dict(
+      scale=self.scale,
+      causal=self.causal,
+      window=self.window,
+      kv_len=self.kv_len,
+      blocks=self.blocks,
+      interpret=self.interpret,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _attention(q, k, v, q_seg, kv_seg, cfg: _Config):
-  return gpu.forward(q, k, v, q_seg, kv_seg, **cfg.kernel_kwargs())[0]
+  return cfg.kernels.forward(q, k, v, q_seg, kv_seg, **cfg.kernel_kwargs())[0]
 
 
 def _attention_fwd(q, k, v, q_seg, kv_seg, cfg: _Config):
-  out, lse = gpu.forward(q, k, v, q_seg, kv_seg, **cfg.kernel_kwargs())  # lse: [B, N, T] f32
+  out, lse = cfg.kernels.forward(q, k, v, q_seg, kv_seg, **cfg.kernel_kwargs())  # lse f32
   return out, (q, k, v, q_seg, kv_seg, out, lse)
 
 
 def _attention_bwd(cfg: _Config, residuals, do):
   q, k, v, q_seg, kv_seg, out, lse = residuals
-  dq, dk, dv = gpu.backward(q, k, v, q_seg, kv_seg, out, lse, do, **cfg.kernel_kwargs())
+  kw = cfg.kernel_kwargs()
+  dq, dk, dv = cfg.kernels.backward(q, k, v, q_seg, kv_seg, out, lse, do, **kw)
   return dq, dk, dv, None, None  # segment ids are integers: no cotangent
 
 
@@ -235,11 +254,6 @@ def flash_attention(
   """
   _check_shapes(q, k, v, q_segment_ids, kv_segment_ids, window)
   backend = _resolve_backend(backend, interpret)
-  if backend == 'tpu':
-    raise NotImplementedError(
-      "flash_attention has no TPU (Mosaic) kernel yet; use backend='gpu' or the 'chunked' "
-      'attention implementation on TPU'
-    )
   B, T, N, H = q.shape
   S = k.shape[1]
   scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
@@ -250,12 +264,10 @@ def flash_attention(
   blocks = blocks.fit(T, S)
 
   # Pad lengths to whole blocks and the head dim to a power of two; padded keys are masked.
-  T_pad = -(-T // max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)) * max(
-    blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv
-  )
+  q_tile = max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)  # all powers of two
   k_tile = max(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)
-  S_pad = -(-S // k_tile) * k_tile
-  H_pad = max(_MIN_GPU_BLOCK, pl_next_pow2(H))
+  T_pad, S_pad = -(-T // q_tile) * q_tile, -(-S // k_tile) * k_tile
+  H_pad = max(_MIN_GPU_BLOCK, _next_pow2(H)) if backend == 'gpu' else H  # Triton: power of 2
   qp = _pad_axis(_pad_axis(q, 1, T_pad), 3, H_pad)  # [B, T_pad, N, H_pad]
   kp = _pad_axis(_pad_axis(k, 1, S_pad), 3, H_pad)  # [B, S_pad, K, H_pad]
   vp = _pad_axis(_pad_axis(v, 1, S_pad), 3, H_pad)
@@ -264,9 +276,16 @@ def flash_attention(
     q_seg = _pad_axis(q_segment_ids.astype(jnp.int32), 1, T_pad)  # [B, T_pad], pad = 0
     kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, S_pad)  # [B, S_pad]
   kv_len = None if S_pad == S or q_seg is not None else S  # segment id 0 already masks the pad
-  cfg = _Config(scale, bool(causal), window, kv_len, blocks, bool(interpret))
-  out = _attention(qp, kp, vp, q_seg, kv_seg, cfg)  # [B, T_pad, N, H_pad]
-  return out[:, :T, :, :H]  # [B, T, N, H]
+  cfg = _Config(scale, bool(causal), window, kv_len, blocks, bool(interpret), backend)
+  if backend == 'gpu':
+    out = _attention(qp, kp, vp, q_seg, kv_seg, cfg)  # [B, T_pad, N, H_pad]
+    return out[:, :T, :, :H]  # [B, T, N, H]
+  # TPU tiles are [block, H]: heads go before length, segment ids get a unit lane/sublane axis.
+  qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (qp, kp, vp))  # [B, N, T_pad, H], [B, K, S_pad, H]
+  if q_seg is not None:
+    q_seg, kv_seg = q_seg[:, :, None], kv_seg[:, None, :]  # [B, T_pad, 1], [B, 1, S_pad]
+  out = _attention(qt, kt, vt, q_seg, kv_seg, cfg)  # [B, N, T_pad, H]
+  return out.transpose(0, 2, 1, 3)[:, :T]  # [B, T, N, H]
 
 
 def flash_attention_reference(

@@ -17,8 +17,15 @@ Array = jax.Array
 MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
 
 
-def key_block_range(q_block, *, block_q: int, block_k: int, num_k_blocks: int, causal: bool,
-                    window: tuple[int, int] | None):
+def key_block_range(
+  q_block,
+  *,
+  block_q: int,
+  block_k: int,
+  num_k_blocks: int,
+  causal: bool,
+  window: tuple[int, int] | None,
+):
   """Key blocks `[lo, hi)` that query block `q_block` must visit; blocks outside are skipped.
 
   Works on Python ints and on traced int32 scalars (e.g. `pl.program_id`).
@@ -35,8 +42,15 @@ def key_block_range(q_block, *, block_q: int, block_k: int, num_k_blocks: int, c
   return lo, hi
 
 
-def query_block_range(k_block, *, block_q: int, block_k: int, num_q_blocks: int, causal: bool,
-                      window: tuple[int, int] | None):
+def query_block_range(
+  k_block,
+  *,
+  block_q: int,
+  block_k: int,
+  num_q_blocks: int,
+  causal: bool,
+  window: tuple[int, int] | None,
+):
   """Query blocks `[lo, hi)` that can see key block `k_block` (the dK/dV loop bounds)."""
   first_k = k_block * block_k
   last_k = first_k + block_k - 1
@@ -71,8 +85,22 @@ def _dot(a, b, trans_b=False):
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, *, scale, causal,
-                    window, kv_len, block_q, block_k):
+def _forward_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  q_seg_ref,
+  kv_seg_ref,
+  o_ref,
+  lse_ref,
+  *,
+  scale,
+  causal,
+  window,
+  kv_len,
+  block_q,
+  block_k,
+):
   q_block = pl.program_id(2)
   q = q_ref[...]  # [bq, H]
   q_pos = q_block * block_q + jnp.arange(block_q)
@@ -80,13 +108,20 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, 
   num_k_blocks = k_ref.shape[0] // block_k
 
   def body(kb, carry):
-    acc, m, l = carry  # [bq, H], [bq], [bq]
+    acc, m, l_sum = carry  # [bq, H], [bq], [bq]
     ks = pl.ds(kb * block_k, block_k)
     k, v = k_ref[ks, :], v_ref[ks, :]  # [bk, H]
     s = _dot(q, k, trans_b=True) * scale  # [bq, bk]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[ks]
-    mask = visible(q_pos, kb * block_k + jnp.arange(block_k), q_seg, kv_seg, causal=causal,
-                   window=window, kv_len=kv_len)
+    mask = visible(
+      q_pos,
+      kb * block_k + jnp.arange(block_k),
+      q_seg,
+      kv_seg,
+      causal=causal,
+      window=window,
+      kv_len=kv_len,
+    )
     if mask is not None:
       s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -95,18 +130,24 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, 
       p = jnp.where(mask, p, 0.0)  # a row with nothing visible yet must stay at zero weight
     alpha = jnp.exp(m - m_new)
     acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-    return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+    return acc, m_new, l_sum * alpha + jnp.sum(p, axis=1)
 
-  lo, hi = key_block_range(q_block, block_q=block_q, block_k=block_k, num_k_blocks=num_k_blocks,
-                           causal=causal, window=window)
+  lo, hi = key_block_range(
+    q_block,
+    block_q=block_q,
+    block_k=block_k,
+    num_k_blocks=num_k_blocks,
+    causal=causal,
+    window=window,
+  )
   init = (
     jnp.zeros(q.shape, jnp.float32),
     jnp.full((block_q,), MASK_VALUE, jnp.float32),
     jnp.zeros((block_q,), jnp.float32),
   )
-  acc, m, l = lax.fori_loop(lo, hi, body, init)
-  seen = l > 0.0
-  l_safe = jnp.where(seen, l, 1.0)
+  acc, m, l_sum = lax.fori_loop(lo, hi, body, init)
+  seen = l_sum > 0.0
+  l_safe = jnp.where(seen, l_sum, 1.0)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)  # fully masked rows: 0
   lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), MASK_VALUE)
 
@@ -119,8 +160,24 @@ def _probs(q, k, lse, q_pos, k_pos, q_seg, kv_seg, *, scale, causal, window, kv_
   return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-               scale, causal, window, kv_len, block_q, block_k):
+def _dq_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  q_seg_ref,
+  kv_seg_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  dq_ref,
+  *,
+  scale,
+  causal,
+  window,
+  kv_len,
+  block_q,
+  block_k,
+):
   q_block = pl.program_id(2)
   q, do = q_ref[...], do_ref[...]  # [bq, H]
   lse, delta = lse_ref[...], delta_ref[...]  # [bq]
@@ -131,26 +188,67 @@ def _dq_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delt
     ks = pl.ds(kb * block_k, block_k)
     k, v = k_ref[ks, :], v_ref[ks, :]  # [bk, H]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[ks]
-    p = _probs(q, k, lse, q_pos, kb * block_k + jnp.arange(block_k), q_seg, kv_seg, scale=scale,
-               causal=causal, window=window, kv_len=kv_len)  # [bq, bk]
+    p = _probs(
+      q,
+      k,
+      lse,
+      q_pos,
+      kb * block_k + jnp.arange(block_k),
+      q_seg,
+      kv_seg,
+      scale=scale,
+      causal=causal,
+      window=window,
+      kv_len=kv_len,
+    )  # [bq, bk]
     dp = _dot(do, v, trans_b=True)  # [bq, bk]
     ds = p * (dp - delta[:, None])
     return dq + _dot(ds.astype(k.dtype), k)
 
-  lo, hi = key_block_range(q_block, block_q=block_q, block_k=block_k,
-                           num_k_blocks=k_ref.shape[0] // block_k, causal=causal, window=window)
+  lo, hi = key_block_range(
+    q_block,
+    block_q=block_q,
+    block_k=block_k,
+    num_k_blocks=k_ref.shape[0] // block_k,
+    causal=causal,
+    window=window,
+  )
   dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                dv_ref, *, scale, causal, window, kv_len, block_q, block_k, group):
+def _dkv_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  q_seg_ref,
+  kv_seg_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  dk_ref,
+  dv_ref,
+  *,
+  scale,
+  causal,
+  window,
+  kv_len,
+  block_q,
+  block_k,
+  group,
+):
   k_block = pl.program_id(2)
   k, v = k_ref[...], v_ref[...]  # [bk, H]
   k_pos = k_block * block_k + jnp.arange(block_k)
   kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
-  lo, hi = query_block_range(k_block, block_q=block_q, block_k=block_k,
-                             num_q_blocks=q_ref.shape[0] // block_q, causal=causal, window=window)
+  lo, hi = query_block_range(
+    k_block,
+    block_q=block_q,
+    block_k=block_k,
+    num_q_blocks=q_ref.shape[0] // block_q,
+    causal=causal,
+    window=window,
+  )
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
   for g in range(group):  # the query heads that share this kv head (GQA), unrolled
@@ -161,8 +259,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, del
       q, do = q_ref[qs, g, :], do_ref[qs, g, :]  # [bq, H]
       lse, delta = lse_ref[g, qs], delta_ref[g, qs]  # [bq]
       q_seg = None if q_seg_ref is None else q_seg_ref[qs]
-      p = _probs(q, k, lse, qb * block_q + jnp.arange(block_q), k_pos, q_seg, kv_seg,
-                 scale=scale, causal=causal, window=window, kv_len=kv_len)  # [bq, bk]
+      p = _probs(
+        q,
+        k,
+        lse,
+        qb * block_q + jnp.arange(block_q),
+        k_pos,
+        q_seg,
+        kv_seg,
+        scale=scale,
+        causal=causal,
+        window=window,
+        kv_len=kv_len,
+      )  # [bq, bk]
       dv = dv + _dot(p.T.astype(do.dtype), do)
       ds = p * (_dot(do, v, trans_b=True) - delta[:, None])  # [bq, bk]
       dk = dk + _dot(ds.T.astype(q.dtype), q)
@@ -183,16 +292,25 @@ def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, in
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   bq, bk, group = blocks.block_q, blocks.block_k, N // K
-  kernel = functools.partial(_forward_kernel, scale=scale, causal=causal, window=window,
-                             kv_len=kv_len, block_q=bq, block_k=bk)
+  kernel = functools.partial(
+    _forward_kernel,
+    scale=scale,
+    causal=causal,
+    window=window,
+    kv_len=kv_len,
+    block_q=bq,
+    block_k=bk,
+  )
   has_seg = q_seg is not None
   return pl.pallas_call(
     kernel,
     grid=(B, N, T // bq),
     in_specs=[
       pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
-      pl.BlockSpec((None, S, None, H), lambda b, n, i: (b, 0, n // group, 0)),  # GQA: shared head
-      pl.BlockSpec((None, S, None, H), lambda b, n, i: (b, 0, n // group, 0)),
+      pl.BlockSpec(
+        (None, S, None, H), lambda b, n, i: (b, 0, lax.div(n, group), 0)
+      ),  # GQA: shared head
+      pl.BlockSpec((None, S, None, H), lambda b, n, i: (b, 0, lax.div(n, group), 0)),
       pl.BlockSpec((None, bq), lambda b, n, i: (b, i)) if has_seg else None,
       pl.BlockSpec((None, S), lambda b, n, i: (b, 0)) if has_seg else None,
     ],
@@ -210,8 +328,9 @@ def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, in
   )(q, k, v, q_seg, kv_seg)
 
 
-def backward(q, k, v, q_seg, kv_seg, out, lse, do, *, scale, causal, window, kv_len, blocks,
-             interpret):
+def backward(
+  q, k, v, q_seg, kv_seg, out, lse, do, *, scale, causal, window, kv_len, blocks, interpret
+):
   """Returns `(dq, dk, dv)` shaped like `(q, k, v)` for padded inputs."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
@@ -223,7 +342,7 @@ def backward(q, k, v, q_seg, kv_seg, out, lse, do, *, scale, causal, window, kv_
 
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   row = pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0))
-  kv_all = pl.BlockSpec((None, S, None, H), lambda b, n, i: (b, 0, n // group, 0))
+  kv_all = pl.BlockSpec((None, S, None, H), lambda b, n, i: (b, 0, lax.div(n, group), 0))
   stat = pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))
   dq = pl.pallas_call(
     functools.partial(_dq_kernel, block_q=bq, block_k=bk, **static),

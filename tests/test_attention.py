@@ -379,10 +379,58 @@ def test_window_validation(window, message):
     MaskSpec(window=window)
 
 
-def test_pallas_not_available_yet():
+PALLAS_CASES = {
+  # name: (T, S, N, K, mask factory, tolerance); the kernel runs interpreted on CPU.
+  'causal_gqa_padding': (
+    20,
+    20,
+    4,
+    2,
+    lambda B, T, S: MaskSpec(
+      causal=True,
+      q_segment_ids=jnp.asarray([[1] * 17 + [0] * 3, [1] * 20]),
+      kv_segment_ids=jnp.asarray([[1] * 17 + [0] * 3, [1] * 20]),
+    ),
+  ),
+  'packed_window': (
+    24,
+    24,
+    2,
+    1,
+    lambda B, T, S: MaskSpec(
+      q_segment_ids=jnp.asarray([[1] * 10 + [2] * 9 + [0] * 5] * 2),
+      kv_segment_ids=jnp.asarray([[1] * 10 + [2] * 9 + [0] * 5] * 2),
+      window=(4, 1),
+    ),
+  ),
+  'cross_attention': (12, 33, 2, 2, lambda B, T, S: MaskSpec()),
+}
+
+
+@pytest.mark.parametrize('case', sorted(PALLAS_CASES))
+def test_pallas_through_the_core_matches_xla(case):
+  T, S, N, K, make_mask = PALLAS_CASES[case]
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.normal(size=(2, T, N, 32)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(2, S, K, 32)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(2, S, K, 32)), jnp.float32)
+  cot = jnp.asarray(rng.normal(size=(2, T, N, 32)), jnp.float32)
+  mask = make_mask(2, T, S)
+
+  def run(impl):
+    out, vjp = jax.vjp(
+      lambda *x: dot_product_attention(*x, mask=mask, implementation=impl), q, k, v
+    )
+    return (out, *vjp(cot))
+
+  for got, want in zip(run('pallas'), run('xla')):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_rejects_alibi():
   x = _ones(1, 4, 2, 8)
-  with pytest.raises(NotImplementedError, match="'pallas' kernel is not available yet"):
-    dot_product_attention(x, x, x, implementation='pallas')
+  with pytest.raises(ValueError, match="alibi_slopes are not supported by implementation='pallas'"):
+    dot_product_attention(x, x, x, implementation='pallas', alibi_slopes=jnp.ones((2,)))
 
 
 @pytest.mark.skipif(jax.default_backend() == 'gpu', reason='the error is for non-GPU backends')

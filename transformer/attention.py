@@ -241,9 +241,28 @@ def _cudnn_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
   return jnp.where(any_visible, out, 0).astype(q.dtype)  # fully masked rows -> exactly 0
 
 
-def _pallas_unavailable(q, k, v, **kwargs):
-  raise NotImplementedError(
-    "the 'pallas' kernel is not available yet; use 'xla' or 'chunked' (or None to choose)"
+def _pallas_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
+  """Our Pallas flash-attention kernel (kernels/): Triton on GPU, Mosaic on TPU.
+
+  On any other backend it runs in the Pallas interpreter: exact but slow, for tests only.
+  """
+  from kernels import flash_attention
+
+  del chunk_size  # the kernel picks its own tiles (kernels.BlockSizes)
+  if alibi_slopes is not None:
+    raise ValueError(
+      "alibi_slopes are not supported by implementation='pallas'; use 'xla' or 'chunked'"
+    )
+  return flash_attention(
+    q,
+    k,
+    v,
+    causal=mask.causal,
+    q_segment_ids=mask.q_segment_ids,
+    kv_segment_ids=mask.kv_segment_ids,
+    window=mask.window,
+    scale=float(scale),
+    interpret=jax.default_backend() not in ('gpu', 'tpu'),
   )
 
 
@@ -251,7 +270,7 @@ def _pallas_unavailable(q, k, v, **kwargs):
 _IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {
   'xla': _xla_attention,
   'chunked': _chunked_attention,
-  'pallas': _pallas_unavailable,
+  'pallas': _pallas_attention,
   'cudnn': _cudnn_attention,
 }
 

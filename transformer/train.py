@@ -398,7 +398,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 def _train_loop(run: Run, ckpt: checkpoint.Checkpointer, workdir: str) -> dict[str, Any]:
   config, tcfg = run.config, run.config.train
   _log(f'task {run.task.name}: {json.dumps(_jsonable(run.task.info))}')
-  if 'entropy_per_token' in run.task.info:  # the generated corpus: the best loss any model can reach
+  if 'entropy_per_token' in run.task.info:  # generated corpus: the best loss any model reaches
     info = run.task.info
     _log(
       f'entropy floor {info["entropy_per_token"]:.3f} nats/token '

@@ -1,0 +1,234 @@
+"""Attention speed and memory: each `dot_product_attention` implementation over lengths and heads.
+
+  python -m experiments.bench_attention [--lengths=256,1024] [--head_dims=64,128]
+      [--dtype=float32|bfloat16] [--repeats=5] [--json=out.json]
+
+Self attention (T = S), N = 8 heads, batch B = max(1, tokens // (N * T)) so that B * N * T stays
+near a token budget (--tokens): 2^19 on GPU/TPU but 8192 on CPU (B = 1 from T = 1024), so that
+the default CPU sweep (T = 256..4096, float32, xla and chunked) takes a few minutes on 2 cores.
+Times are medians of --repeats synchronised runs after one warm-up, of the forward and of forward
++ backward (jax.vjp, random cotangent). FLOPs follow FlashAttention: forward 4 * B * N * T * S * H,
+forward + backward 3.5x that, causal counted as half; %mm is the fraction of a dense matmul's
+FLOP/s in the bench dtype (n = --matmul_size, default 2048 on CPU, 8192 elsewhere). Memory is the
+compiled temp size. 'pallas' is skipped on CPU (Pallas interpreter only), 'cudnn' except on NVIDIA
+GPUs; a size that fails (e.g. out of memory) keeps its row, with the error.
+"""
+
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+from absl import flags
+
+from experiments import cli
+from experiments.bench_train import matmul_flops_per_sec  # also defines --matmul_size
+
+IMPLEMENTATIONS = ('xla', 'chunked', 'pallas', 'cudnn')
+NUM_HEADS = 8
+
+_LENGTHS = flags.DEFINE_list(
+  'lengths', None, 'Sequence lengths T = S; default 256..4096 on CPU, 512..32768 elsewhere.'
+)
+_HEAD_DIMS = flags.DEFINE_list('head_dims', ['64', '128'], 'Head dims H.')
+_DTYPE = flags.DEFINE_enum(
+  'dtype',
+  None,
+  ['float32', 'bfloat16', 'float16'],
+  'q/k/v dtype; default float32 on CPU, bfloat16 elsewhere.',
+)
+_IMPLS = flags.DEFINE_list('implementations', list(IMPLEMENTATIONS), 'Implementations to time.')
+_TOKENS = flags.DEFINE_integer('tokens', None, 'Token budget B * N * T; default by backend.')
+_REPEATS = flags.DEFINE_integer('repeats', 5, 'Timed runs per measurement (after one warm-up).')
+_JSON = flags.DEFINE_string('json', None, 'Also write the rows as a JSON list to this file.')
+
+
+def _ints(name: str, values: list[str]) -> list[int]:
+  try:
+    out = [int(v) for v in values]
+  except ValueError:
+    out = []
+  if not out or min(out) < 1:
+    raise ValueError(f'--{name}={",".join(values)} must be a comma-separated list of positive ints')
+  return out
+
+
+def skip_reason(implementation: str, backend: str) -> str | None:
+  """Why `implementation` is not timed on `backend` ('cpu', 'gpu', 'tpu'), or None to time it."""
+  import jax
+
+  if implementation == 'pallas' and backend not in ('gpu', 'tpu'):
+    return f'skipped: on {backend} Pallas runs only in its interpreter (too slow to time)'
+  if implementation == 'cudnn':
+    version = getattr(jax.devices()[0].client, 'platform_version', '').lower()
+    if backend != 'gpu' or 'cuda' not in version:
+      return f'skipped: cudnn needs an NVIDIA GPU (backend is {backend})'
+  return None
+
+
+def attention_flops(B: int, N: int, T: int, S: int, H: int, causal: bool) -> tuple[float, float]:
+  """(forward, forward + backward) FLOPs, FlashAttention convention: 4BNTSH, x3.5, causal / 2."""
+  forward = 4.0 * B * N * T * S * H * (0.5 if causal else 1.0)
+  return forward, 3.5 * forward
+
+
+def median_seconds(fn: Callable, args: tuple, repeats: int) -> float:
+  """Median wall time of `fn(*args)` until its outputs are ready, after one warm-up call."""
+  import jax
+
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def reference_flops_per_sec(n: int, dtype) -> float:
+  """FLOP/s of a dense n x n x n matmul in `dtype` (float32 via bench_train's reference)."""
+  import jax
+  import jax.numpy as jnp
+
+  if dtype == jnp.float32:
+    return matmul_flops_per_sec(n)
+  a, b = (jax.random.normal(jax.random.PRNGKey(i), (n, n), dtype) for i in (0, 1))
+  return 2 * n**3 / median_seconds(jax.jit(jnp.matmul), (a, b), 10)
+
+
+def measure(implementation: str, B: int, T: int, H: int, causal: bool, dtype, repeats: int) -> dict:
+  """Times and compiled temp memory of one configuration: forward, and forward + backward."""
+  import jax
+
+  from transformer.attention import MaskSpec, dot_product_attention
+
+  def attend(q, k, v):
+    mask = MaskSpec(causal=causal)
+    return dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+
+  def forward_backward(q, k, v, cot):
+    out, pullback = jax.vjp(attend, q, k, v)
+    return out, pullback(cot)  # (dq, dk, dv), each [B, T, N, H]
+
+  keys = jax.random.split(jax.random.PRNGKey(T * 1000 + H), 4)
+  q, k, v, cot = (jax.random.normal(key, (B, T, NUM_HEADS, H), dtype) for key in keys)
+  row = {}
+  for name, fn, args in (('fwd', attend, (q, k, v)), ('fwdbwd', forward_backward, (q, k, v, cot))):
+    compiled = jax.jit(fn).lower(*args).compile()
+    memory = compiled.memory_analysis()
+    row[f'{name}_temp_mib'] = None if memory is None else memory.temp_size_in_bytes / 2**20
+    row[f'{name}_ms'] = 1e3 * median_seconds(compiled, args, repeats)
+  return row
+
+
+def _speedups(rows: list[dict], baseline: str) -> None:
+  """Adds `{name}_vs_{baseline}` = baseline time / own time (> 1 is faster) where both ran."""
+  done = {
+    (r['T'], r['head_dim'], r['causal']): r
+    for r in rows
+    if r['implementation'] == baseline and r.get('fwd_ms')
+  }
+  for r in rows:
+    base = done.get((r.get('T'), r.get('head_dim'), r.get('causal')))
+    for name in ('fwd', 'fwdbwd'):
+      if base and r.get(f'{name}_ms'):
+        r[f'{name}_vs_{baseline}'] = base[f'{name}_ms'] / r[f'{name}_ms']
+
+
+def _fmt(value, spec: str) -> str:
+  return '-' if value is None else format(value, spec)
+
+
+def format_table(rows: list[dict], with_cudnn: bool) -> str:
+  """One text table; speedups are `fwd/fwd+bwd` time ratios (> 1 = faster than the baseline)."""
+  ratio_cols = ['xla', 'cudnn'] if with_cudnn else ['xla']
+  head = (
+    f'{"impl":<8} {"T":>6} {"H":>4} {"causal":>6} {"B":>4}  {"fwd ms":>9} {"TFLOP/s":>8} '
+    f'{"%mm":>5}  {"f+b ms":>9} {"TFLOP/s":>8} {"%mm":>5}  {"temp MiB f / f+b":>17}'
+  )
+  head += ''.join(f'  {"vs " + b + " f/f+b":>14}' for b in ratio_cols)
+  lines = [head, '-' * len(head)]
+  for r in rows:
+    if 'T' not in r:  # an implementation skipped on this backend
+      lines.append(f'{r["implementation"]:<8} {r["error"]}')
+      continue
+    line = f'{r["implementation"]:<8} {r["T"]:>6} {r["head_dim"]:>4} {str(r["causal"]):>6} '
+    line += f'{r["batch"]:>4}  '
+    if r.get('error'):
+      lines.append(line + r['error'])
+      continue
+    for name in ('fwd', 'fwdbwd'):
+      line += f'{r[f"{name}_ms"]:>9.2f} {r[f"{name}_tflops"]:>8.3f} '
+      line += f'{100 * r[f"{name}_frac_matmul"]:>5.1f}  '
+    temps = f'{_fmt(r["fwd_temp_mib"], ".1f")} / {_fmt(r["fwdbwd_temp_mib"], ".1f")}'
+    line += f'{temps:>17}'
+    for b in ratio_cols:
+      pair = f'{_fmt(r.get(f"fwd_vs_{b}"), ".2f")}/{_fmt(r.get(f"fwdbwd_vs_{b}"), ".2f")}'
+      line += f'  {pair:>14}'
+    lines.append(line)
+  return '\n'.join(lines)
+
+
+def main():
+  import jax
+  import jax.numpy as jnp
+
+  backend = jax.default_backend()
+  on_cpu = backend == 'cpu'
+  default_lengths = [256, 512, 1024, 2048, 4096] if on_cpu else [512 * 2**i for i in range(7)]
+  lengths = default_lengths if _LENGTHS.value is None else _ints('lengths', _LENGTHS.value)
+  head_dims = _ints('head_dims', _HEAD_DIMS.value)
+  dtype_name = _DTYPE.value or ('float32' if on_cpu else 'bfloat16')
+  dtype = jnp.dtype(dtype_name)
+  tokens = (8192 if on_cpu else 2**19) if _TOKENS.value is None else _TOKENS.value
+  if tokens < 1 or _REPEATS.value < 1:
+    raise ValueError(f'--tokens={tokens} and --repeats={_REPEATS.value} must be positive ints')
+  unknown = sorted(set(_IMPLS.value) - set(IMPLEMENTATIONS))
+  if unknown:
+    raise ValueError(f'--implementations has {unknown}; choose from {list(IMPLEMENTATIONS)}')
+
+  rows, timed = [], []
+  for name in [i for i in IMPLEMENTATIONS if i in _IMPLS.value]:
+    reason = skip_reason(name, backend)
+    if reason:
+      rows.append({'implementation': name, 'error': reason})
+    else:
+      timed.append(name)
+  n = flags.FLAGS.matmul_size if flags.FLAGS['matmul_size'].present else (2048 if on_cpu else 8192)
+  peak = reference_flops_per_sec(n, dtype)
+  print(
+    f'backend {backend} ({jax.devices()[0].device_kind}), {dtype_name}, N={NUM_HEADS}, '
+    f'B*N*T ~ {tokens}, {_REPEATS.value} repeats; dense {n}^3 matmul: '
+    f'{peak / 1e12:.3f} TFLOP/s (= 100 %mm)',
+    flush=True,
+  )
+  for T in lengths:
+    B = max(1, tokens // (NUM_HEADS * T))
+    for H in head_dims:
+      for causal in (False, True):
+        for name in timed:
+          row = {'implementation': name, 'T': T, 'head_dim': H, 'causal': causal, 'batch': B}
+          row |= {'heads': NUM_HEADS, 'dtype': dtype_name}
+          try:
+            row |= measure(name, B, T, H, causal, dtype, _REPEATS.value)
+          except Exception as error:  # e.g. out of memory: keep the row, say why
+            lines = str(error).strip().splitlines() or [type(error).__name__]
+            row['error'] = f'error: {lines[0][:100]}'
+          else:
+            flops = attention_flops(B, NUM_HEADS, T, T, H, causal)
+            for key, f in zip(('fwd', 'fwdbwd'), flops):
+              row[f'{key}_tflops'] = f / (row[f'{key}_ms'] * 1e-3) / 1e12
+              row[f'{key}_frac_matmul'] = row[f'{key}_tflops'] * 1e12 / peak
+          rows.append(row)
+          print(f'  done {name} T={T} H={H} causal={causal}', flush=True)
+  _speedups(rows, 'xla')
+  _speedups(rows, 'cudnn')
+  print(format_table(rows, with_cudnn='cudnn' in timed))
+  if _JSON.value:
+    with open(_JSON.value, 'w') as f:
+      json.dump(rows, f, indent=1)
+    print(f'wrote {len(rows)} rows to {_JSON.value}')
+
+
+if __name__ == '__main__':
+  cli.run(main)

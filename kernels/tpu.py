@@ -1,0 +1,378 @@
+"""Pallas flash-attention kernels for TPU (Mosaic lowering): forward, dQ and dK/dV.
+
+Inputs are `[B, N, T, H]` (heads before length, so tiles are `[block, H]`) and already padded to
+whole blocks. The key-block loop is the last grid axis; blocks outside the causal/window range skip
+their compute with `pl.when`, and their index maps repeat an in-range block so no DMA is issued.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.gpu import key_block_range, query_block_range
+
+MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _clamp(j, lo, hi, n):
+  """Block index j clamped into [lo, hi) and [0, n): a skipped step re-uses a fetched block."""
+  return jnp.clip(jnp.clip(j, lo, hi - 1), 0, n - 1)
+
+
+def _visible(i, j, bq, bk, q_seg, kv_seg, *, causal, window, kv_len):
+  """Boolean `[bq, bk]` mask for query block i and key block j, or None if nothing is masked."""
+  q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  conds = []
+  if kv_len is not None:
+    conds.append(k_pos < kv_len)
+  if causal:
+    conds.append(k_pos <= q_pos)
+  if window is not None:
+    conds.append((k_pos >= q_pos - window[0]) & (k_pos <= q_pos + window[1]))
+  if q_seg is not None:  # q_seg [bq, 1], kv_seg [1, bk]
+    conds.append((q_seg == kv_seg) & (q_seg != 0))
+  return functools.reduce(jnp.logical_and, conds) if conds else None
+
+
+def _forward_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  q_seg_ref,
+  kv_seg_ref,
+  o_ref,
+  lse_ref,
+  acc_ref,
+  m_ref,
+  l_ref,
+  *,
+  scale,
+  causal,
+  window,
+  kv_len,
+  block_q,
+  block_k,
+  num_k_blocks,
+):
+  i, j = pl.program_id(2), pl.program_id(3)
+  lo, hi = key_block_range(
+    i, block_q=block_q, block_k=block_k, num_k_blocks=num_k_blocks, causal=causal, window=window
+  )
+
+  @pl.when(j == 0)
+  def _init():
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+
+  @pl.when((j >= lo) & (j < hi))
+  def _step():
+    s = _dot(q_ref[...], k_ref[...], _NT) * scale  # [bq, bk]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
+    kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
+    mask = _visible(
+      i, j, block_q, block_k, q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len
+    )
+    if mask is not None:
+      s = jnp.where(mask, s, MASK_VALUE)
+    m_prev = m_ref[...]  # [bq, 1]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.exp(s - m_new)  # [bq, bk]
+    if mask is not None:
+      p = jnp.where(mask, p, 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    v = v_ref[...]
+    acc_ref[...] = acc_ref[...] * alpha + _dot(p.astype(v.dtype), v)
+    l_ref[...] = l_ref[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_new
+
+  @pl.when(j == num_k_blocks - 1)
+  def _finish():
+    l_sum = l_ref[...]
+    seen = l_sum > 0.0
+    l_safe = jnp.where(seen, l_sum, 1.0)
+    o_ref[...] = (acc_ref[...] / l_safe).astype(o_ref.dtype)  # fully masked rows: 0
+    lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(l_safe), MASK_VALUE)
+
+
+def _probs(i, j, q, k, lse, q_seg_ref, kv_seg_ref, *, scale, causal, window, kv_len, bq, bk):
+  """Softmax block `[bq, bk]` recomputed from the saved logsumexp `[bq, 1]`."""
+  p = jnp.exp(_dot(q, k, _NT) * scale - lse)
+  q_seg = None if q_seg_ref is None else q_seg_ref[...]
+  kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
+  mask = _visible(i, j, bq, bk, q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len)
+  return p if mask is None else jnp.where(mask, p, 0.0)
+
+
+def _dq_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  q_seg_ref,
+  kv_seg_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  dq_ref,
+  acc_ref,
+  *,
+  scale,
+  causal,
+  window,
+  kv_len,
+  block_q,
+  block_k,
+  num_k_blocks,
+):
+  i, j = pl.program_id(2), pl.program_id(3)
+  lo, hi = key_block_range(
+    i, block_q=block_q, block_k=block_k, num_k_blocks=num_k_blocks, causal=causal, window=window
+  )
+
+  @pl.when(j == 0)
+  def _init():
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  @pl.when((j >= lo) & (j < hi))
+  def _step():
+    k, v = k_ref[...], v_ref[...]
+    p = _probs(
+      i,
+      j,
+      q_ref[...],
+      k,
+      lse_ref[...],
+      q_seg_ref,
+      kv_seg_ref,
+      scale=scale,
+      causal=causal,
+      window=window,
+      kv_len=kv_len,
+      bq=block_q,
+      bk=block_k,
+    )
+    ds = p * (_dot(do_ref[...], v, _NT) - delta_ref[...])  # [bq, bk]
+    acc_ref[...] += _dot(ds.astype(k.dtype), k)
+
+  @pl.when(j == num_k_blocks - 1)
+  def _finish():
+    dq_ref[...] = (acc_ref[...] * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(
+  q_ref,
+  k_ref,
+  v_ref,
+  q_seg_ref,
+  kv_seg_ref,
+  do_ref,
+  lse_ref,
+  delta_ref,
+  dk_ref,
+  dv_ref,
+  dk_acc,
+  dv_acc,
+  *,
+  scale,
+  causal,
+  window,
+  kv_len,
+  block_q,
+  block_k,
+  num_q_blocks,
+  group,
+):
+  j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+  lo, hi = query_block_range(
+    j, block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks, causal=causal, window=window
+  )
+
+  @pl.when((g == 0) & (i == 0))
+  def _init():
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+  @pl.when((i >= lo) & (i < hi))
+  def _step():
+    q, do = q_ref[...], do_ref[...]  # [bq, H]
+    p = _probs(
+      i,
+      j,
+      q,
+      k_ref[...],
+      lse_ref[...],
+      q_seg_ref,
+      kv_seg_ref,
+      scale=scale,
+      causal=causal,
+      window=window,
+      kv_len=kv_len,
+      bq=block_q,
+      bk=block_k,
+    )
+    dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)  # [bk, H]
+    ds = p * (_dot(do, v_ref[...], _NT) - delta_ref[...])  # [bq, bk]
+    dk_acc[...] += _dot(ds.astype(q.dtype), q, _TN)
+
+  @pl.when((g == group - 1) & (i == num_q_blocks - 1))
+  def _finish():
+    dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _params(semantics):
+  return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, interpret):
+  """q `[B, N, T, H]`, k/v `[B, K, S, H]`, q_seg `[B, T, 1]`, kv_seg `[B, 1, S]`.
+
+  Returns `(out [B, N, T, H], lse [B, N, T, 1] float32)`.
+  """
+  B, N, T, H = q.shape
+  K, S = k.shape[1], k.shape[2]
+  bq, bk, group = blocks.block_q, blocks.block_k, N // K
+  nk = S // bk
+  ranges = functools.partial(
+    key_block_range, block_q=bq, block_k=bk, num_k_blocks=nk, causal=causal, window=window
+  )
+
+  def kv_map(b, n, i, j):
+    return (b, lax.div(n, group), _clamp(j, *ranges(i), nk), 0)  # GQA: the shared kv head
+
+  def kv_seg_map(b, n, i, j):
+    return (b, 0, _clamp(j, *ranges(i), nk))
+
+  row = pl.BlockSpec((None, None, bq, H), lambda b, n, i, j: (b, n, i, 0))
+  kernel = functools.partial(
+    _forward_kernel,
+    scale=scale,
+    causal=causal,
+    window=window,
+    kv_len=kv_len,
+    block_q=bq,
+    block_k=bk,
+    num_k_blocks=nk,
+  )
+  has_seg = q_seg is not None
+  return pl.pallas_call(
+    kernel,
+    grid=(B, N, T // bq, nk),
+    in_specs=[
+      row,
+      pl.BlockSpec((None, None, bk, H), kv_map),
+      pl.BlockSpec((None, None, bk, H), kv_map),
+      pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0)) if has_seg else None,
+      pl.BlockSpec((None, 1, bk), kv_seg_map) if has_seg else None,
+    ],
+    out_specs=[row, pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j: (b, n, i, 0))],
+    out_shape=[
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      jax.ShapeDtypeStruct((B, N, T, 1), jnp.float32),
+    ],
+    scratch_shapes=[
+      pltpu.VMEM((bq, H), jnp.float32),  # output accumulator
+      pltpu.VMEM((bq, 1), jnp.float32),  # running max
+      pltpu.VMEM((bq, 1), jnp.float32),  # running sum
+    ],
+    compiler_params=_params(('parallel', 'parallel', 'parallel', 'arbitrary')),
+    interpret=interpret,
+    name='sparrow_flash_forward_tpu',
+  )(q, k, v, q_seg, kv_seg)
+
+
+def backward(
+  q, k, v, q_seg, kv_seg, out, lse, do, *, scale, causal, window, kv_len, blocks, interpret
+):
+  """Returns `(dq, dk, dv)` shaped like `(q, k, v)`; layouts as in `forward`."""
+  B, N, T, H = q.shape
+  K, S = k.shape[1], k.shape[2]
+  group = N // K
+  has_seg = q_seg is not None
+  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)  # [B,N,T,1]
+  static = dict(scale=scale, causal=causal, window=window, kv_len=kv_len)
+
+  # dQ: grid over query blocks, reducing over key blocks.
+  bq, bk = blocks.block_q_dq, blocks.block_k_dq
+  nk = S // bk
+  k_ranges = functools.partial(
+    key_block_range, block_q=bq, block_k=bk, num_k_blocks=nk, causal=causal, window=window
+  )
+
+  def kv_map(b, n, i, j):
+    return (b, lax.div(n, group), _clamp(j, *k_ranges(i), nk), 0)
+
+  row = pl.BlockSpec((None, None, bq, H), lambda b, n, i, j: (b, n, i, 0))
+  stat = pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j: (b, n, i, 0))
+  dq = pl.pallas_call(
+    functools.partial(_dq_kernel, block_q=bq, block_k=bk, num_k_blocks=nk, **static),
+    grid=(B, N, T // bq, nk),
+    in_specs=[
+      row,
+      pl.BlockSpec((None, None, bk, H), kv_map),
+      pl.BlockSpec((None, None, bk, H), kv_map),
+      pl.BlockSpec((None, bq, 1), lambda b, n, i, j: (b, i, 0)) if has_seg else None,
+      pl.BlockSpec((None, 1, bk), lambda b, n, i, j: (b, 0, _clamp(j, *k_ranges(i), nk)))
+      if has_seg
+      else None,
+      row,
+      stat,
+      stat,
+    ],
+    out_specs=row,
+    out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+    scratch_shapes=[pltpu.VMEM((bq, H), jnp.float32)],
+    compiler_params=_params(('parallel', 'parallel', 'parallel', 'arbitrary')),
+    interpret=interpret,
+    name='sparrow_flash_dq_tpu',
+  )(q, k, v, q_seg, kv_seg, do, lse, delta)
+
+  # dK/dV: grid over (kv head, key block), reducing over the group's query heads and query blocks.
+  bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
+  nq = T // bq
+  q_ranges = functools.partial(
+    query_block_range, block_q=bq, block_k=bk, num_q_blocks=nq, causal=causal, window=window
+  )
+
+  def q_map(b, h, j, g, i):
+    return (b, h * group + g, _clamp(i, *q_ranges(j), nq), 0)
+
+  q_row = pl.BlockSpec((None, None, bq, H), q_map)
+  q_stat = pl.BlockSpec((None, None, bq, 1), q_map)
+  kv_row = pl.BlockSpec((None, None, bk, H), lambda b, h, j, g, i: (b, h, j, 0))
+  dk, dv = pl.pallas_call(
+    functools.partial(_dkv_kernel, block_q=bq, block_k=bk, num_q_blocks=nq, group=group, **static),
+    grid=(B, K, S // bk, group, nq),
+    in_specs=[
+      q_row,
+      kv_row,
+      kv_row,
+      pl.BlockSpec((None, bq, 1), lambda b, h, j, g, i: (b, _clamp(i, *q_ranges(j), nq), 0))
+      if has_seg
+      else None,
+      pl.BlockSpec((None, 1, bk), lambda b, h, j, g, i: (b, 0, j)) if has_seg else None,
+      q_row,
+      q_stat,
+      q_stat,
+    ],
+    out_specs=[kv_row, kv_row],
+    out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+    scratch_shapes=[pltpu.VMEM((bk, H), jnp.float32), pltpu.VMEM((bk, H), jnp.float32)],
+    compiler_params=_params(('parallel', 'parallel', 'parallel', 'arbitrary', 'arbitrary')),
+    interpret=interpret,
+    name='sparrow_flash_dkv_tpu',
+  )(q, k, v, q_seg, kv_seg, do, lse, delta)
+  return dq, dk, dv
