@@ -4,8 +4,9 @@
       [--dtype=float32|bfloat16] [--repeats=5] [--json=out.json]
 
 Self attention (T = S), N = 8 heads, batch B = max(1, tokens // (N * T)) so that B * N * T stays
-near a token budget (--tokens): 2^19 on GPU/TPU but 8192 on CPU (B = 1 from T = 1024), so that
-the default CPU sweep (T = 256..4096, float32, xla and chunked) takes a few minutes on 2 cores.
+near a token budget (--tokens): 2^19 on GPU/TPU, 8192 on CPU (B = 1 from T = 1024 on). The default
+CPU sweep (T = 256..4096, float32, xla and chunked) takes ~7 minutes on 2 cores, most of it at
+T = 4096 where B * N = 8 is the floor; --head_dims=64 halves that.
 Times are medians of --repeats synchronised runs after one warm-up, of the forward and of forward
 + backward (jax.vjp, random cotangent). FLOPs follow FlashAttention: forward 4 * B * N * T * S * H,
 forward + backward 3.5x that, causal counted as half; %mm is the fraction of a dense matmul's
@@ -15,14 +16,10 @@ GPUs; a size that fails (e.g. out of memory) keeps its row, with the error.
 """
 
 import json
-import time
-from collections.abc import Callable
 
-import numpy as np
 from absl import flags
 
 from experiments import cli
-from experiments.bench_train import matmul_flops_per_sec  # also defines --matmul_size
 
 IMPLEMENTATIONS = ('xla', 'chunked', 'pallas', 'cudnn')
 NUM_HEADS = 8
@@ -41,6 +38,7 @@ _IMPLS = flags.DEFINE_list('implementations', list(IMPLEMENTATIONS), 'Implementa
 _TOKENS = flags.DEFINE_integer('tokens', None, 'Token budget B * N * T; default by backend.')
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'Timed runs per measurement (after one warm-up).')
 _JSON = flags.DEFINE_string('json', None, 'Also write the rows as a JSON list to this file.')
+_MATMUL = flags.DEFINE_integer('matmul_size', None, 'Reference matmul size n; default by backend.')
 
 
 def _ints(name: str, values: list[str]) -> list[int]:
@@ -72,30 +70,6 @@ def attention_flops(B: int, N: int, T: int, S: int, H: int, causal: bool) -> tup
   return forward, 3.5 * forward
 
 
-def median_seconds(fn: Callable, args: tuple, repeats: int) -> float:
-  """Median wall time of `fn(*args)` until its outputs are ready, after one warm-up call."""
-  import jax
-
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
-def reference_flops_per_sec(n: int, dtype) -> float:
-  """FLOP/s of a dense n x n x n matmul in `dtype` (float32 via bench_train's reference)."""
-  import jax
-  import jax.numpy as jnp
-
-  if dtype == jnp.float32:
-    return matmul_flops_per_sec(n)
-  a, b = (jax.random.normal(jax.random.PRNGKey(i), (n, n), dtype) for i in (0, 1))
-  return 2 * n**3 / median_seconds(jax.jit(jnp.matmul), (a, b), 10)
-
-
 def measure(implementation: str, B: int, T: int, H: int, causal: bool, dtype, repeats: int) -> dict:
   """Times and compiled temp memory of one configuration: forward, and forward + backward."""
   import jax
@@ -117,7 +91,7 @@ def measure(implementation: str, B: int, T: int, H: int, causal: bool, dtype, re
     compiled = jax.jit(fn).lower(*args).compile()
     memory = compiled.memory_analysis()
     row[f'{name}_temp_mib'] = None if memory is None else memory.temp_size_in_bytes / 2**20
-    row[f'{name}_ms'] = 1e3 * median_seconds(compiled, args, repeats)
+    row[f'{name}_ms'] = 1e3 * cli.median_seconds(compiled, args, repeats)
   return row
 
 
@@ -194,8 +168,8 @@ def main():
       rows.append({'implementation': name, 'error': reason})
     else:
       timed.append(name)
-  n = flags.FLAGS.matmul_size if flags.FLAGS['matmul_size'].present else (2048 if on_cpu else 8192)
-  peak = reference_flops_per_sec(n, dtype)
+  n = _MATMUL.value or (2048 if on_cpu else 8192)
+  peak = cli.matmul_flops_per_sec(n, dtype)
   print(
     f'backend {backend} ({jax.devices()[0].device_kind}), {dtype_name}, N={NUM_HEADS}, '
     f'B*N*T ~ {tokens}, {_REPEATS.value} repeats; dense {n}^3 matmul: '

@@ -20,23 +20,6 @@ _STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps (after 2 warm-up steps).
 _MATMUL = flags.DEFINE_integer('matmul_size', 2048, 'Size n of the n x n x n reference matmul.')
 
 
-def matmul_flops_per_sec(n: int, repeats: int = 10) -> float:
-  """Median FLOP/s of a jitted float32 [n, n] @ [n, n] matmul."""
-  import jax
-  import jax.numpy as jnp
-
-  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-  b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32)
-  f = jax.jit(jnp.matmul)
-  f(a, b).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    f(a, b).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return 2 * n**3 / float(np.median(times))
-
-
 def main():
   import jax
   import jax.numpy as jnp
@@ -86,7 +69,7 @@ def main():
     donate_argnums=(0,),
   )
   key = jax.random.PRNGKey(1)
-  peak_before = matmul_flops_per_sec(_MATMUL.value)
+  peak_before = cli.matmul_flops_per_sec(_MATMUL.value)
   compiled = step_fn.lower(state, batch, rng=key).compile()
   memory = compiled.memory_analysis()
   for _ in range(2):  # warm-up
@@ -101,7 +84,7 @@ def main():
   step_time = float(np.median(times))
   tokens_per_step = batch_size * length
   flops = models.flops_per_token(cfg, length)['train'] * tokens_per_step
-  peak_after = matmul_flops_per_sec(_MATMUL.value)
+  peak_after = cli.matmul_flops_per_sec(_MATMUL.value)
   peak = max(peak_before, peak_after)  # the faster reference: the conservative MFU
   achieved = flops / step_time
   devices = jax.device_count()

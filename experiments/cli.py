@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 from collections.abc import Callable
 
 from absl import app, flags, logging
@@ -39,3 +40,26 @@ def run(main: Callable[[], None]) -> None:
       sys.exit(2)
 
   app.run(wrapped)
+
+
+def median_seconds(fn: Callable, args: tuple, repeats: int) -> float:
+  """Median wall time of `fn(*args)` until its outputs are ready, after one warm-up call."""
+  import jax
+  import numpy as np
+
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def matmul_flops_per_sec(n: int, dtype=None, repeats: int = 10) -> float:
+  """Median FLOP/s of a jitted dense [n, n] @ [n, n] matmul (float32 unless `dtype`)."""
+  import jax
+  import jax.numpy as jnp
+
+  a, b = (jax.random.normal(jax.random.PRNGKey(i), (n, n), dtype or jnp.float32) for i in (0, 1))
+  return 2 * n**3 / median_seconds(jax.jit(jnp.matmul), (a, b), repeats)

@@ -122,6 +122,15 @@ class TestInterpretGPU:
     seg = np.repeat(np.array([[1, 2, 3, 0]]), [10, 20, 14, 4], axis=1).astype(np.int32)
     _check(q, k, v, g, tol=1e-5, backend=self.backend, q_seg=seg, kv_seg=seg)
 
+  @pytest.mark.parametrize('head_dim', [96, 128, 256])
+  def test_larger_head_dims_causal(self, head_dim):
+    _check(
+      *_inputs(1, 20, 20, 2, 1, head_dim, jnp.float32, seed=head_dim),
+      tol=1e-5,
+      backend=self.backend,
+      causal=True,
+    )
+
   def test_sliding_window(self):
     _check(
       *_inputs(1, 64, 64, 2, 1, 32, jnp.float32, seed=4),
