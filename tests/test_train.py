@@ -251,3 +251,20 @@ def test_train_step_compiles_once(family, tmp_path):
   for _ in range(4):
     state, _ = run.train_step(state, next(iterator), rng=jax.random.PRNGKey(0))
   assert run.train_step._cache_size() == 1
+
+
+def test_score_counts_tokens_and_matches_numpy(tmp_path):
+  run, _ = _run_and_batch(tiny_config('causal_lm'), tmp_path)
+  params = run.init_state().params
+  texts = ['hello world', 'a', 'a longer line of text to score']
+  scores = run.score(params, texts)
+  assert [count for _, count in scores] == [len(run.task.tokenizer.encode(t)) + 1 for t in texts]
+  # Independent check: the model's log-softmax at each target, summed in NumPy.
+  for text, (total, _) in zip(texts, scores):
+    ids = run.task.tokenizer.encode(text)
+    inputs = np.asarray([[1] + ids], np.int32)
+    logits = np.asarray(run.model.apply({'params': params}, inputs), np.float64)[0]
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # [T, V]
+    expected = -sum(log_probs[i, t] for i, t in enumerate(ids + [2]))
+    np.testing.assert_allclose(total, expected, rtol=1e-4)

@@ -259,10 +259,12 @@ class Run:
       chunk = examples[start : start + dcfg.eval_batch_size]
       if self.family == 'encoder_decoder':
         ids = [tok.encode(src)[: dcfg.max_source_length - 1] + [data.EOS_ID] for src, _ in chunk]
-        out = _jit_translate(self.model, params, _pad(ids, dcfg.max_source_length), max_len)
+        inputs = _pad(ids, dcfg.max_source_length, rows=dcfg.eval_batch_size)
+        out = _jit_translate(self.model, params, inputs, max_len)
       else:
         ids = [[data.BOS_ID] + tok.encode(src)[: dcfg.max_length // 2] for src, _ in chunk]
-        out = _jit_continue(self.model, params, _pad(ids, dcfg.max_length // 2 + 1), max_len)
+        prompt = _pad(ids, dcfg.max_length // 2 + 1, rows=dcfg.eval_batch_size)
+        out = _jit_continue(self.model, params, prompt, max_len)
       for (src, ref), row in zip(chunk, np.asarray(out)):
         outputs.append((src, ref, tok.decode(row.tolist())))
     return outputs
@@ -277,11 +279,12 @@ class Run:
       ids = [
         tok.encode(t)[: length - 1] for t in texts[start : start + self.config.data.eval_batch_size]
       ]
-      inputs = _pad([[data.BOS_ID] + row for row in ids], length)
-      targets = _pad([row + [data.EOS_ID] for row in ids], length)
+      rows = self.config.data.eval_batch_size
+      inputs = _pad([[data.BOS_ID] + row for row in ids], length, rows)
+      targets = _pad([row + [data.EOS_ID] for row in ids], length, rows)
       nll = _jit_token_nll(self.model, params, inputs, targets)
       weights = (inputs != data.PAD_ID).astype(np.float32)
-      for row_nll, row_w in zip(np.asarray(nll), weights):
+      for row_nll, row_w in zip(np.asarray(nll)[: len(ids)], weights[: len(ids)]):
         results.append((float((row_nll * row_w).sum()), int(row_w.sum())))
     return results
 
@@ -303,8 +306,10 @@ def _jit_continue(model, params, prompt, max_len):
   return decode.greedy_continue(model, params, prompt, max_len)
 
 
-def _pad(rows: list[list[int]], length: int) -> np.ndarray:
-  out = np.zeros((len(rows), length), np.int32)
+def _pad(rows: list[list[int]], length: int, num_rows: int | None = None) -> np.ndarray:
+  """Right-pads token rows to [num_rows, length]: one shape per call site, so one compile."""
+  out = np.zeros((max(num_rows or 0, len(rows)), length), np.int32)
+  out[len(rows) :, 0] = data.BOS_ID  # filler rows: a lone bos, never an all-padding row
   for i, row in enumerate(rows):
     out[i, : len(row)] = row
   return out
