@@ -259,11 +259,11 @@ class Run:
       chunk = examples[start : start + dcfg.eval_batch_size]
       if self.family == 'encoder_decoder':
         ids = [tok.encode(src)[: dcfg.max_source_length - 1] + [data.EOS_ID] for src, _ in chunk]
-        inputs = _pad(ids, dcfg.max_source_length, rows=dcfg.eval_batch_size)
+        inputs = _pad(ids, dcfg.max_source_length, num_rows=dcfg.eval_batch_size)
         out = _jit_translate(self.model, params, inputs, max_len)
       else:
         ids = [[data.BOS_ID] + tok.encode(src)[: dcfg.max_length // 2] for src, _ in chunk]
-        prompt = _pad(ids, dcfg.max_length // 2 + 1, rows=dcfg.eval_batch_size)
+        prompt = _pad(ids, dcfg.max_length // 2 + 1, num_rows=dcfg.eval_batch_size)
         out = _jit_continue(self.model, params, prompt, max_len)
       for (src, ref), row in zip(chunk, np.asarray(out)):
         outputs.append((src, ref, tok.decode(row.tolist())))
