@@ -327,7 +327,7 @@ def dot_product_attention(
   k: Array,
   v: Array,
   *,
-  mask: MaskSpec | None = None,
+  mask: MaskSpec | None = MaskSpec(),
   scale: float | None = None,
   implementation: str | None = None,
   return_probs: bool = False,
