@@ -63,6 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.task = 'numbers'  # numbers | grammar (built-in, generated) | text | tsv (local files) | tfds
   d.train_path = ''  # text/tsv: file path or glob; text = a document per line, tsv = src<TAB>tgt
   d.eval_path = ''  # text/tsv: '' holds out the last max(64, 1%) training lines instead
+  d.bad_lines = 'error'  # text/tsv/tfds: error | skip (bad UTF-8, columns; counted); blanks skip
   d.tfds_name = 'wmt14_translate/de-en'  # tfds: dataset name, e.g. 'wmt17_translate/de-en', 'lm1b'
   d.tfds_data_dir = ''  # tfds: where datasets are stored; '' = TFDS default (~/tensorflow_datasets)
   d.tfds_train_split = 'train'  # tfds: training split (any TFDS split string, e.g. 'train[:10%]')
@@ -72,6 +73,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.tfds_text_key = 'text'  # tfds LM datasets: the feature holding the text (lm1b: 'text')
   d.tokenizer = 'byte'  # byte (261 ids) | sentencepiece (trained on the training split)
   d.vocab_size = 32000  # sentencepiece: target vocabulary size (tiny corpora may give fewer)
+  d.vocab_multiple = 1  # the model's vocabulary is the tokenizer's rounded up to a multiple of this
   d.spm_train_lines = 1_000_000  # sentencepiece: trains on the first this many training examples
   d.max_length = 256  # LM families: tokens per row; encoder_decoder ignores it
   d.max_source_length = 256  # encoder_decoder: source tokens (incl. eos); LM pairs: source part
@@ -98,12 +100,35 @@ def get_config() -> ml_collections.ConfigDict:
   t.log_every = 50  # steps between console/TensorBoard scalars
   t.eval_every = 500  # steps between evaluations (and at the end)
   t.checkpoint_every = 500  # steps between checkpoints (and at the end)
+  t.checkpoint_every_seconds = 0.0  # also checkpoint this long after the last save; 0 = off
   t.keep_checkpoints = 3  # how many recent checkpoints to keep
   t.num_samples = 4  # sample outputs printed and logged at each evaluation
   t.eval_decode_examples = 256  # held-out examples decoded for BLEU / exact match (0 = skip)
   t.max_decode_length = 64  # longest greedy decode during evaluation
   t.loss_scale = 2.0**15  # float16 only: initial dynamic loss scale
   t.loss_scale_period = 2000  # float16 only: good steps before the loss scale doubles
+  # A step with a NaN/Inf loss or gradient is never applied. Then: skip (go on) | halt (error naming
+  # the first non-finite tensor) | rollback (to the last checkpoint, past the batch) | auto.
+  t.nonfinite = 'auto'  # auto = skip for float16 (loss scaling), halt otherwise
+  t.spike_factor = 0.0  # a loss above this x the running median is a spike, logged; 0 = off
+  t.spike_window = 100  # losses in that running median
+  t.spike_rollback = False  # a spike also rolls back to the last checkpoint, past its batch
+
+  # Devices: transformer.sharding ----------------------------------------------------------------
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor) devices; -1 = all devices left over
+  # Logical axis -> comma-separated mesh axes ('' = replicated); rules earlier in this list claim
+  # their mesh axes first, so activations [batch, length, embed] keep embed whole.
+  r = config.mesh.rules = ml_collections.ConfigDict()
+  r.batch = 'data,fsdp'  # batch rows: data parallel over both data and fsdp
+  r.length = ''  # sequence positions
+  r.embed = 'fsdp'  # d_model of weights: FSDP (ZeRO-3) shards parameters and optimizer state
+  r.heads = 'tensor'  # attention heads: Megatron-style tensor parallel
+  r.kv_heads = 'tensor'  # key/value heads (GQA/MQA): must divide by the tensor size
+  r.kv = ''  # head_dim
+  r.mlp = 'tensor'  # feed-forward hidden units: tensor parallel
+  r.vocab = 'tensor'  # embedding rows and logits: tensor parallel (see data.vocab_multiple)
+  r.layers = ''  # the stacked layer axis of scan_layers
 
   # Optimizer and schedule: transformer.optim ---------------------------------------------------
   o = config.optim = ml_collections.ConfigDict()

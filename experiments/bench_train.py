@@ -1,13 +1,15 @@
-"""Training-step speed: tokens/s, peak memory and model FLOP utilisation (MFU) for a config.
+"""Training-step speed: tokens/s, memory per device and model FLOP utilisation (MFU) for a config.
 
   python -m experiments.bench_train --config=configs/gpt_bench.py [--steps=10]
+  python -m experiments.bench_train --config=configs/gpt_bench.py --config.mesh.shape='(1,2,4)'
 
-The step is `transformer.train.train_step`, jitted exactly as in training, on random tokens of the
-config's batch and length. MFU = model FLOPs/s (transformer.models.flops_per_token) divided by the
-FLOP/s of a large dense float32 matmul timed in the same process. Medians over the timed steps.
+The step is `transformer.train.Run.train_step`, jitted with the shardings of `config.mesh` exactly
+as in training, on random tokens of the config's batch and length. MFU = model FLOPs/s
+(transformer.models.flops_per_token) divided by the FLOP/s of a large dense float32 matmul timed in
+the same process (on all devices at once, so it is only meaningful on one device). Medians over
+the timed steps; memory is XLA's compiled estimate for one device.
 """
 
-import functools
 import time
 
 import numpy as np
@@ -22,16 +24,12 @@ _MATMUL = flags.DEFINE_integer('matmul_size', 2048, 'Size n of the n x n x n ref
 
 def main():
   import jax
-  import jax.numpy as jnp
 
-  from transformer import models, optim, train
-  from transformer.config import ModelConfig
+  from transformer import models, train
 
   config = _CONFIG.value
-  cfg = ModelConfig.from_config(config.model)
-  model = models.build(cfg)
-  ocfg = train.optim_config(config, cfg)
-  tx, schedule = optim.make_optimizer(ocfg), optim.make_schedule(ocfg)
+  run = train.Run(config, None, with_data=False)
+  cfg = run.model_cfg
   batch_size = config.data.batch_size
   length = (
     config.data.max_length if cfg.family != 'encoder_decoder' else config.data.max_target_length
@@ -52,33 +50,20 @@ def main():
   }
   batch['inputs_positions'] = batch['targets_positions'] = batch['positions']
   needed = train.model_inputs(cfg.family, batch).keys() | {'targets', 'weights'}
-  batch = {k: jnp.asarray(v) for k, v in batch.items() if k in needed}
-
-  state = train.create_state(model, cfg, tx, config.seed, config.train.loss_scale)
-  step_fn = jax.jit(
-    functools.partial(
-      train.train_step,
-      model=model,
-      family=cfg.family,
-      tx=tx,
-      schedule=schedule,
-      label_smoothing=config.train.label_smoothing,
-      accum_steps=config.train.grad_accum_steps,
-      dynamic_scale=cfg.dtype == 'float16',
-    ),
-    donate_argnums=(0,),
-  )
-  key = jax.random.PRNGKey(1)
+  batch = run.place({k: v for k, v in batch.items() if k in needed})
+  state = run.init_state()
+  step_fn = run.train_step
+  key = run.replicate(jax.random.PRNGKey(1))
   peak_before = cli.matmul_flops_per_sec(_MATMUL.value)
-  compiled = step_fn.lower(state, batch, rng=key).compile()
+  compiled = step_fn.lower(state, batch, key).compile()
   memory = compiled.memory_analysis()
   for _ in range(2):  # warm-up
-    state, metrics = step_fn(state, batch, rng=key)
+    state, metrics = step_fn(state, batch, key)
   jax.block_until_ready(metrics)
   times = []
   for _ in range(_STEPS.value):
     start = time.perf_counter()
-    state, metrics = step_fn(state, batch, rng=key)
+    state, metrics = step_fn(state, batch, key)
     jax.block_until_ready(metrics)
     times.append(time.perf_counter() - start)
   step_time = float(np.median(times))
@@ -91,10 +76,11 @@ def main():
   mem = 'n/a'
   if memory is not None:
     total = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
-    mem = f'{total / 2**20:.0f} MiB (temp {memory.temp_size_in_bytes / 2**20:.0f})'
+    mem = f'{total / 2**20:.0f} MiB per device (temp {memory.temp_size_in_bytes / 2**20:.0f})'
   rows = [
     ('config', config.name),
     ('backend / devices', f'{jax.default_backend()} x {devices}'),
+    ('mesh (data, fsdp, tensor)', str(tuple(run.partitioner.mesh.shape.values()))),
     ('parameters', f'{models.count_params(cfg):,}'),
     ('batch x length', f'{batch_size} x {length}'),
     (

@@ -24,15 +24,24 @@ def define_config(default: str = 'configs/default.py') -> flags.FlagHolder:
 
 
 def run(main: Callable[[], None]) -> None:
-  """Runs `main` under absl; user errors print `error: ...` and exit with status 2."""
+  """Runs `main` under absl; user errors print `error: ...` and exit with status 2.
+
+  A run stopped by SIGTERM/SIGINT after its checkpoint prints `preempted: ...` and exits with
+  status `transformer.faults.EXIT_PREEMPTED` (75): rerun the same command to resume.
+  """
 
   def wrapped(argv):
     if len(argv) > 1:
       raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
     logging.set_verbosity(logging.WARNING)  # progress goes to stdout; keep absl INFO out of it
+    from transformer import faults  # after flag parsing: keeps --help fast
+
     try:
       main()
+    except faults.Preempted as stop:
+      print(f'preempted: {stop}', file=sys.stderr, flush=True)
+      sys.exit(faults.EXIT_PREEMPTED)
     except USER_ERRORS as error:
       if _DEBUG.value:
         raise

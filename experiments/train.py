@@ -2,6 +2,8 @@
 
 Any config key can be overridden: --config.model.num_heads=4 --config.train.steps=3000.
 Rerunning the same command on the same workdir resumes from the latest checkpoint.
+Multi-process: add --coordinator_address=HOST:PORT --num_processes=N --process_id=I on each host
+(SLURM and Cloud TPU pod slices are detected without them); see README "Scaling out".
 A config file is Python code: run only configs you trust.
 """
 
@@ -13,11 +15,18 @@ from experiments import cli
 
 _CONFIG = cli.define_config()
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory; default runs/<config name>.')
+_COORDINATOR = flags.DEFINE_string(
+  'coordinator_address', None, 'Multi-process: host:port of process 0 (jax.distributed).'
+)
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Multi-process: number of processes.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'Multi-process: this process, 0-based.')
 
 
 def main():
-  from transformer import train  # imported after flag parsing: keeps --help fast
+  from transformer import sharding, train  # imported after flag parsing: keeps --help fast
 
+  # Before anything touches a device; also auto-detects SLURM and Cloud TPU pod slices.
+  sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   config = _CONFIG.value
   train.train_and_evaluate(config, _WORKDIR.value or os.path.join('runs', config.name))
 

@@ -3,6 +3,7 @@
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -282,6 +283,288 @@ def test_orbax_info_logging_is_dropped_and_warnings_kept(tmp_path, caplog, monke
   assert keep(record(logging.INFO, '/x/transformer/train.py'))
 
 
+# Faults: damaged checkpoints, interrupted saves, a full disk ----------------------------------
+def _big_state(seed: int) -> dict:
+  """A state whose largest file on disk is the array data of 'big' (16 KiB of float32)."""
+  rng = np.random.default_rng(seed)
+  return {
+    'big': jnp.asarray(rng.standard_normal(4096), jnp.float32),
+    'small': {'b': jnp.asarray(rng.standard_normal(3), jnp.bfloat16), 'n': jnp.int32(seed)},
+  }
+
+
+def _three_checkpoints(tmp_path):
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=5)
+  states = {step: _big_state(step) for step in (1, 2, 3)}
+  for step, state in states.items():
+    assert ckpt.save(step, state, {'position': step})
+  ckpt.close()
+  return states
+
+
+def _largest_file(directory) -> str:
+  paths = [os.path.join(root, name) for root, _, names in os.walk(directory) for name in names]
+  return max(paths, key=os.path.getsize)
+
+
+def _rewrite(path, change):
+  with open(path, 'rb') as f:
+    data = f.read()
+  with open(path, 'wb') as f:
+    f.write(change(data))
+
+
+def _flip_middle(data: bytes) -> bytes:
+  middle = len(data) // 2
+  return data[:middle] + bytes([data[middle] ^ 0x10]) + data[middle + 1 :]
+
+
+_DAMAGE = {  # what can happen to the files of one checkpoint
+  'array bytes flipped': lambda d: _rewrite(_largest_file(d / 'state'), _flip_middle),
+  'array file truncated': lambda d: _rewrite(
+    _largest_file(d / 'state'), lambda b: b[: len(b) // 2]
+  ),
+  'array file zeroed': lambda d: _rewrite(_largest_file(d / 'state'), lambda b: bytes(len(b))),
+  'array file deleted': lambda d: os.remove(_largest_file(d / 'state')),
+  'array metadata unreadable': lambda d: (d / 'state' / '_METADATA').write_bytes(b'{"tree_m'),
+  'data state changed': lambda d: (d / 'data' / 'metadata').write_text('{"position": 999}'),
+  'integrity record deleted': lambda d: shutil.rmtree(d / 'integrity'),
+  'integrity record edited': lambda d: _rewrite(
+    d / 'integrity' / 'metadata', lambda b: b.replace(b'"float32"', b'"float16"', 1)
+  ),
+}
+
+
+@pytest.mark.parametrize('damage', list(_DAMAGE))
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(damage, tmp_path, caplog):
+  states = _three_checkpoints(tmp_path)
+  directory = tmp_path / 'checkpoints'
+  _DAMAGE[damage](directory / '3')
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=5)
+  with pytest.raises(
+    checkpoint.CorruptCheckpointError, match=re.escape(f'{directory}/3 is corrupt')
+  ):
+    ckpt.restore(_abstract(states[3]), step=3)  # an explicit step never falls back
+  assert ckpt.all_steps() == [1, 2, 3]  # ... nor moves anything
+
+  with caplog.at_level(logging.WARNING):
+    restored, data_state, step = ckpt.restore(_abstract(states[3]))
+  assert step == 2 and data_state == {'position': 2}
+  _assert_trees_equal(restored, states[2])
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warnings) == 1, warnings
+  assert (
+    f'{directory}/3 is corrupt' in warnings[0]
+    and f'restored checkpoint {directory}/2' in warnings[0]
+  )
+  # The damaged one is kept for inspection but no longer listed, so saving resumes normally.
+  assert ckpt.all_steps() == [1, 2] and (directory / '3.corrupt').is_dir()
+  assert ckpt.save(3, _big_state(33), {'position': 33})
+  ckpt.close()
+  restored, data_state, step = checkpoint.Checkpointer(str(tmp_path)).restore(_abstract(states[3]))
+  assert step == 3 and data_state == {'position': 33}
+  _assert_trees_equal(restored, _big_state(33))
+
+
+def test_checksums_catch_what_orbax_reads_without_complaint(tmp_path, monkeypatch):
+  states = _three_checkpoints(tmp_path)
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=5)
+  manager = ckpt._manager
+  real_restore = manager.restore
+
+  def one_bit_off(step, args):  # as if a flipped bit on disk decoded without error
+    restored = real_restore(step, args=args)
+    if 'state' in restored:
+      big = np.asarray(restored['state']['big']).copy()
+      big.view(np.uint32)[1234] ^= 1 << 7
+      restored['state']['big'] = jnp.asarray(big)
+    return restored
+
+  monkeypatch.setattr(manager, 'restore', one_bit_off)
+  with pytest.raises(checkpoint.CorruptCheckpointError, match="array 'big' does not match"):
+    ckpt.restore(_abstract(states[3]), step=3)
+  ckpt.close()
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16', 'float16', 'int8', 'uint32', 'bool'])
+def test_checksums_see_every_single_bit(dtype):
+  x = np.random.default_rng(0).integers(0, 2, 4096 * 4, dtype=np.uint8)
+  x = x.view(np.uint8 if dtype == 'bool' else jnp.dtype(dtype))
+  x = x.astype(bool) if dtype == 'bool' else x
+  base = checkpoint._checksums({'x': x})['x']
+  raw = x.view(np.uint8).copy()
+  for index in [0, 1, 777, raw.size - 1]:
+    for bit in [0, 3, 7] if dtype != 'bool' else [0]:
+      flipped = raw.copy()
+      flipped[index] ^= 1 << bit
+      assert checkpoint._checksums({'x': flipped.view(x.dtype)})['x'] != base, (index, bit)
+  moved = np.roll(x, 1)  # same values, other places
+  assert checkpoint._checksums({'x': moved})['x'] != base
+
+
+def test_every_checkpoint_damaged_is_one_error_listing_them(tmp_path):
+  states = _three_checkpoints(tmp_path)
+  for step in (1, 2, 3):
+    _DAMAGE['array file deleted'](tmp_path / 'checkpoints' / str(step))
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  with pytest.raises(checkpoint.CorruptCheckpointError) as error:
+    ckpt.restore(_abstract(states[3]))
+  message = str(error.value)
+  assert 'no checkpoint in' in message and all(f'step {s}: ' in message for s in (1, 2, 3))
+  assert ckpt.all_steps() == [1, 2, 3]  # nothing is moved when nothing could be restored
+  ckpt.close()
+
+
+def test_a_config_mismatch_is_not_taken_for_damage(tmp_path):
+  states = _three_checkpoints(tmp_path)
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  wrong = {**states[3], 'big': jnp.zeros(5)}
+  with pytest.raises(ValueError, match=r"'big' of shape \(4096,\).*\(5,\)"):
+    ckpt.restore(_abstract(wrong))
+  assert ckpt.all_steps() == [1, 2, 3]
+  ckpt.close()
+
+
+def test_restore_into_another_dtype_is_checked_then_cast(tmp_path):
+  states = _three_checkpoints(tmp_path)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), states[3])
+  target['big'] = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)
+  restored, _, step = checkpoint.Checkpointer(str(tmp_path)).restore(target)
+  assert step == 3 and restored['big'].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(restored['big'], states[3]['big'].astype(jnp.bfloat16))
+
+
+_INTERRUPTED_SAVE = """
+import os, sys
+import jax.numpy as jnp
+from orbax.checkpoint._src.path import atomicity
+from transformer import checkpoint
+
+ckpt = checkpoint.Checkpointer(sys.argv[1])
+ckpt.save(1, {'x': jnp.arange(8.0)}, {'position': 1})
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+async def die_before_the_rename(self):  # every file of step 2 is written; the process dies
+  if self.get().name.startswith('2.orbax-checkpoint-tmp'):
+    os._exit(17)
+  return await finalize(self)
+
+atomicity.AtomicRenameTemporaryPath.finalize = die_before_the_rename
+ckpt.save(2, {'x': jnp.arange(8.0) + 1}, {'position': 2})
+"""
+
+
+def test_a_save_killed_before_its_rename_is_never_listed(tmp_path):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint.__file__)))
+  result = subprocess.run(
+    [sys.executable, '-c', textwrap.dedent(_INTERRUPTED_SAVE), str(tmp_path)],
+    cwd=root,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert result.returncode == 17, result.stderr[-3000:]
+  directory = tmp_path / 'checkpoints'
+  (partial,) = [n for n in os.listdir(directory) if n.startswith('2.')]
+  assert os.path.isdir(directory / partial / 'state') and os.path.isdir(
+    directory / partial / 'data'
+  )
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  assert ckpt.all_steps() == [1] and os.listdir(directory) == ['1']  # the partial save is removed
+  restored, data_state, step = ckpt.restore({'x': jax.ShapeDtypeStruct((8,), jnp.float32)})
+  assert step == 1 and data_state == {'position': 1}
+  np.testing.assert_array_equal(restored['x'], np.arange(8.0))
+  ckpt.close()
+
+
+_FULL_DISK = """
+import os, shutil, sys
+import jax, jax.numpy as jnp, numpy as np
+from transformer import checkpoint
+
+workdir, ballast_bytes = sys.argv[1], int(sys.argv[2])
+state = {'x': jnp.asarray(np.random.default_rng(0).integers(0, 256, 256 * 1024, dtype=np.uint8))}
+abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+for async_save in (False, True):
+  if os.path.exists(workdir):
+    shutil.rmtree(workdir)
+  ckpt = checkpoint.Checkpointer(workdir, async_save=async_save)
+  ckpt.save(1, state, {'position': 1})
+  ckpt.wait()
+  ballast = os.path.join(os.path.dirname(workdir), 'ballast')
+  if ballast_bytes:
+    with open(ballast, 'wb') as f:  # leaves less room than one more checkpoint needs
+      f.write(b'x' * max(0, shutil.disk_usage(workdir).free - ballast_bytes))
+  else:
+    import resource, signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+  try:
+    ckpt.save(2, state, {'position': 2})
+    ckpt.wait()
+    raise SystemExit('the save into a full file system did not fail')
+  except checkpoint.CheckpointError as error:
+    message = str(error)
+  print(message)
+  directory = os.path.join(workdir, 'checkpoints')
+  assert f'could not save checkpoint 2 in {directory}: ' in message, message
+  assert ' free of ' in message and 'checkpoint 1 is intact' in message, message
+  assert os.listdir(directory) == ['1'], os.listdir(directory)  # no partial directory
+  assert ckpt.all_steps() == [1]
+  _, data_state, step = checkpoint.Checkpointer(workdir).restore(abstract)
+  assert (step, data_state) == (1, {'position': 1})
+  if ballast_bytes:
+    os.remove(ballast)  # space again: the same Checkpointer saves
+  else:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+  assert ckpt.save(2, state, {'position': 2})
+  ckpt.close()
+  assert checkpoint.Checkpointer(workdir).restore(abstract)[2] == 2
+print('full disk ok')
+"""
+
+
+def _size_capped_runs(script: str, workdir: str) -> list[list[str]]:
+  """Ways to run `script` against a size-capped file system here, best first.
+
+  A 1 MiB tmpfs mounted in a private mount namespace (unshare: unprivileged through a user
+  namespace, or as root), gone when the process ends; else RLIMIT_FSIZE, which fails writes past a
+  file size with EFBIG: a per-file limit, not a full disk, so only a fallback.
+  """
+  mount = os.path.join(os.path.dirname(workdir), 'fs')
+  python = [sys.executable, '-c', script, os.path.join(mount, 'run')]
+  inner = f'mkdir -p {mount} && mount -t tmpfs -o size=1m sparrow-test {mount} && exec "$@"'
+  runs = []
+  if shutil.which('unshare'):
+    for flags in (['--user', '--map-root-user', '--mount'], ['--mount']):
+      probe = ['unshare', *flags, 'sh', '-c', inner, 'sh', 'true']
+      if subprocess.run(probe, capture_output=True, timeout=60).returncode == 0:
+        runs.append(['unshare', *flags, 'sh', '-c', inner, 'sh', *python, str(200 * 1024)])
+  runs.append([sys.executable, '-c', script, workdir, '0'])
+  return runs
+
+
+def test_a_full_disk_is_one_clear_error_and_keeps_the_previous_checkpoint(tmp_path):
+  """Saves into a 1 MiB tmpfs (see _size_capped_runs), sync and async.
+
+  Only where no mount namespace can be made does it fall back to RLIMIT_FSIZE (EFBIG).
+  """
+  command = _size_capped_runs(textwrap.dedent(_FULL_DISK), str(tmp_path / 'run'))[0]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint.__file__)))
+  result = subprocess.run(
+    command,
+    cwd=root,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    capture_output=True,
+    text=True,
+    timeout=180,
+  )
+  assert result.returncode == 0 and 'full disk ok' in result.stdout, result.stderr[-3000:]
+  assert result.stdout.count('No space left on device') == 2 or command[0] != 'unshare'
+  assert 'Traceback' not in result.stderr  # orbax's own error log for it is dropped
+
+
 # Run metadata ----------------------------------------------------------------------------------
 def _config(**model_overrides) -> ml_collections.ConfigDict:
   config = base.get_config()
@@ -394,3 +677,23 @@ def test_check_resume_compatible_passes_without_checkpoints(tmp_path):
   checkpoint.check_resume_compatible(str(tmp_path / 'new'), _config())  # a fresh workdir
   checkpoint.write_run_metadata(str(tmp_path), _config())  # a run that never saved a step
   checkpoint.check_resume_compatible(str(tmp_path), _config(d_model=512))
+
+
+def test_host_checksums_equal_the_device_checksums():
+  """The NumPy fast path (single process) computes exactly the jitted device checksums."""
+  rng = np.random.default_rng(0)
+  leaves = [
+    rng.normal(size=(33, 7)).astype(np.float32),
+    rng.integers(-5, 5, size=(5,)).astype(np.int32),
+    jnp.asarray(rng.normal(size=(9,)), jnp.bfloat16),
+    np.asarray(True),
+    rng.integers(0, 255, size=(17,)).astype(np.uint8),
+    jnp.float16(3.5),
+    np.zeros((0, 3), np.float32),
+    np.asarray(-3, np.int8),
+    rng.integers(0, 2**32 - 1, size=(100_000,), dtype=np.uint32),  # sums wrap around 2^32
+  ]
+  host = checkpoint._host_checksums(leaves)
+  device = np.asarray(checkpoint._leaf_checksums([jnp.asarray(x) for x in leaves]))
+  assert host is not None and host.dtype == np.uint32
+  np.testing.assert_array_equal(host, device)

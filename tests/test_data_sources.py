@@ -1,11 +1,18 @@
 """Tests of the text/TSV file tasks (and their errors) and of TFDS tasks via mock_data."""
 
+import logging
+import os
+import time
+import tracemalloc
+
 import numpy as np
 import pytest
 
 from transformer import data
+from transformer.data import batching, sources, tasks
 
 EOS = 2
+_LM = dict(family='causal_lm', workdir=None, seed=0)
 
 
 def _cfg(**overrides):
@@ -162,3 +169,142 @@ def test_tfds_missing_feature(tfds_mock, tmp_path):
   cfg.tfds_data_dir = str(tmp_path)
   with tfds_mock(num_examples=4), pytest.raises(ValueError, match=r"no feature\(s\) \['fr'\]"):
     data.build(cfg, family='encoder_decoder', workdir=None, seed=0)
+
+
+# Hostile files: bad lines, huge lines, token ids outside the vocabulary -------------------------
+def test_bad_lines_error_names_the_file_line_and_the_knob(tmp_path):
+  bad = tmp_path / 'bad.txt'
+  bad.write_bytes(b'fine\n\xc3\x28 broken\n')
+  with pytest.raises(ValueError, match=r"bad.txt:2: invalid UTF-8 at byte 0.*bad_lines='skip'"):
+    sources.read_lines(str(bad), 'train_path')
+  with pytest.raises(ValueError, match="bad_lines='sometimes' is not valid"):
+    sources.read_lines(str(bad), 'train_path', bad_lines='sometimes')
+  with pytest.raises(ValueError, match="bad_lines='sometimes' is not valid"):
+    data.build(_cfg(task='text', train_path=str(bad), bad_lines='sometimes'), **_LM)
+
+
+def test_bad_lines_skip_leaves_them_out_and_counts_them_per_file(tmp_path, caplog):
+  (tmp_path / 'a.tsv').write_bytes(b'a\tb\n\xff\xfe\tx\n\nc\td\none column\ne\t \nf\tg\n')
+  (tmp_path / 'b.tsv').write_bytes(b'h\ti\n')
+  with caplog.at_level(logging.WARNING):
+    pairs = sources.read_lines(str(tmp_path / '*.tsv'), 'train_path', 2, bad_lines='skip')
+  assert pairs == [('a', 'b'), ('c', 'd'), ('f', 'g'), ('h', 'i')]
+  (message,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert 'a.tsv: skipped 3 bad line(s)' in message and 'first: line 2: invalid UTF-8' in message
+  only_bad = tmp_path / 'only_bad.txt'
+  only_bad.write_bytes(b'\xff\n\n\xfe\n')
+  with pytest.raises(ValueError, match='only_bad.txt.*no usable lines'):
+    sources.read_lines(str(only_bad), 'train_path', bad_lines='skip')
+
+
+def test_over_long_lines_are_bad_lines_and_never_read_whole(tmp_path):
+  path = tmp_path / 'long.tsv'
+  path.write_bytes(b'a\tb\n' + b'x' * 5000 + b'\tz\nc\td\n' + b'y' * 3000)  # the last: no newline
+  with pytest.raises(ValueError, match=r'long.tsv:2: line is longer than 1000 bytes'):
+    sources.read_lines(str(path), 'train_path', 2, max_line_bytes=1000)
+  pairs = sources.read_lines(str(path), 'train_path', 2, bad_lines='skip', max_line_bytes=1000)
+  assert pairs == [('a', 'b'), ('c', 'd')]
+
+
+def test_a_50_mb_line_is_cut_before_tokenizing(tmp_path):
+  train = tmp_path / 'train.txt'
+  with open(train, 'w') as f:
+    f.write(''.join(f'line {i}\n' for i in range(40)))
+    f.write('word ' * (10 * 2**20) + '\n')  # 50 MiB, one line
+  evaluation = _write(tmp_path / 'eval.txt', ['a b c d', 'z ' * (2**20)])
+  tracemalloc.start()
+  try:
+    start = time.perf_counter()
+    task = data.build(_cfg(task='text', train_path=str(train), eval_path=evaluation), **_LM)
+    seconds = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  # A 50 MiB line costs its bytes and its text, not a list of 50 M token ids (650 MiB).
+  assert peak < 300 * 2**20, f'{peak / 2**20:.0f} MiB'
+  assert seconds < 20
+  assert task.info['num_train_examples'] == 41 and task.info['truncated_train'] == 1
+  assert task.info['train_tokens_max'] <= tasks.max_chars((64, 32))
+  assert max(len(s) + len(r) for s, r in task.eval_examples(2)) <= 2 * tasks.max_chars((64, 32))
+  batches = [next(task.train_iterator()) for _ in range(3)]
+  assert all(b['inputs'].shape == (4, 64) for b in batches)
+
+
+class _BrokenTokenizer(data.ByteTokenizer):
+  """Gives the letter z an id past the vocabulary, as an inconsistent tokenizer file would."""
+
+  def encode(self, text):
+    z = ord('z') + 5
+    return [i + 1000 if i == z else i for i in super().encode(text)]
+
+
+def test_out_of_range_token_ids_are_one_clear_error(tmp_path, monkeypatch):
+  monkeypatch.setattr(tasks, 'ByteTokenizer', _BrokenTokenizer)
+  lines = [f'line {i}' for i in range(70)]
+  lines[5] = 'has a z here'
+  train = _write(tmp_path / 'train.txt', lines)
+  message = (
+    r'the byte tokenizer gave token id 1127, outside its vocab_size=261 \(valid ids 0\.\.260\), '
+    r"for data\.train_path='.*train\.txt' example 5 \('has a z here'\)"
+  )
+  with pytest.raises(ValueError, match=message):
+    data.build(_cfg(task='text', train_path=train, eval_path=train), **_LM)
+  lines[5] = 'line 5' + ' pad' * 40 + ' z'  # past max_length: cut away, so harmless
+  ok = _write(tmp_path / 'ok.txt', lines)
+  data.build(_cfg(task='text', train_path=ok, eval_path=ok, max_length=16), **_LM)
+
+
+def test_batches_are_checked_for_token_ids_too():
+  batch = {'inputs': np.array([[1, 5, 7], [1, 300, 0]]), 'targets': np.zeros((2, 3), np.int32)}
+  with pytest.raises(ValueError, match=r'batch 3: inputs\[1, 1\] = 300 .*valid: 0\.\.260'):
+    batching.check_token_ids(batch, 261, 'batch 3')
+  batch['inputs'][1, 1] = -1
+  with pytest.raises(ValueError, match=r'inputs\[1, 1\] = -1'):
+    batching.check_token_ids(batch, 261, 'batch 3')
+  batch['inputs'][1, 1] = 260
+  batching.check_token_ids(batch, 261, 'batch 3')
+
+
+# The workdir's tokenizer: written whole, never replaced ------------------------------------------
+def _text_cfg(tmp_path, **overrides):
+  train = _write(tmp_path / 'train.txt', [f'the line number {i}' for i in range(80)])
+  return _cfg(task='text', train_path=train, eval_path=train, **overrides)
+
+
+def test_the_tokenizer_is_written_whole(tmp_path, monkeypatch):
+  workdir = tmp_path / 'run'
+  (workdir / '.tokenizer.tmp-left-by-a-crash').mkdir(parents=True)
+
+  def save_then_fail(self, directory):
+    with open(os.path.join(directory, 'tokenizer.json'), 'w') as f:
+      f.write('{"kind": "by')
+    raise OSError(28, 'No space left on device')
+
+  with monkeypatch.context() as patch:
+    patch.setattr(data.ByteTokenizer, 'save', save_then_fail)
+    with pytest.raises(OSError, match='No space left'):
+      data.build(_text_cfg(tmp_path), family='causal_lm', seed=0, workdir=str(workdir))
+  assert os.listdir(workdir) == []  # neither half a tokenizer nor temp directories
+  data.build(_text_cfg(tmp_path), family='causal_lm', seed=0, workdir=str(workdir))
+  assert os.listdir(workdir) == ['tokenizer']
+  assert data.load_tokenizer(str(workdir / 'tokenizer')).kind == 'byte'
+
+
+def test_a_tokenizer_is_never_replaced(tmp_path):
+  cache = tmp_path / 'tokenizer'
+  cache.mkdir()
+  (cache / 'tokenizer.json').write_text('{"kind": "byte", "vocab_size": 261}')
+  before = (cache / 'tokenizer.json').read_bytes()
+  assert not tasks._save_whole(data.ByteTokenizer(), str(cache))  # e.g. a concurrent run's
+  assert (cache / 'tokenizer.json').read_bytes() == before and os.listdir(tmp_path) == ['tokenizer']
+  (cache / 'tokenizer.json').write_text('{"kind": "byt')
+  with pytest.raises(ValueError, match=r"tokenizer' holds no readable tokenizer"):
+    data.build(_text_cfg(tmp_path), family='causal_lm', seed=0, workdir=str(tmp_path))
+
+
+def test_sentencepiece_is_not_retrained_under_existing_checkpoints(tmp_path):
+  (tmp_path / 'run' / 'checkpoints' / '100').mkdir(parents=True)
+  cfg = _text_cfg(tmp_path, tokenizer='sentencepiece', vocab_size=40)
+  with pytest.raises(ValueError, match='has checkpoints but no tokenizer/'):
+    data.build(cfg, family='causal_lm', seed=0, workdir=str(tmp_path / 'run'))
+  assert sorted(os.listdir(tmp_path / 'run')) == ['checkpoints']

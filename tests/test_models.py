@@ -43,7 +43,7 @@ class Jitted:
 
 def init(cfg, seed=0):
   model = models.build(cfg)
-  params = jax.jit(model.init)(jax.random.PRNGKey(seed), **model.dummy_inputs())['params']
+  params = jax.jit(models.init_params, static_argnums=0)(model, jax.random.PRNGKey(seed))
   return Jitted(model), params
 
 

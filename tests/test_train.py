@@ -249,7 +249,7 @@ def test_train_step_compiles_once(family, tmp_path):
   run, _ = _run_and_batch(tiny_config(family), tmp_path)
   state, iterator = run.init_state(), run.task.train_iterator()
   for _ in range(4):
-    state, _ = run.train_step(state, next(iterator), rng=jax.random.PRNGKey(0))
+    state, _ = run.train_step(state, run.place(next(iterator)), jax.random.PRNGKey(0))
   assert run.train_step._cache_size() == 1
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from transformer import positions as positions_lib
+from transformer import sharding
 
 _NEG = -1e30  # logit of a masked entry: finite, so fully masked rows never produce NaN
 _DENSE_MAX_ELEMENTS = 1024 * 1024  # auto-select 'xla' while one head's T * S logits fit this
@@ -385,6 +386,50 @@ def dot_product_attention(
   return _IMPLEMENTATIONS[implementation](q, k, v, **kwargs)
 
 
+# KV cache for decoding ---------------------------------------------------------------------
+class CacheMode(NamedTuple):
+  """How `MultiHeadAttention` uses its KV cache (the flax collection 'cache') while decoding.
+
+  'prefill' runs a whole prompt through the configured implementation and writes its keys and
+  values into a fresh cache: `length` slots for self attention, the encoder's S keys for cross
+  attention. 'step' runs one token per row: self attention writes its key/value at the row's
+  position (positions double as cache slots) and attends to slots <= that position; cross
+  attention reuses the encoder's cached keys/values. Each cache leaf is `[B, L, K, H]` (a scanned
+  stack prepends a layer axis).
+  """
+
+  phase: str  # 'prefill' | 'step'
+  length: int  # L: self-attention slots = longest prompt + tokens to generate
+
+
+def _attend_one_step(q, k, v, visible, *, scale, alibi_slopes=None, q_pos=None) -> Array:
+  """One query per row against cached keys: dense float32 logits [B, K, G, L] are cheap here.
+
+  Kept apart from `dot_product_attention` because the mask and the ALiBi bias depend on each row's
+  own position, which the top-left aligned `MaskSpec` cannot express.
+
+  Args:
+    q: `[B, 1, N, H]`; k, v: `[B, L, K, H]`; visible: bool `[B or 1, L]`.
+    alibi_slopes: optional `[N]`, with q_pos `[B]` the query positions (keys sit at 0..L-1).
+  Returns:
+    `[B, 1, N, H]` in q.dtype; a row that sees no key gives 0.
+  """
+  B, _, N, H = q.shape
+  L, K = k.shape[1], k.shape[2]
+  f32 = jnp.float32
+  qg = q.reshape(B, K, N // K, H)  # [B, K, G, H]
+  logits = jnp.einsum('bkgh,blkh->bkgl', qg, k, preferred_element_type=f32) * scale
+  if alibi_slopes is not None:
+    dist = jnp.abs(q_pos[:, None] - jnp.arange(L)[None]).astype(f32)  # [B, L]
+    slopes = alibi_slopes.astype(f32).reshape(K, N // K)
+    logits = logits - slopes[None, :, :, None] * dist[:, None, None, :]
+  visible = visible[:, None, None, :]  # [B or 1, 1, 1, L]
+  probs = jax.nn.softmax(jnp.where(visible, logits, _NEG), axis=-1)
+  probs = jnp.where(visible, probs, 0.0)  # [B, K, G, L]
+  out = jnp.einsum('bkgl,blkh->bkgh', probs.astype(v.dtype), v, preferred_element_type=f32)
+  return out.reshape(B, 1, N, H).astype(q.dtype)  # [B, 1, N, H]
+
+
 class MultiHeadAttention(nn.Module):
   """Self or cross attention: q/k/v/out projections around `dot_product_attention`.
 
@@ -417,29 +462,43 @@ class MultiHeadAttention(nn.Module):
     positions: Array | None = None,
     deterministic: bool = True,
     return_probs: bool = False,
+    cache_mode: CacheMode | None = None,
   ):
     """Attends from `inputs_q` [B, T, D] to `inputs_kv` [B, S, D] (None = self attention).
 
     Args:
       positions: [B, T] integer positions for RoPE/ALiBi in self attention; None = arange(T).
+        In the cache's 'step' phase they are required ([B, 1]) and are also the cache slots.
       return_probs: also return the attention probabilities [B, N, T, S] (the 'xla' path).
+      cache_mode: decoding with a KV cache (see `CacheMode`); needs mutable=['cache'].
     Returns:
       [B, T, D], or ([B, T, D], [B, N, T, S]) with return_probs.
     """
     self_attention = inputs_kv is None
     inputs_kv = inputs_q if self_attention else inputs_kv
+    if cache_mode is not None and cache_mode.phase == 'step' and self_attention:
+      if positions is None:
+        raise ValueError("CacheMode step needs positions [B, 1]: the slot of each row's token")
     features = inputs_q.shape[-1]
-    dense = functools.partial(
-      nn.DenseGeneral,
-      axis=-1,
-      use_bias=self.use_bias,
-      dtype=self.dtype,
-      param_dtype=self.param_dtype,
-      kernel_init=self.kernel_init,
-    )
-    q = dense((self.num_heads, self.head_dim), name='query')(inputs_q)  # [B, T, N, H]
-    k = dense((self.num_kv_heads, self.head_dim), name='key')(inputs_kv)  # [B, S, K, H]
-    v = dense((self.num_kv_heads, self.head_dim), name='value')(inputs_kv)  # [B, S, K, H]
+
+    def dense(heads: int, heads_axis: str, name: str) -> nn.DenseGeneral:
+      return nn.DenseGeneral(
+        (heads, self.head_dim),
+        axis=-1,
+        use_bias=self.use_bias,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        kernel_init=nn.with_logical_partitioning(self.kernel_init, ('embed', heads_axis, 'kv')),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (heads_axis, 'kv')),
+        name=name,
+      )
+
+    constrain = lambda x, heads_axis: sharding.constrain(x, ('batch', 'length', heads_axis, 'kv'))
+    q = constrain(dense(self.num_heads, 'heads', 'query')(inputs_q), 'heads')  # [B, T, N, H]
+    k = constrain(
+      dense(self.num_kv_heads, 'kv_heads', 'key')(inputs_kv), 'kv_heads'
+    )  # [B, S, K, H]
+    v = constrain(dense(self.num_kv_heads, 'kv_heads', 'value')(inputs_kv), 'kv_heads')
 
     alibi_slopes = None
     if self_attention and (self.rope is not None or self.alibi):
@@ -459,28 +518,84 @@ class MultiHeadAttention(nn.Module):
       if self.alibi:
         alibi_slopes = positions_lib.alibi_slopes(self.num_heads)
 
+    if cache_mode is not None:  # decoding: fill the cache, or add one token to it
+      k, v = self._update_cache(cache_mode, k, v, self_attention, mask, positions, return_probs)
     dropout = self.dropout_rate > 0 and not deterministic
-    out = dot_product_attention(
-      q,
-      k,
-      v,
-      mask=mask,
-      scale=self.scale,
-      implementation='xla' if (dropout or return_probs) else self.implementation,
-      return_probs=return_probs,
-      alibi_slopes=alibi_slopes,
-      chunk_size=self.chunk_size,
-      dropout_rate=self.dropout_rate if dropout else 0.0,
-      dropout_rng=self.make_rng('dropout') if dropout else None,
-    )  # [B, T, N, H]
+    if cache_mode is not None and cache_mode.phase == 'step':
+      out = self._attend_cache(q, k, v, self_attention, mask, positions, alibi_slopes)
+    else:
+      out = dot_product_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        scale=self.scale,
+        implementation='xla' if (dropout or return_probs) else self.implementation,
+        return_probs=return_probs,
+        alibi_slopes=alibi_slopes,
+        chunk_size=self.chunk_size,
+        dropout_rate=self.dropout_rate if dropout else 0.0,
+        dropout_rng=self.make_rng('dropout') if dropout else None,
+      )  # [B, T, N, H]
     out, probs = out if return_probs else (out, None)
+    out = constrain(out, 'heads')
     y = nn.DenseGeneral(
       features,
       axis=(-2, -1),
       use_bias=self.use_bias,
       dtype=self.dtype,
       param_dtype=self.param_dtype,
-      kernel_init=self.out_kernel_init,
+      kernel_init=nn.with_logical_partitioning(self.out_kernel_init, ('heads', 'kv', 'embed')),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
       name='out',
     )(out)  # [B, T, D]
     return (y, probs) if return_probs else y
+
+  # KV cache ----------------------------------------------------------------------------------
+  def _update_cache(self, mode, k, v, self_attention, mask, positions, return_probs):
+    """Writes k/v [B, T, K, H] into the 'cache' collection; returns the keys/values to attend to.
+
+    prefill: the prompt's own k/v (self attention stores them in slots 0..T-1 of L).
+    step: self attention writes its one token at slot positions[b] and returns the whole cache
+    [B, L, K, H]; cross attention returns the encoder's k/v cached at prefill.
+    """
+    if mode.phase not in ('prefill', 'step'):
+      raise ValueError(f"CacheMode.phase={mode.phase!r} must be 'prefill' or 'step'")
+    if return_probs:
+      raise ValueError('return_probs=True is not available while decoding with a KV cache')
+    if self_attention and (mask is None or not mask.causal):
+      raise ValueError('a KV cache needs causal self attention; pass a MaskSpec with causal=True')
+    B, T, K, H = k.shape
+    if mode.phase == 'prefill':
+      if self_attention and T > mode.length:
+        raise ValueError(f'a prompt of {T} tokens does not fit a cache of length={mode.length}')
+      L = mode.length if self_attention else T
+      pad = [(0, 0), (0, L - T), (0, 0), (0, 0)]
+      for name, x in (('cached_key', k), ('cached_value', v)):  # [B, L, K, H], 0 past the prompt
+        self.variable('cache', name, jnp.zeros, (B, L, K, H), x.dtype).value = jnp.pad(x, pad)
+      return k, v
+    if not self.has_variable('cache', 'cached_key'):
+      raise ValueError("CacheMode 'step' needs the cache that a 'prefill' call filled")
+    cached_k = self.variable('cache', 'cached_key')
+    cached_v = self.variable('cache', 'cached_value')
+    if not self_attention:  # the encoder's keys/values, computed once at prefill
+      return cached_k.value, cached_v.value
+    if T != 1:
+      raise ValueError(f'CacheMode step takes one token per row; got {T}')
+    rows, slots = jnp.arange(B), jnp.broadcast_to(positions, (B, 1))[:, 0]  # [B], [B]
+    cached_k.value = cached_k.value.at[rows, slots].set(k[:, 0])  # [B, L, K, H]
+    cached_v.value = cached_v.value.at[rows, slots].set(v[:, 0])
+    return cached_k.value, cached_v.value
+
+  def _attend_cache(self, q, k, v, self_attention, mask, positions, alibi_slopes):
+    """'step' attention of q [B, 1, N, H] over cached k/v [B, L, K, H]."""
+    scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+    if not self_attention:  # the cross mask is top-left aligned already: [B or 1, S]
+      visible = (MaskSpec() if mask is None else mask).dense(1, k.shape[1])[:, 0, 0]
+      return _attend_one_step(q, k, v, visible, scale=scale)
+    q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
+    slots = jnp.arange(k.shape[1])[None]  # [1, L]
+    visible = slots <= q_pos[:, None]  # [B, L]: causal; later slots are not written yet
+    if mask.window is not None:
+      visible &= slots >= q_pos[:, None] - mask.window[0]
+    return _attend_one_step(q, k, v, visible, scale=scale, alibi_slopes=alibi_slopes, q_pos=q_pos)

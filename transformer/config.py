@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
+import numbers
 import pkgutil
 from collections.abc import Mapping
 from typing import Any
@@ -78,7 +80,12 @@ class ModelConfig:
   def __post_init__(self):
     # Lists and dicts from ConfigDicts become hashable tuples.
     if self.window is not None:
-      object.__setattr__(self, 'window', tuple(int(w) for w in self.window))
+      window = self.window
+      if isinstance(window, (str, bytes)) or not hasattr(window, '__iter__'):
+        raise ValueError(f'window={window!r} must be a pair (left, right) of non-negative integers')
+      if not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
+        raise ValueError(f'window={window!r} must be a pair (left, right) of non-negative integers')
+      object.__setattr__(self, 'window', tuple(window))
     _validate(self)
 
   # Derived sizes -----------------------------------------------------------------------------
@@ -145,6 +152,31 @@ def _choice(name: str, value: Any, valid: tuple) -> None:
     raise ValueError(f'{name}={value!r} is not valid; choose one of {shown}')
 
 
+_BOOLS = ('embedding_norm', 'use_bias', 'scale_embeddings', 'share_embeddings', 'tie_output')
+_BOOLS += ('attention_scale', 'scan_layers')
+_FLOATS = ('rope_theta', 'rope_scaling_factor', 'norm_eps', 'init_std', 'dropout_rate')
+_FLOATS += ('attention_dropout_rate', 'ffn_dropout_rate')
+_INTS = ('type_vocab_size', 'num_classes', 'pad_id')  # pad_id may also be None
+
+
+def _check_types(c: ModelConfig) -> None:
+  """Raises one ValueError for a value of the wrong type (before any comparison could fail)."""
+  for name in _BOOLS:
+    value = getattr(c, name)
+    if not isinstance(value, bool):
+      raise ValueError(f'{name}={value!r} must be True or False')
+  for name in _FLOATS:
+    value = getattr(c, name)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+      raise ValueError(f'{name}={value!r} must be a finite number')
+  for name in _INTS:
+    value = getattr(c, name)
+    if value is None and name == 'pad_id':
+      continue
+    if not isinstance(value, int) or isinstance(value, bool):
+      raise ValueError(f'{name}={value!r} must be an integer')
+
+
 def _validate(c: ModelConfig) -> None:
   """Raises one ValueError that names the first bad value and what would be valid."""
   _choice('family', c.family, FAMILIES)
@@ -159,6 +191,7 @@ def _validate(c: ModelConfig) -> None:
   _choice('remat', c.remat, REMAT_POLICIES)
   _choice('dtype', c.dtype, tuple(DTYPES))
   _choice('param_dtype', c.param_dtype, tuple(DTYPES))
+  _check_types(c)
   positive = ['vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_layers', 'max_length']
   positive += ['attention_chunk_size']
   optional_positive = ['num_kv_heads', 'head_dim', 'rope_original_max_length']
@@ -169,7 +202,9 @@ def _validate(c: ModelConfig) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
       raise ValueError(f'{name}={value!r} must be a positive integer')
   if c.num_decoder_layers is not None and (
-    not isinstance(c.num_decoder_layers, int) or c.num_decoder_layers < 0
+    not isinstance(c.num_decoder_layers, int)
+    or isinstance(c.num_decoder_layers, bool)
+    or c.num_decoder_layers < 0
   ):
     raise ValueError(f'num_decoder_layers={c.num_decoder_layers!r} must be a non-negative integer')
   for name in ('type_vocab_size', 'num_classes'):
@@ -196,6 +231,10 @@ def _validate(c: ModelConfig) -> None:
     rate = getattr(c, name)
     if not 0.0 <= rate < 1.0:
       raise ValueError(f'{name}={rate} must be in [0, 1)')
+  if c.rope_theta <= 0:
+    raise ValueError(f'rope_theta={c.rope_theta} must be > 0')
+  if c.pad_id is not None and c.pad_id < 0:
+    raise ValueError(f'pad_id={c.pad_id} must be >= 0 (or None)')
   if c.norm_eps <= 0:
     raise ValueError(f'norm_eps={c.norm_eps} must be > 0')
   if c.init_std <= 0:

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from transformer import positions as positions_lib
-from transformer.attention import MaskSpec, MultiHeadAttention
+from transformer import sharding
+from transformer.attention import CacheMode, MaskSpec, MultiHeadAttention
 from transformer.config import ModelConfig
 
 Array = jax.Array
@@ -64,9 +65,11 @@ class Norm(nn.Module):
     if self.kind == 'layernorm':
       x32 = x32 - x32.mean(-1, keepdims=True)
     y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
-    y = y * self.param('scale', nn.initializers.ones, (features,), self.param_dtype)
+    ones = nn.with_logical_partitioning(nn.initializers.ones, ('embed',))
+    y = y * self.param('scale', ones, (features,), self.param_dtype)
     if self.kind == 'layernorm':
-      y = y + self.param('bias', nn.initializers.zeros, (features,), self.param_dtype)
+      zeros = nn.with_logical_partitioning(nn.initializers.zeros, ('embed',))
+      y = y + self.param('bias', zeros, (features,), self.param_dtype)
     return y.astype(self.dtype)
 
 
@@ -87,16 +90,23 @@ class Embed(nn.Module):
 
   def setup(self):
     self.embedding = self.param(
-      'embedding', self.init, (self.vocab_size, self.features), self.param_dtype
+      'embedding',
+      nn.with_logical_partitioning(self.init, ('vocab', 'embed')),
+      (self.vocab_size, self.features),
+      self.param_dtype,
     )
 
   def __call__(self, tokens: Array) -> Array:
-    x = jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)  # [B, T] -> [B, T, D]
+    # FSDP: gather the table's d_model shards first, so the lookup's rows stay batch-sharded.
+    table = sharding.constrain(self.embedding, ('vocab', None))
+    x = jnp.take(table, tokens, axis=0).astype(self.dtype)  # [B, T] -> [B, T, D]
+    x = sharding.constrain(x, ('batch', 'length', 'embed'))
     return x * jnp.asarray(math.sqrt(self.features), self.dtype) if self.scale else x
 
   def attend(self, x: Array) -> Array:
     """Logits against every embedding: [B, T, D] -> [B, T, V]."""
-    return jnp.einsum('btd,vd->btv', x, self.embedding.astype(self.dtype))
+    logits = jnp.einsum('btd,vd->btv', x, self.embedding.astype(self.dtype))
+    return sharding.constrain(logits, ('batch', 'length', 'vocab'))
 
 
 def make_embed(cfg: ModelConfig, name: str | None = None) -> Embed:
@@ -127,7 +137,9 @@ class AddPositions(nn.Module):
       table = positions_lib.LearnedPositions(
         cfg.max_length,
         cfg.d_model,
-        embedding_init=nn.initializers.normal(cfg.init_std),
+        embedding_init=nn.with_logical_partitioning(
+          nn.initializers.normal(cfg.init_std), (None, 'embed')
+        ),
         param_dtype=cfg.params_dtype,
         name='positions',
       )
@@ -152,20 +164,26 @@ class FeedForward(nn.Module):
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
     cfg = self.cfg
-    dense = lambda features, name, init=kernel_init(cfg): nn.Dense(
-      features,
-      use_bias=cfg.use_bias,
-      dtype=cfg.compute_dtype,
-      param_dtype=cfg.params_dtype,
-      kernel_init=init,
-      name=name,
-    )
+
+    def dense(features, name, axes, init=kernel_init(cfg)):
+      return nn.Dense(
+        features,
+        use_bias=cfg.use_bias,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.params_dtype,
+        kernel_init=nn.with_logical_partitioning(init, axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
+        name=name,
+      )
+
+    up = ('embed', 'mlp')
     if cfg.activation == 'swiglu':
-      h = nn.silu(dense(cfg.d_ff, 'gate')(x)) * dense(cfg.d_ff, 'wi')(x)  # [B, T, F]
+      h = nn.silu(dense(cfg.d_ff, 'gate', up)(x)) * dense(cfg.d_ff, 'wi', up)(x)  # [B, T, F]
     else:
-      h = ACTIVATIONS[cfg.activation](dense(cfg.d_ff, 'wi')(x))  # [B, T, F]
+      h = ACTIVATIONS[cfg.activation](dense(cfg.d_ff, 'wi', up)(x))  # [B, T, F]
+    h = sharding.constrain(h, ('batch', 'length', 'mlp'))
     h = nn.Dropout(cfg.ffn_dropout_rate)(h, deterministic=deterministic)
-    return dense(cfg.d_model, 'wo', self.out_init)(h)  # [B, T, D]
+    return dense(cfg.d_model, 'wo', ('mlp', 'embed'), self.out_init)(h)  # [B, T, D]
 
 
 # The residual block --------------------------------------------------------------------------
@@ -173,7 +191,8 @@ class Block(nn.Module):
   """One Transformer layer: self attention, optional cross attention, feed-forward.
 
   Each sub-layer is `x + dropout(f(norm(x)))` with pre-LN, or `norm(x + dropout(f(x)))` with
-  post-LN (the paper). `scanned=True` returns `(x, None)` for `nn.scan`.
+  post-LN (the paper). `scanned=True` returns `(x, None)` for `nn.scan`. With `cache_mode`, the
+  attentions decode with a KV cache (see `attention.CacheMode`).
   """
 
   cfg: ModelConfig
@@ -181,6 +200,7 @@ class Block(nn.Module):
   cross_attention: bool = False
   deterministic: bool = True
   scanned: bool = False
+  cache_mode: CacheMode | None = None
 
   @nn.compact
   def __call__(
@@ -232,18 +252,27 @@ class Block(nn.Module):
     self_attn = attention('self_attention', rope_alibi=True)
     x = sublayer(
       x,
-      lambda h: self_attn(h, mask=self_mask, positions=positions, deterministic=self.deterministic),
+      lambda h: self_attn(
+        h,
+        mask=self_mask,
+        positions=positions,
+        deterministic=self.deterministic,
+        cache_mode=self.cache_mode,
+      ),
       'self_attention',
     )
     if self.cross_attention:
       cross_attn = attention('cross_attention', rope_alibi=False)
       x = sublayer(
         x,
-        lambda h: cross_attn(h, encoded, mask=cross_mask, deterministic=self.deterministic),
+        lambda h: cross_attn(
+          h, encoded, mask=cross_mask, deterministic=self.deterministic, cache_mode=self.cache_mode
+        ),
         'cross_attention',
       )
     ffn = FeedForward(cfg, out_init, name='mlp')
     x = sublayer(x, lambda h: ffn(h, self.deterministic), 'mlp')
+    x = sharding.constrain(x, ('batch', 'length', 'embed'))
     return (x, None) if self.scanned else x
 
 
@@ -261,7 +290,16 @@ class Stack(nn.Module):
   cross_attention: bool = False
 
   @nn.compact
-  def __call__(self, x, encoded, self_mask, cross_mask, positions, deterministic: bool):
+  def __call__(
+    self,
+    x,
+    encoded,
+    self_mask,
+    cross_mask,
+    positions,
+    deterministic: bool,
+    cache_mode: CacheMode | None = None,
+  ):
     cfg = self.cfg
     block = Block
     if cfg.remat != 'none':
@@ -271,14 +309,16 @@ class Stack(nn.Module):
       num_layers=self.num_layers,
       cross_attention=self.cross_attention,
       deterministic=deterministic,
+      cache_mode=cache_mode,
     )
     if cfg.scan_layers and self.num_layers:
       scanned = nn.scan(
         block,
-        variable_axes={'params': 0},
+        variable_axes={'params': 0, 'cache': 0},  # each layer its own params and KV cache
         split_rngs={'params': True, 'dropout': True},
         in_axes=(nn.broadcast,) * 4,
         length=self.num_layers,
+        metadata_params={nn.PARTITION_NAME: 'layers'},  # stacked params: [layers, ...]
       )
       x, _ = scanned(**kwargs, scanned=True, name='layers')(
         x, encoded, self_mask, cross_mask, positions

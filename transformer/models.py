@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -10,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.attention import MaskSpec
+from transformer import sharding
+from transformer.attention import CacheMode, MaskSpec
 from transformer.config import ModelConfig
 from transformer.layers import ACTIVATIONS, AddPositions, Stack, kernel_init, make_embed, make_norm
 
@@ -52,7 +54,9 @@ class Embedder(nn.Module):
       types = nn.Embed(
         cfg.type_vocab_size,
         cfg.d_model,
-        embedding_init=nn.initializers.normal(cfg.init_std),
+        embedding_init=nn.with_logical_partitioning(
+          nn.initializers.normal(cfg.init_std), (None, 'embed')
+        ),
         param_dtype=cfg.params_dtype,
         dtype=cfg.compute_dtype,
         name='token_types',
@@ -60,6 +64,7 @@ class Embedder(nn.Module):
       x = x + types(token_types)
     if cfg.embedding_norm:
       x = make_norm(cfg, 'norm')(x)
+    x = sharding.constrain(x, ('batch', 'length', 'embed'))
     return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
 
 
@@ -91,13 +96,21 @@ class Decoder(nn.Module):
 
   @nn.compact
   def __call__(
-    self, encoded, tokens, *, self_mask, cross_mask, positions=None, deterministic=True
+    self,
+    encoded,
+    tokens,
+    *,
+    self_mask,
+    cross_mask,
+    positions=None,
+    deterministic=True,
+    cache_mode: CacheMode | None = None,
   ) -> Array:
     x = Embedder(self.cfg, self.embed, name='embedder')(
       tokens, positions, deterministic=deterministic
     )
     stack = Stack(self.cfg, self.num_layers, self.cross_attention, name='stack')
-    return stack(x, encoded, self_mask, cross_mask, positions, deterministic)
+    return stack(x, encoded, self_mask, cross_mask, positions, deterministic, cache_mode)
 
 
 class OutputHead(nn.Module):
@@ -111,14 +124,15 @@ class OutputHead(nn.Module):
     cfg = self.cfg
     if cfg.tie_output:
       return self.embed.attend(x)
-    return nn.Dense(
+    logits = nn.Dense(
       cfg.vocab_size,
       use_bias=False,
       dtype=cfg.compute_dtype,
       param_dtype=cfg.params_dtype,
-      kernel_init=kernel_init(cfg),
+      kernel_init=nn.with_logical_partitioning(kernel_init(cfg), ('embed', 'vocab')),
       name='logits',
-    )(x)
+    )(x)  # [B, T, V]
+    return sharding.constrain(logits, ('batch', 'length', 'vocab'))
 
 
 class EncoderDecoder(nn.Module):
@@ -155,8 +169,13 @@ class EncoderDecoder(nn.Module):
     targets_segments=None,
     targets_positions=None,
     deterministic=True,
+    cache_mode: CacheMode | None = None,
   ):
-    """Encoded [B, S, D] and decoder inputs [B, T] -> logits [B, T, V]."""
+    """Encoded [B, S, D] and decoder inputs [B, T] -> logits [B, T, V].
+
+    `cache_mode` decodes with a KV cache (transformer.decode); the 'step' phase takes one token
+    per row at `targets_positions` [B, 1].
+    """
     cfg = self.cfg
     segments = _segments(decoder_inputs, targets_segments, cfg.pad_id)
     self_mask = MaskSpec(
@@ -170,6 +189,7 @@ class EncoderDecoder(nn.Module):
       cross_mask=cross_mask,
       positions=targets_positions,
       deterministic=deterministic,
+      cache_mode=cache_mode,
     )
     return self.head(y)
 
@@ -215,7 +235,16 @@ class CausalLM(nn.Module):
     self.decoder = Decoder(self.cfg, self.embedding, self.cfg.num_layers, cross_attention=False)
     self.head = OutputHead(self.cfg, self.embedding)
 
-  def __call__(self, inputs, *, segments=None, positions=None, deterministic=True):
+  def __call__(
+    self,
+    inputs,
+    *,
+    segments=None,
+    positions=None,
+    deterministic=True,
+    cache_mode: CacheMode | None = None,
+  ):
+    """`cache_mode` decodes with a KV cache (transformer.decode): 'step' takes inputs [B, 1]."""
     cfg = self.cfg
     segments = _segments(inputs, segments, cfg.pad_id)
     mask = MaskSpec(causal=True, q_segment_ids=segments, kv_segment_ids=segments, window=cfg.window)
@@ -226,6 +255,7 @@ class CausalLM(nn.Module):
       cross_mask=None,
       positions=positions,
       deterministic=deterministic,
+      cache_mode=cache_mode,
     )
     return self.head(y)
 
@@ -256,7 +286,8 @@ class BidirectionalLM(nn.Module):
       features,
       dtype=cfg.compute_dtype,
       param_dtype=cfg.params_dtype,
-      kernel_init=kernel_init(cfg),
+      kernel_init=nn.with_logical_partitioning(kernel_init(cfg), ('embed', None)),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
       name=name,
     )
     if cfg.num_classes:  # pooler on the first token, then a classifier
@@ -266,7 +297,8 @@ class BidirectionalLM(nn.Module):
     activation = 'gelu' if cfg.activation == 'swiglu' else cfg.activation
     h = ACTIVATIONS[activation](dense(cfg.d_model, 'mlm_dense')(x))
     h = make_norm(cfg, 'mlm_norm')(h)
-    bias = self.param('mlm_bias', nn.initializers.zeros, (cfg.vocab_size,), cfg.params_dtype)
+    zeros = nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',))
+    bias = self.param('mlm_bias', zeros, (cfg.vocab_size,), cfg.params_dtype)
     return embedding.attend(h) + bias.astype(h.dtype)  # [B, T, V]
 
   def dummy_inputs(self, batch: int = 1, length: int = 8) -> dict[str, Any]:
@@ -285,11 +317,15 @@ def build(cfg: ModelConfig) -> nn.Module:
   return _FAMILIES[cfg.family](cfg)
 
 
+def init_params(model: nn.Module, rng: Array, *, boxed: bool = False) -> Any:
+  """Fresh parameters of `model`, as plain arrays (or, with `boxed`, with their logical axes)."""
+  params = model.init(rng, **model.dummy_inputs())['params']
+  return params if boxed else nn.meta.unbox(params)
+
+
 def param_shapes(cfg: ModelConfig) -> Any:
   """Parameter ShapeDtypeStructs, without allocating them."""
-  model = build(cfg)
-  init = lambda rng: model.init(rng, **model.dummy_inputs())['params']
-  return jax.eval_shape(init, jax.random.PRNGKey(0))
+  return jax.eval_shape(functools.partial(init_params, build(cfg)), jax.random.PRNGKey(0))
 
 
 def count_params(cfg: ModelConfig) -> int:

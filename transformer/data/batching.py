@@ -21,6 +21,23 @@ STREAMS = {
   'bidirectional_lm': {'': ('inputs', 'targets', 'token_types', 'weights')},
 }
 _EVAL_MASK_SEED = 7  # eval masking is fixed for every run seed, so eval losses compare across runs
+TOKEN_FIELDS = ('inputs', 'targets', 'decoder_inputs')  # batch fields that hold token ids
+
+
+def check_token_ids(batch: dict[str, np.ndarray], vocab_size: int, where: str) -> None:
+  """Raises one ValueError if a token field of `batch` holds an id outside [0, vocab_size).
+
+  The last guard before an embedding gather, which would otherwise read garbage or NaN rows.
+  """
+  for key in TOKEN_FIELDS:
+    ids = batch.get(key)
+    if ids is None or not ids.size or (ids.min() >= 0 and ids.max() < vocab_size):
+      continue
+    row, column = np.argwhere((ids < 0) | (ids >= vocab_size))[0]
+    raise ValueError(
+      f'{where}: {key}[{row}, {column}] = {ids[row, column]} is not a token id of the '
+      f'vocabulary (valid: 0..{vocab_size - 1})'
+    )
 
 
 def segments_key(stream: str) -> str:
@@ -274,7 +291,10 @@ class TrainIterator:
     self._wrap()
     # MLM masks depend on where the batch starts, so they are redrawn every epoch and on resume.
     mask_seed = (self._seed, self._process, self._epoch, self._position)
-    return self._batcher.mask(self._next_unmasked(), mask_seed)
+    batch = self._batcher.mask(self._next_unmasked(), mask_seed)
+    where = f'training batch at epoch {self._epoch}, position {self._position}'
+    check_token_ids(batch, self._batcher.vocab_size, where)
+    return batch
 
   def _next_unmasked(self) -> dict[str, np.ndarray]:
     if not self._pack:
@@ -311,4 +331,5 @@ def eval_batches(
     chunk = range(b * rows, min((b + 1) * rows, len(examples)))
     batch = batcher.padded([batcher.format(examples[i]) for i in chunk], rows, fixed=True)
     batches.append(batcher.mask(batch, (_EVAL_MASK_SEED, b)))
+    check_token_ids(batches[-1], batcher.vocab_size, f'eval batch {b}')
   return batches

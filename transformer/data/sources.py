@@ -9,6 +9,8 @@ import glob
 import os
 from collections.abc import Iterator
 
+from absl import logging
+
 
 def _paths(pattern: str, what: str) -> list[str]:
   """The files matching `pattern` (a path or a glob), sorted; FileNotFoundError when none."""
@@ -21,43 +23,94 @@ def _paths(pattern: str, what: str) -> list[str]:
   return paths
 
 
-def read_lines(pattern: str, what: str, columns: int = 1) -> list:
+BAD_LINES = ('error', 'skip')
+MAX_LINE_BYTES = 64 * 2**20  # a longer line is a bad line: it is never read into memory whole
+
+
+def _raw_lines(f, max_bytes: int) -> Iterator[bytes | None]:
+  """The lines of a binary file, or None for one longer than `max_bytes` (read past in chunks)."""
+  while True:
+    raw = f.readline(max_bytes + 1)
+    if not raw:
+      return
+    if len(raw) > max_bytes:
+      while raw and not raw.endswith(b'\n'):
+        raw = f.readline(2**20)
+      yield None
+    else:
+      yield raw
+
+
+def _parse_line(raw: bytes | None, number: int, columns: int, max_bytes: int) -> str | tuple | None:
+  """The example on one line; None for a blank line; ValueError (no file name) for a bad one."""
+  if raw is None:
+    raise ValueError(f'line is longer than {max_bytes} bytes')
+  try:
+    line = raw.decode('utf-8').rstrip('\r\n').lstrip('\ufeff' if number == 1 else '')
+  except UnicodeDecodeError as e:
+    raise ValueError(f'invalid UTF-8 at byte {e.start} of the line') from None
+  if not line.strip():
+    return None
+  if columns == 1:
+    return line
+  fields = line.split('\t')
+  if len(fields) != columns or not all(x.strip() for x in fields):
+    raise ValueError(
+      f'expected {columns} non-empty tab-separated columns (source<TAB>target), found '
+      f'{len(fields)} column(s)' + ('' if len(fields) != columns else ' with an empty one')
+    )
+  return tuple(fields)
+
+
+def read_lines(
+  pattern: str,
+  what: str,
+  columns: int = 1,
+  *,
+  bad_lines: str = 'error',
+  max_line_bytes: int = MAX_LINE_BYTES,
+) -> list:
   """Non-blank lines of UTF-8 files: strings (columns=1) or tuples split at tabs (columns=2).
+
+  Blank (or whitespace-only) lines are always skipped silently. A bad line (invalid UTF-8, a
+  wrong column count or an empty column, or longer than `max_line_bytes`) is an error, or with
+  bad_lines='skip' is left out and counted: one warning per file gives the count and the first.
 
   Args:
     pattern: a file path or glob (files are read in sorted order).
     what: the config key, for error messages (e.g. 'train_path').
     columns: 1 for one document per line, 2 for `source<TAB>target` lines.
+    bad_lines: 'error' or 'skip' (config.data.bad_lines).
+    max_line_bytes: the longest line accepted.
 
   Raises:
-    FileNotFoundError: no file matches. ValueError: invalid UTF-8, a wrong column count or an empty
-    column (naming the file and line), or no usable lines at all.
+    FileNotFoundError: no file matches. ValueError: a bad line (naming the file and line) when
+    bad_lines='error', or no usable lines at all.
   """
+  if bad_lines not in BAD_LINES:
+    raise ValueError(f'bad_lines={bad_lines!r} is not valid; choose one of {BAD_LINES}')
   examples = []
   for path in _paths(pattern, what):
+    skipped, first = 0, ''
     with open(path, 'rb') as f:
-      for number, raw in enumerate(f, start=1):
+      for number, raw in enumerate(_raw_lines(f, max_line_bytes), start=1):
         try:
-          line = raw.decode('utf-8').rstrip('\r\n').lstrip('\ufeff' if number == 1 else '')
-        except UnicodeDecodeError as e:
-          raise ValueError(
-            f'{path}:{number}: invalid UTF-8 at byte {e.start} of the line'
-          ) from None
-        if not line.strip():
-          continue  # blank lines are skipped
-        if columns == 1:
-          examples.append(line)
+          example = _parse_line(raw, number, columns, max_line_bytes)
+        except ValueError as e:
+          if bad_lines == 'error':
+            raise ValueError(
+              f"{path}:{number}: {e}; fix the file or set config.data.bad_lines='skip'"
+            ) from None
+          skipped, first = skipped + 1, first or f'line {number}: {e}'
           continue
-        fields = line.split('\t')
-        if len(fields) != columns or not all(x.strip() for x in fields):
-          raise ValueError(
-            f'{path}:{number}: expected {columns} non-empty tab-separated columns '
-            f'(source<TAB>target), found {len(fields)} column(s)'
-            + ('' if len(fields) != columns else ' with an empty one')
-          )
-        examples.append(tuple(fields))
+        if example is not None:
+          examples.append(example)
+    if skipped:
+      logging.warning(
+        '%s: skipped %d bad line(s) (bad_lines=skip); first: %s', path, skipped, first
+      )
   if not examples:
-    raise ValueError(f'{what}={pattern!r} has no usable lines (blank lines are skipped)')
+    raise ValueError(f'{what}={pattern!r} has no usable lines (blank and bad lines are skipped)')
   return examples
 
 
@@ -87,12 +140,13 @@ def tfds_features(name: str, data_dir: str | None) -> list[str]:
 
 
 def tfds_examples(
-  name: str, split: str, data_dir: str | None, keys: tuple[str, ...]
+  name: str, split: str, data_dir: str | None, keys: tuple[str, ...], bad_lines: str = 'error'
 ) -> Iterator[str | tuple[str, ...]]:
   """Decoded strings of the `keys` features of a TFDS split, in the split's stored order.
 
   Yields a string for one key and a tuple for several. The dataset is downloaded and prepared
-  under data_dir on first use (as `tfds.load` does).
+  under data_dir on first use (as `tfds.load` does). An example that is not valid UTF-8 is a
+  ValueError naming it, or with bad_lines='skip' is left out (one warning gives the count).
   """
   tfds = _import_tfds()
   features = tfds_features(name, data_dir)
@@ -100,6 +154,18 @@ def tfds_examples(
   if missing:
     raise ValueError(f'{name!r} has no feature(s) {missing}; its features are {features}')
   dataset = tfds.load(name, split=split, data_dir=data_dir or None, shuffle_files=False)
-  for example in tfds.as_numpy(dataset):
-    values = tuple(example[k].decode('utf-8') for k in keys)
+  skipped = 0
+  for index, example in enumerate(tfds.as_numpy(dataset)):
+    try:
+      values = tuple(example[k].decode('utf-8') for k in keys)
+    except UnicodeDecodeError as e:
+      if bad_lines != 'skip':
+        raise ValueError(
+          f'{name!r} split {split!r} example {index}: invalid UTF-8 at byte {e.start}; set '
+          "config.data.bad_lines='skip' to leave such examples out"
+        ) from None
+      skipped += 1
+      continue
     yield values[0] if len(keys) == 1 else values
+  if skipped:
+    logging.warning('%s %s: skipped %d example(s) with invalid UTF-8', name, split, skipped)

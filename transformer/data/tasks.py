@@ -10,6 +10,8 @@ import dataclasses
 import itertools
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable
 
 import ml_collections
@@ -26,6 +28,7 @@ from transformer.data.tokenizers import (
 TASKS = ('numbers', 'grammar', 'text', 'tsv', 'tfds')
 TOKENIZERS = ('byte', 'sentencepiece')
 _CHUNK = 4096  # examples tokenised at a time
+_CHARS_PER_TOKEN = 64  # texts are cut to this many characters per allowed token (see max_chars)
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -103,9 +106,10 @@ def _raw_data(cfg, family: str) -> tuple[str, Iterable, list, dict]:
     return 'text', train, evaluation, info
   if task in ('text', 'tsv'):
     columns = 1 if task == 'text' else 2
-    train = sources.read_lines(cfg.train_path, 'train_path', columns)
+    bad_lines = cfg.get('bad_lines', 'error')
+    train = sources.read_lines(cfg.train_path, 'train_path', columns, bad_lines=bad_lines)
     if cfg.eval_path:
-      evaluation = sources.read_lines(cfg.eval_path, 'eval_path', columns)
+      evaluation = sources.read_lines(cfg.eval_path, 'eval_path', columns, bad_lines=bad_lines)
     else:
       held = max(64, len(train) // 100)
       if len(train) <= held:
@@ -123,29 +127,34 @@ def _raw_data(cfg, family: str) -> tuple[str, Iterable, list, dict]:
     else:
       kind, keys = 'pairs', (cfg.source_lang, cfg.target_lang)
 
+    bad_lines = cfg.get('bad_lines', 'error')
+
     class _Train:  # re-iterable: SentencePiece training and tokenisation each read the split
       def __iter__(self):
-        return sources.tfds_examples(name, cfg.tfds_train_split, data_dir, keys)
+        return sources.tfds_examples(name, cfg.tfds_train_split, data_dir, keys, bad_lines)
 
-    evaluation = list(sources.tfds_examples(name, cfg.tfds_eval_split, data_dir, keys))
+    evaluation = list(sources.tfds_examples(name, cfg.tfds_eval_split, data_dir, keys, bad_lines))
     return kind, _Train(), evaluation, {}
   raise ValueError(f'unknown task={task!r}; choose one of {TASKS}')
 
 
 def _tokenizer(cfg, train: Iterable, workdir: str | None, process_index: int) -> Tokenizer:
-  """The byte tokenizer, or SentencePiece loaded from workdir/tokenizer or trained and cached."""
+  """The byte tokenizer, or SentencePiece loaded from workdir/tokenizer or trained and cached.
+
+  workdir/tokenizer is written whole (a temp directory renamed into place) and never replaced:
+  a later build loads it, and fails if the config asks for a different tokenizer.
+  """
   if cfg.tokenizer not in TOKENIZERS:
     raise ValueError(f'unknown tokenizer={cfg.tokenizer!r}; choose one of {TOKENIZERS}')
   cache = os.path.join(workdir, 'tokenizer') if workdir else None
-  if cache and os.path.exists(os.path.join(cache, 'tokenizer.json')):
-    tokenizer = load_tokenizer(cache)
-    requested = getattr(tokenizer, 'requested_vocab_size', None)
-    if tokenizer.kind != cfg.tokenizer or (requested and requested != cfg.vocab_size):
-      raise ValueError(
-        f'{cache!r} holds a {tokenizer.kind} tokenizer (vocab_size={requested}) but the config '
-        f'asks for {cfg.tokenizer} (vocab_size={cfg.vocab_size}); use a new workdir or delete it'
-      )
-    return tokenizer
+  if cache and os.path.exists(cache):
+    return _cached_tokenizer(cache, cfg)
+  if cache and cfg.tokenizer != 'byte' and _has_checkpoints(workdir):
+    raise ValueError(
+      f'{workdir!r} has checkpoints but no tokenizer/ directory, and a newly trained '
+      f'{cfg.tokenizer} tokenizer may number its pieces differently from the one their '
+      'embeddings were trained with; restore that tokenizer/ or use a new workdir'
+    )
   if cfg.tokenizer == 'byte':
     tokenizer = ByteTokenizer()
   else:
@@ -153,26 +162,105 @@ def _tokenizer(cfg, train: Iterable, workdir: str | None, process_index: int) ->
     for example in itertools.islice(train, cfg.spm_train_lines):
       lines += [example] if isinstance(example, str) else list(example)
     tokenizer = train_sentencepiece(lines, cfg.vocab_size)
-  if cache and process_index == 0:
-    tokenizer.save(cache)
+  if cache and process_index == 0 and not _save_whole(tokenizer, cache):
+    return _cached_tokenizer(cache, cfg)  # another process saved one first: use (and check) it
   return tokenizer
 
 
-def _tokenize(examples: Iterable, num_parts: int, tokenizer, family: str, lengths, shard):
+def _cached_tokenizer(cache: str, cfg) -> Tokenizer:
+  """The tokenizer saved in `cache`, if it is the one `cfg` asks for; else one ValueError."""
+  try:
+    tokenizer = load_tokenizer(cache)
+  except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+    raise ValueError(
+      f'{cache!r} holds no readable tokenizer ({type(e).__name__}: {e}); sparrow writes it whole, '
+      'so it was changed by hand: restore it, or delete it if the workdir has no checkpoints'
+    ) from None
+  requested = getattr(tokenizer, 'requested_vocab_size', None)
+  if tokenizer.kind != cfg.tokenizer or (requested and requested != cfg.vocab_size):
+    raise ValueError(
+      f'{cache!r} holds a {tokenizer.kind} tokenizer (vocab_size={requested}) but the config '
+      f'asks for {cfg.tokenizer} (vocab_size={cfg.vocab_size}); use a new workdir or delete it'
+    )
+  return tokenizer
+
+
+def _save_whole(tokenizer: Tokenizer, cache: str) -> bool:
+  """Saves into a temp directory beside `cache`, then renames it to `cache`: never half a tokenizer.
+
+  Returns False (saving nothing) when `cache` appeared meanwhile, e.g. from a concurrent run.
+  """
+  parent = os.path.dirname(cache)
+  os.makedirs(parent, exist_ok=True)
+  prefix = f'.{os.path.basename(cache)}.tmp-'
+  for name in os.listdir(parent):  # left by a save that was cut short
+    if name.startswith(prefix):
+      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+  tmp = tempfile.mkdtemp(dir=parent, prefix=prefix)
+  try:
+    tokenizer.save(tmp)
+    for name in os.listdir(tmp):  # on disk before the rename makes them visible
+      with open(os.path.join(tmp, name), 'rb+') as f:
+        os.fsync(f.fileno())
+    os.rename(tmp, cache)  # fails if `cache` is a non-empty directory by now
+  except OSError:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.exists(cache):
+      return False
+    raise
+  return True
+
+
+def _has_checkpoints(workdir: str) -> bool:
+  """Whether workdir/checkpoints holds a step (as transformer.checkpoint names them)."""
+  directory = os.path.join(workdir, 'checkpoints')
+  return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
+def max_chars(lengths) -> int:
+  """Characters of one text kept before tokenising: far more than `max(lengths)` tokens need.
+
+  A SentencePiece piece spans at most 16 characters (BPE pieces rarely over 64), so a cut text
+  still gives far more tokens than are kept, and a 50 MB line costs no more than a long one.
+  """
+  return _CHARS_PER_TOKEN * max(lengths) + 1024
+
+
+def _check_ids(part: batching.Ragged, tokenizer, where: str, indices: list, texts: list) -> None:
+  """Raises one ValueError naming the first token id outside [0, tokenizer.vocab_size)."""
+  flat, vocab_size = part.flat, tokenizer.vocab_size
+  if not flat.size or (flat.min() >= 0 and flat.max() < vocab_size):
+    return
+  position = int(np.flatnonzero((flat < 0) | (flat >= vocab_size))[0])
+  row = int(np.searchsorted(part.offsets, position, side='right')) - 1
+  raise ValueError(
+    f'the {tokenizer.kind} tokenizer gave token id {int(flat[position])}, outside its '
+    f'vocab_size={vocab_size} (valid ids 0..{vocab_size - 1}), for {where} example '
+    f'{indices[row]} ({texts[row][:60]!r}); the tokenizer files are inconsistent: rebuild them'
+  )
+
+
+def _tokenize(examples: Iterable, num_parts: int, tokenizer, family: str, lengths, shard, where):
   """Tokenises and truncates this process's examples (index % count == process).
 
+  Texts are first cut to `max_chars(lengths)` characters; every kept token id is checked to lie
+  in [0, tokenizer.vocab_size). `where` names the split in errors (e.g. "data.train_path='a.txt'").
+
   Returns:
-    (Examples, number of examples in the whole split, this shard's stats dict).
+    (Examples, number of examples in the whole split, this shard's stats dict). The token
+    counts in the stats are of the cut texts.
   """
   process, count = shard
   dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32
-  chunks, buffer, total, kept_count, truncated = [], [], 0, 0, 0
+  chunks, buffer, indices, total, kept_count, truncated = [], [], [], 0, 0, 0
   token_sums, token_max = None, None
+  cap = max_chars(lengths)
 
   def flush():
     nonlocal truncated, token_sums, token_max
     columns = list(zip(*[(x,) if isinstance(x, str) else x for x in buffer]))
-    encoded = [tokenizer.encode_batch(list(col)) for col in columns]  # [parts][examples][tokens]
+    columns = [[text[:cap] for text in col] for col in columns]
+    encoded = [tokenizer.encode_batch(col) for col in columns]  # [parts][examples][tokens]
     per_example = list(zip(*encoded))
     sizes = np.array([[len(p) for p in ex] for ex in per_example])  # [examples, parts]
     token_sums = sizes.sum(0) + (0 if token_sums is None else token_sums)
@@ -182,13 +270,18 @@ def _tokenize(examples: Iterable, num_parts: int, tokenizer, family: str, length
       parts, cut = batching.truncate(family, ex, *lengths)
       kept.append(parts)
       truncated += cut
-    chunks.append([batching.Ragged.from_lists(p, dtype) for p in zip(*kept)])
+    ragged = [batching.Ragged.from_lists(p, np.int64) for p in zip(*kept)]
+    for part, texts in zip(ragged, columns):
+      _check_ids(part, tokenizer, where, indices, texts)
+    chunks.append([batching.Ragged(p.flat.astype(dtype), p.offsets) for p in ragged])
     buffer.clear()
+    indices.clear()
 
   for index, example in enumerate(examples):
     total += 1
     if index % count == process:
       buffer.append(example)
+      indices.append(index)
       kept_count += 1
       if len(buffer) == _CHUNK:
         flush()
@@ -201,6 +294,20 @@ def _tokenize(examples: Iterable, num_parts: int, tokenizer, family: str, length
   for name, s, m in zip(names, token_sums if kept_count else [], token_max if kept_count else []):
     stats |= {f'{name}_mean': float(s) / kept_count, f'{name}_max': int(m)}
   return batching.Examples(parts), total, stats
+
+
+def _cut(example: str | tuple, limit: int) -> str | tuple:
+  return example[:limit] if isinstance(example, str) else tuple(x[:limit] for x in example)
+
+
+def _origins(cfg) -> tuple[str, str]:
+  """How errors name the train and eval splits of `cfg`."""
+  if cfg.task in ('text', 'tsv'):
+    train = f'data.train_path={cfg.train_path!r}'
+    return train, (f'data.eval_path={cfg.eval_path!r}' if cfg.eval_path else f'held-out {train}')
+  if cfg.task == 'tfds':
+    return f'{cfg.tfds_name} {cfg.tfds_train_split}', f'{cfg.tfds_name} {cfg.tfds_eval_split}'
+  return f'{cfg.task} train', f'{cfg.task} eval'
 
 
 def build(
@@ -238,6 +345,8 @@ def build(
       )
   if seed < 0:
     raise ValueError(f'seed={seed} must be >= 0')
+  if cfg.get('bad_lines', 'error') not in sources.BAD_LINES:
+    raise ValueError(f'bad_lines={cfg.bad_lines!r} is not valid; choose one of {sources.BAD_LINES}')
   target_length = cfg.max_target_length if family == 'encoder_decoder' else cfg.max_length
   target_key = 'max_target_length' if family == 'encoder_decoder' else 'max_length'
   for key in ('max_source_length', target_key):
@@ -254,13 +363,16 @@ def build(
   lengths = (target_length, cfg.max_source_length)
   shard = (process_index, process_count)
   num_parts = 1 if kind == 'text' else 2
-  train, num_train, train_stats = _tokenize(train_raw, num_parts, tokenizer, family, lengths, shard)
+  train_origin, eval_origin = _origins(cfg)
+  train, num_train, train_stats = _tokenize(
+    train_raw, num_parts, tokenizer, family, lengths, shard, train_origin
+  )
   if not len(train):
     raise ValueError(
       f'process {process_index} of {process_count} got no training examples out of {num_train}'
     )
   evaluation, num_eval, eval_stats = _tokenize(
-    eval_raw, num_parts, tokenizer, family, lengths, shard
+    eval_raw, num_parts, tokenizer, family, lengths, shard, eval_origin
   )
 
   if family == 'encoder_decoder':
@@ -294,7 +406,7 @@ def build(
     info=info,
     _train=train,
     _evaluation=evaluation,
-    _eval_raw=eval_raw[process_index::process_count],
+    _eval_raw=[_cut(x, max_chars(lengths)) for x in eval_raw[process_index::process_count]],
     _batcher=batcher,
     _rows=cfg.batch_size // process_count,
     _eval_rows=eval_rows,

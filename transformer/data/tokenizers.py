@@ -1,4 +1,4 @@
-"""Byte and SentencePiece tokenizers with one fixed set of special ids.
+"""Byte and SentencePiece tokenizers with one fixed set of special ids, and imported HF ones.
 
 Both save to a directory as `tokenizer.json` (plus `spm.model` for SentencePiece); nothing is
 pickled.
@@ -113,7 +113,53 @@ class SentencePieceTokenizer(_Specials):
       json.dump(meta, f)
 
 
-Tokenizer = ByteTokenizer | SentencePieceTokenizer
+class HFTokenizer:
+  """A Hugging Face `tokenizers` tokenizer.json (of an imported GPT-2 or BERT), with its own ids.
+
+  Special ids come from tokenizer_config.json beside it (None when absent). Needs `tokenizers`.
+  """
+
+  kind = 'hf'
+
+  def __init__(self, directory: str):
+    try:
+      import tokenizers
+    except ImportError as e:
+      raise ImportError(
+        f'{directory!r} holds a Hugging Face tokenizer; pip install tokenizers'
+      ) from e
+    self._tok = tokenizers.Tokenizer.from_file(os.path.join(directory, _JSON))
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    config, path = {}, os.path.join(directory, 'tokenizer_config.json')
+    if os.path.exists(path):
+      with open(path) as f:
+        config = json.load(f)
+    for name in ('pad', 'bos', 'eos', 'mask', 'unk'):
+      token = config.get(f'{name}_token')
+      token = token.get('content') if isinstance(token, dict) else token
+      setattr(self, f'{name}_id', self._tok.token_to_id(token) if isinstance(token, str) else None)
+    self._config = config
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of `text`, without the special tokens its post-processor would add."""
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of `ids`, special tokens skipped."""
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def save(self, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    self._tok.save(os.path.join(directory, _JSON))
+    if self._config:
+      with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
+        json.dump(self._config, f)
+
+
+Tokenizer = ByteTokenizer | SentencePieceTokenizer | HFTokenizer
 
 
 def train_sentencepiece(lines: Iterable[str], vocab_size: int) -> SentencePieceTokenizer:
@@ -155,11 +201,13 @@ def load_tokenizer(directory: str) -> Tokenizer:
     raise FileNotFoundError(f'no tokenizer in {directory!r}: {path!r} does not exist')
   with open(path) as f:
     meta = json.load(f)
+  if 'kind' not in meta and 'model' in meta:  # a Hugging Face tokenizer.json (transformer.hf)
+    return HFTokenizer(directory)
   if meta['kind'] == 'byte':
     return ByteTokenizer()
   if meta['kind'] == 'sentencepiece':
     with open(os.path.join(directory, meta['model_file']), 'rb') as f:
       return SentencePieceTokenizer(f.read(), meta.get('requested_vocab_size'))
   raise ValueError(
-    f'unknown tokenizer kind={meta["kind"]!r} in {path!r}; valid: byte, sentencepiece'
+    f'unknown tokenizer kind={meta["kind"]!r} in {path!r}; valid: byte, sentencepiece, hf'
   )

@@ -1,0 +1,302 @@
+"""Device mesh ('data', 'fsdp', 'tensor'), logical axis rules, sharded init and batch placement.
+
+Parameters and activations carry logical axis names (`nn.with_logical_partitioning`,
+`nn.with_logical_constraint`); `config.mesh.rules` maps each name to mesh axes. Everything runs
+through `jax.jit` with NamedShardings: data parallel, FSDP (ZeRO-3) and Megatron-style tensor
+parallel are the same code with different rules and mesh shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ('data', 'fsdp', 'tensor')
+# Every logical axis name the model uses, in rule precedence order (batch claims its mesh axes
+# before embed, so activations [batch, length, embed] shard the batch and keep d_model whole).
+LOGICAL_AXES = ('batch', 'length', 'embed', 'heads', 'kv_heads', 'kv', 'mlp', 'vocab', 'layers')
+
+Rules = tuple[tuple[str, Any], ...]
+
+
+def default_rules() -> dict[str, str]:
+  """The rules table of configs/base.py (where each rule is explained)."""
+  from configs import base
+
+  return base.get_config().mesh.rules.to_dict()
+
+
+def parse_rules(rules: Mapping[str, str] | Sequence[tuple[str, Any]]) -> Rules:
+  """Config rules ({'batch': 'data,fsdp', ...} or pairs) -> flax's ((name, axes), ...) table.
+
+  Raises ValueError for an unknown logical name, an unknown mesh axis, a mesh axis used twice in
+  one rule, or a logical name without a rule.
+  """
+  items = rules.items() if isinstance(rules, Mapping) else rules
+  table = {}
+  for name, axes in items:
+    if name not in LOGICAL_AXES:
+      raise ValueError(
+        f'unknown logical axis {name!r} in config.mesh.rules; valid names: {list(LOGICAL_AXES)}'
+      )
+    if isinstance(axes, str):
+      axes = tuple(a.strip() for a in axes.split(',') if a.strip())
+    elif axes is None:
+      axes = ()
+    else:
+      axes = tuple(axes)
+    for axis in axes:
+      if axis not in MESH_AXES:
+        raise ValueError(
+          f'config.mesh.rules.{name}={",".join(axes)!r} names mesh axis {axis!r}; '
+          f'valid mesh axes: {list(MESH_AXES)} (or empty for replicated)'
+        )
+    if len(set(axes)) != len(axes):
+      raise ValueError(f'config.mesh.rules.{name} uses a mesh axis twice: {axes}')
+    table[name] = axes
+  missing = [n for n in LOGICAL_AXES if n not in table]
+  if missing:
+    raise ValueError(f'config.mesh.rules has no rule for {missing}; give each "" to replicate it')
+  return tuple((n, table[n] or None) for n in LOGICAL_AXES)
+
+
+def mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) with at most one -1, which takes the devices the others leave."""
+  shape = tuple(shape)
+  valid = 'three ints, e.g. (8, 1, 1) or (-1, 2, 1) where -1 fills the remaining devices'
+  if len(shape) != 3 or not all(isinstance(s, (int, np.integer)) for s in shape):
+    raise ValueError(f'config.mesh.shape={shape} must be {valid}')
+  if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
+    raise ValueError(f'config.mesh.shape={shape} must be {valid}, sizes >= 1')
+  if -1 in shape:
+    known = math.prod(s for s in shape if s != -1)
+    if num_devices % known:
+      raise ValueError(
+        f'config.mesh.shape={shape}: {num_devices} devices do not divide by {known}; '
+        f'the known axes must divide the device count'
+      )
+    shape = tuple(num_devices // known if s == -1 else s for s in shape)
+  if math.prod(shape) != num_devices:
+    raise ValueError(
+      f'config.mesh.shape={shape} needs {math.prod(shape)} devices, but there are {num_devices}; '
+      f'make the product {num_devices} or use -1 for one axis'
+    )
+  return shape
+
+
+def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: every device of every process)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(shape, len(devices))
+  auto = (AxisType.Auto,) * 3
+  if len(devices) == len(jax.devices()):  # the whole job: let JAX order devices for the topology
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+  return Mesh(np.array(devices).reshape(shape), MESH_AXES, axis_types=auto)
+
+
+_ACTIVE: list[Partitioner] = []  # the partitioners whose context() is open, innermost last
+
+
+def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+  """`nn.with_logical_constraint` on the active partitioner's mesh; a no-op outside one.
+
+  The mesh is passed explicitly instead of through `jax.set_mesh`, because under a global mesh
+  flax also constrains DenseGeneral's flattened kernel initialisers, which fails.
+  """
+  if not _ACTIVE:
+    return x
+  partitioner = _ACTIVE[-1]
+  return nn.with_logical_constraint(x, logical, rules=partitioner.rules, mesh=partitioner.mesh)
+
+
+class Partitioner:
+  """A mesh plus logical rules: shardings for pytrees, batch placement and the jit context."""
+
+  def __init__(self, mesh: Mesh, rules: Rules):
+    self.mesh, self.rules = mesh, rules
+
+  @classmethod
+  def from_config(cls, mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Partitioner:
+    """From `config.mesh` ({shape, rules}); None means all devices data parallel."""
+    if mesh_cfg is None:
+      return cls(make_mesh((-1, 1, 1), devices), parse_rules(default_rules()))
+    rules = mesh_cfg.rules
+    rules = rules.to_dict() if isinstance(rules, ml_collections.ConfigDict) else rules
+    return cls(make_mesh(tuple(mesh_cfg.shape), devices), parse_rules(rules))
+
+  @contextlib.contextmanager
+  def context(self) -> Iterator[None]:
+    """While tracing inside it, the models' `constrain` calls take effect on this mesh."""
+    _ACTIVE.append(self)
+    try:
+      yield
+    finally:
+      _ACTIVE.pop()
+
+  def spec(self, logical: Sequence[str | None]) -> PartitionSpec:
+    return nn.logical_to_mesh_axes(tuple(logical), self.rules)
+
+  def sharding(self, logical: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(self.mesh, self.spec(logical))
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, PartitionSpec())
+
+  def axis_size(self, axes: Any) -> int:
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    return math.prod(self.mesh.shape[a] for a in axes)
+
+  def tree_shardings(self, boxed_abstract: Any) -> Any:
+    """NamedShardings for the unboxed form of a pytree whose leaves may be logically boxed.
+
+    Checks that every sharded dimension divides by its mesh axes; raises ValueError naming the
+    parameter, its shape, the logical axis and the mesh axes otherwise.
+    """
+    specs = nn.get_partition_spec(boxed_abstract)  # logical names per leaf, () when unboxed
+    leaves = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(boxed_abstract))[0]
+    flat_specs = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    for (path, leaf), logical in zip(leaves, flat_specs):
+      for name in logical:
+        if name is not None and name not in LOGICAL_AXES:
+          raise ValueError(
+            f'{jax.tree_util.keystr(path)} uses unknown logical axis {name!r}; '
+            f'valid: {list(LOGICAL_AXES)}'
+          )
+      self._check_divisible(jax.tree_util.keystr(path), leaf.shape, logical)
+    return nn.logical_to_mesh_sharding(specs, self.mesh, self.rules)
+
+  def _check_divisible(self, what: str, shape: Sequence[int], logical: Sequence[str | None]):
+    mesh_axes = self.spec(logical)
+    for dim, (size, name, axes) in enumerate(zip(shape, logical, mesh_axes)):
+      parts = self.axis_size(axes)
+      if size % parts:
+        hint = ' or set config.data.vocab_multiple' if name == 'vocab' else ''
+        raise ValueError(
+          f'{what}: dimension {dim} (logical {name!r}) has size {size}, which mesh axes {axes} '
+          f'of total size {parts} do not divide (mesh {dict(self.mesh.shape)}); change '
+          f'config.mesh.shape, or config.mesh.rules.{name} to shard it differently{hint}'
+        )
+
+  def batch_sharding(self, ndim: int = 2) -> NamedSharding:
+    """Data batches: [batch, length, ...] with the batch split by the 'batch' rule."""
+    return self.sharding(('batch', 'length') + (None,) * (ndim - 2))
+
+  def place_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    """This process's rows of a batch -> global arrays on the mesh (rows of all processes).
+
+    Every process passes its own `batch_size // process_count` rows, in process order.
+    """
+    out = {}
+    for key, local in batch.items():
+      local = np.asarray(local)
+      sharding = self.batch_sharding(local.ndim)
+      global_rows = local.shape[0] * jax.process_count()
+      parts = self.axis_size(sharding.spec[0])
+      if global_rows % parts:
+        raise ValueError(
+          f'batch {key!r} has {global_rows} rows across processes, which the mesh batch axes '
+          f'{sharding.spec[0]} of total size {parts} do not divide; make config.data.batch_size '
+          f'(and eval_batch_size) a multiple of {parts}'
+        )
+      out[key] = jax.make_array_from_process_local_data(sharding, local)
+    return out
+
+  def jit(
+    self,
+    fn: Callable,
+    in_shardings: Any,
+    out_shardings: Any,
+    donate_argnums: tuple[int, ...] = (),
+  ) -> Callable:
+    """`jax.jit(fn, ...)` whose calls trace under `self.context()` (so constraints apply)."""
+    jitted = jax.jit(
+      fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=donate_argnums
+    )
+    return _InContext(jitted, self)
+
+  def replicate(self, x: Any) -> jax.Array:
+    """A host value that every process holds identically -> a replicated global array."""
+    return jax.make_array_from_process_local_data(self.replicated, np.asarray(x))
+
+
+class _InContext:
+  """A jitted function that traces and lowers under its partitioner's context."""
+
+  def __init__(self, jitted: Callable, partitioner: Partitioner):
+    self._jitted, self._partitioner = jitted, partitioner
+
+  def __call__(self, *args):
+    with self._partitioner.context():
+      return self._jitted(*args)
+
+  def lower(self, *args):
+    with self._partitioner.context():
+      return self._jitted.lower(*args)
+
+  def _cache_size(self) -> int:
+    return self._jitted._cache_size()
+
+
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs of `abstract` carrying `shardings`: a restore target for orbax."""
+  return jax.tree_util.tree_map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
+  )
+
+
+def bytes_per_device(tree: Any) -> int:
+  """Bytes that one device holds of a pytree of jax Arrays (its addressable shard of each)."""
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(tree):
+    shard = leaf.addressable_shards[0]
+    total += shard.data.size * shard.data.dtype.itemsize
+  return total
+
+
+# Multi-host -----------------------------------------------------------------------------------
+def initialize_distributed(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+) -> bool:
+  """Joins a multi-process job through `jax.distributed.initialize`; returns True if it did.
+
+  Explicit arguments (from --coordinator_address/--num_processes/--process_id) win. Otherwise a
+  multi-host environment is detected: SLURM with more than one task, or a Cloud TPU pod slice;
+  `jax.distributed.initialize()` then reads everything from the environment. A single machine
+  does nothing. Must run before anything touches a device.
+  """
+  explicit = [coordinator_address, num_processes, process_id]
+  if any(v is not None for v in explicit):
+    if any(v is None for v in explicit):
+      raise ValueError(
+        'multi-process runs need all of --coordinator_address, --num_processes and '
+        f'--process_id; got {coordinator_address!r}, {num_processes!r}, {process_id!r}'
+      )
+    if not 0 <= process_id < num_processes:
+      raise ValueError(f'--process_id={process_id} must be in [0, {num_processes})')
+    _cpu_collectives()
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    return True
+  slurm = int(os.environ.get('SLURM_NTASKS', '1')) > 1
+  tpu_pod = len(os.environ.get('TPU_WORKER_HOSTNAMES', '').split(',')) > 1
+  if slurm or tpu_pod:
+    _cpu_collectives()
+    jax.distributed.initialize()
+    return True
+  return False
+
+
+def _cpu_collectives() -> None:
+  """Cross-process collectives for CPU devices (tests, CPU clusters); GPUs/TPUs ignore it."""
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
