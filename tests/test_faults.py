@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -215,6 +216,35 @@ def test_killed_twice_the_same_command_resumes_exactly(compile_cache, reference,
   names = os.listdir(directory)
   assert all(name.isdigit() for name in names), names  # no temp dir left, nothing quarantined
   assert_same_losses(workdir, reference)  # metrics.jsonl also lost the steps after a checkpoint
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_processes_agree_on_the_step_to_stop_at(compile_cache, tmp_path):
+  """2 processes (jax.distributed + gloo); only process 1 gets SIGTERM; both save one step."""
+  script, port = os.path.join(ROOT, 'tests', 'preemption_worker.py'), _free_port()
+  procs, logs = [], [tmp_path / f'process_{i}' for i in range(2)]
+  for i, log in enumerate(logs):
+    command = [sys.executable, script, str(i), str(port), str(tmp_path / 'run')]
+    with open(f'{log}.out', 'w') as out, open(f'{log}.err', 'w') as err:
+      procs.append(subprocess.Popen(command, cwd=ROOT, env=compile_cache, stdout=out, stderr=err))
+  try:
+    _wait_for_step(procs[1], logs[1], random.randint(5, 40), timeout=300)
+    procs[1].send_signal(signal.SIGTERM)
+    results = [_finish(proc, log, timeout=60) for proc, log in zip(procs, logs)]
+  finally:
+    for proc in procs:
+      proc.kill()
+  steps = []
+  for (code, err), expected in zip(results, ['another process got a stop signal', 'SIGTERM']):
+    assert code == faults.EXIT_PREEMPTED, err
+    steps.append(int(re.search(rf'preempted: {expected}: saved checkpoint (\d+) ', err).group(1)))
+  assert steps[0] == steps[1] and saved_steps(tmp_path / 'run') == [steps[0]]
 
 
 def test_sigint_stops_like_sigterm_and_restores_the_handlers(reference, monkeypatch, tmp_path):

@@ -223,3 +223,26 @@ def test_two_processes_match_one_and_resume(tmp_path):
   assert sorted(losses) == sorted(expected) == ['1', '2', '3', '4']
   for step in expected:
     np.testing.assert_allclose(losses[step], expected[step], rtol=1e-5)
+
+
+def test_transformer_load_of_a_2x2x2_run_in_a_fresh_one_device_process(worker):
+  results, out = worker
+  code = (
+    'import json, jax, numpy as np, transformer\n'
+    f'm = transformer.load({str(out / "run")!r})\n'
+    f'logits = m.logits(np.load({str(out / "tokens.npy")!r}))\n'
+    'print(json.dumps([jax.device_count(), m.step, logits.tolist()]))\n'
+  )
+  proc = subprocess.run(
+    [sys.executable, '-c', code],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=ROOT,
+    env={**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': ''},
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  devices, step, logits = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert (devices, step) == (1, 3)
+  saved = np.asarray(results['logits']['saved'])
+  np.testing.assert_allclose(np.asarray(logits), saved, rtol=1e-5, atol=1e-5)

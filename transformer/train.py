@@ -220,9 +220,9 @@ class Run:
     """
     self.config = config
     self.partitioner = sharding.Partitioner.from_config(config.get('mesh'), devices)
-    _check_batch_sizes(config.data, self.partitioner)
     self.task = None
     if with_data:
+      _check_batch_sizes(config.data, self.partitioner)
       self.task = data.build(
         config.data,
         family=config.model.family,
@@ -561,12 +561,15 @@ def _train_loop(
     history[:] = [h for h in history if h['step'] <= to_step]
     metrics_log.start_from(to_step)
     spikes.forget_after(to_step)
-    skipped = f'{to_step + 1}-{step}' if step > to_step + 1 else f'{step}'
+    skipped = (
+      f'batches of steps {to_step + 1}-{step}' if step > to_step + 1 else f'batch of step {step}'
+    )
     event(
       step,
-      f'{reason}; rolled back to checkpoint {to_step}, skipping the batches of steps {skipped}',
+      f'{reason}; rolled back to checkpoint {to_step}, skipping the {skipped}',
       event='rollback',
       to_step=to_step,
+      reason=reason,
     )
     return restored, to_step
 
@@ -595,11 +598,15 @@ def _train_loop(
       reason = f'loss {loss:.4g}, gradient norm {float(metrics["grad_norm"]):.4g} (not finite)'
       if policy == 'halt':
         progress.close()
-        report = faults.describe_nonfinite(run, state.params, host_batch, rng, step, scale)
+        try:
+          report = faults.describe_nonfinite(run, state.params, host_batch, rng, step, scale)
+        except Exception as e:  # the report must never hide the halt itself
+          failure = f'{type(e).__name__}: {faults._first_line(e)}'
+          report = f'{reason}; the first non-finite tensor was not found ({failure})'
         last = ckpt.latest_step()
         kept = f'checkpoint {last} in {ckpt.directory}' if last is not None else 'no checkpoint'
         raise faults.NonFiniteError(
-          f'step {step}: {report}. Stopped by train.nonfinite={tcfg.get("nonfinite", "auto")!r} '
+          f'step {step}: {report}. Stopped by train.nonfinite={_policy_name(tcfg, policy)} '
           f'(nothing was saved after it; the last good one is {kept}). Rerun to resume, or set '
           "train.nonfinite='skip' or 'rollback' to train past such steps"
         )
@@ -650,7 +657,7 @@ def _train_loop(
     # Stop signals and timed checkpoints: every process acts on the same step.
     due = bool(every_seconds) and time.time() - last_save >= every_seconds
     stop, due = agreement.combine([signals is not None and signals.received is not None, due])
-    if stop:
+    if stop and step < tcfg.steps:  # at the last step the run saves and evaluates as usual
       progress.close()
       ckpt.save(step, state, data_state)
       ckpt.wait()
@@ -680,6 +687,12 @@ def _train_loop(
   if writer is not None:
     writer.flush()
   return {'step': step, 'train': history, 'eval': eval_metrics}
+
+
+def _policy_name(tcfg: ml_collections.ConfigDict, policy: str) -> str:
+  """'halt', or 'auto' (= 'halt' for float32) when it came from 'auto'."""
+  chosen = tcfg.get('nonfinite', 'auto')
+  return f'{chosen!r}' if chosen == policy else f'{chosen!r} (= {policy!r} for this dtype)'
 
 
 def _next_batch(run: Run, iterator) -> tuple[dict, dict, dict]:
