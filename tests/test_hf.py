@@ -181,6 +181,33 @@ def test_gpt2_logits_match(hf_models, imported):
   assert _relative_error(ours[real], theirs[real]) <= 1e-4
 
 
+def test_gpt2_greedy_generation_matches_hugging_face(hf_models, imported):
+  """KV-cache decoding of the imported model against transformers' own greedy generate."""
+  import transformer
+  from transformer import decode
+
+  model, _ = hf_models['gpt2']
+  m = transformer.load(imported['gpt2'])
+  rng = np.random.default_rng(3)
+  for length in (3, 7):
+    prompt = rng.integers(5, VOCAB - 1, size=(1, length))
+    with torch.no_grad():
+      theirs = model.generate(
+        torch.as_tensor(prompt),
+        attention_mask=torch.ones(1, length, dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=10,
+        eos_token_id=VOCAB - 1,
+        pad_token_id=0,
+      )[0, length:].numpy()
+    ours = np.asarray(
+      decode.generate(m.module, m.params, prompt, max_new_tokens=10, eos_id=VOCAB - 1)
+    )[0]
+    n = len(theirs)  # transformers stops after eos; ours pads with 0 from there on
+    assert n >= 3
+    np.testing.assert_array_equal(ours[:n], theirs)
+
+
 def test_bert_logits_match(hf_models, imported):
   model, _ = hf_models['bert']
   cfg, params = _load(imported['bert'])

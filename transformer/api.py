@@ -91,7 +91,8 @@ class Model:
   ) -> list[str]:
     """Continuations of each prompt (CausalLM): greedy, beam search or sampling."""
     self._need('causal_lm', 'generate')
-    ids = [[data.BOS_ID] + self._encode(p) for p in _as_list(prompts)]
+    bos = _special(self.tokenizer, 'bos_id', data.BOS_ID)
+    ids = [[bos] + self._encode(p) for p in _as_list(prompts)]
     out = decode.generate(
       self.module,
       self.params,
@@ -103,8 +104,9 @@ class Model:
       top_k=top_k,
       top_p=top_p,
       rng=jax.random.PRNGKey(seed) if temperature > 0 else None,
+      eos_id=_special(self.tokenizer, 'eos_id', data.EOS_ID),
     )
-    return [self.tokenizer.decode(row.tolist()) for row in np.asarray(out)]
+    return self._decode(out)
 
   def translate(
     self,
@@ -134,7 +136,7 @@ class Model:
       top_p=top_p,
       rng=jax.random.PRNGKey(seed) if temperature > 0 else None,
     )
-    return [self.tokenizer.decode(row.tolist()) for row in np.asarray(out)]
+    return self._decode(out)
 
   def fill_mask(self, texts: str | list[str], top_k: int = 1) -> list[dict]:
     """Fills every `[MASK]` of each text (BidirectionalLM) with its most likely tokens.
@@ -283,6 +285,14 @@ class Model:
       )
     return self.tokenizer.encode(text)
 
+  def _decode(self, out: Array) -> list[str]:
+    """Texts of generated rows, each cut at its first eos (what follows is padding)."""
+    eos = _special(self.tokenizer, 'eos_id', data.EOS_ID)
+    texts = []
+    for row in np.asarray(out).tolist():
+      texts.append(self.tokenizer.decode(row[: row.index(eos)] if eos in row else row))
+    return texts
+
   def _need(self, family: str, method: str) -> None:
     if self.cfg.family != family:
       raise ValueError(f'{method} needs a {family} model; this one is {self.cfg.family!r}')
@@ -291,6 +301,12 @@ class Model:
 @functools.partial(jax.jit, static_argnums=0)
 def _apply(module, params, *args, **kwargs):
   return module.apply({'params': params}, *args, **kwargs).astype(jnp.float32)
+
+
+def _special(tokenizer, name: str, default: int) -> int:
+  """A tokenizer's special id (an imported Hugging Face one has its own), else sparrow's."""
+  value = getattr(tokenizer, name, None)
+  return default if value is None else int(value)
 
 
 def _as_list(texts) -> list[str]:

@@ -37,6 +37,7 @@ class _Options(NamedTuple):
   length: int  # tokens to generate per row, eos included
   beam_size: int = 1
   sample: bool = False  # temperature > 0
+  eos_id: int = EOS_ID  # the token that ends a row (imported HF models have their own)
 
 
 class _Knobs(NamedTuple):
@@ -61,6 +62,7 @@ def translate(
   top_k: int = 0,
   top_p: float = 1.0,
   rng: Array | None = None,
+  eos_id: int = EOS_ID,
 ) -> Array:
   """Translates source tokens with an EncoderDecoder; the decoder starts from BOS_ID.
 
@@ -71,12 +73,14 @@ def translate(
     temperature: 0 = greedy; > 0 samples from softmax(logits / temperature), after keeping the
       `top_k` most likely tokens (0 = all) and the smallest set of mass >= `top_p` (nucleus).
     rng: PRNG key, needed when sampling.
+    eos_id: the token that ends a row (sparrow's EOS_ID; a Hugging Face model's own).
   Returns:
     int32 `[B, max_length]`; after eos every token is PAD_ID.
   """
   opts, knobs = _options(
     model, 'translate', max_length, beam_size, alpha, temperature, top_k, top_p, rng
   )
+  opts = opts._replace(eos_id=int(eos_id))
   _check_tokens(inputs, 'inputs')
   _check_learned_positions(model, max_length)
   if beam_size > 1:
@@ -96,19 +100,21 @@ def generate(
   top_k: int = 0,
   top_p: float = 1.0,
   rng: Array | None = None,
+  eos_id: int = EOS_ID,
 ) -> Array:
   """Continues right-padded CausalLM prompts (each starting with BOS_ID).
 
   Args:
     prompt: `[B, P]` tokens, right-padded with PAD_ID (0); rows may differ in length.
     max_new_tokens: tokens to generate, eos included.
-    beam_size, alpha, temperature, top_k, top_p, rng: as in `translate`.
+    beam_size, alpha, temperature, top_k, top_p, rng, eos_id: as in `translate`.
   Returns:
     int32 `[B, max_new_tokens]`; after eos every token is PAD_ID.
   """
   opts, knobs = _options(
     model, 'generate', max_new_tokens, beam_size, alpha, temperature, top_k, top_p, rng
   )
+  opts = opts._replace(eos_id=int(eos_id))
   _check_tokens(prompt, 'prompt')
   _check_learned_positions(model, prompt.shape[1] + max_new_tokens - 1)
   if beam_size > 1:
@@ -370,7 +376,7 @@ def _sample(model, params, tokens, rng, knobs: _Knobs, opts: _Options) -> Array:
     key = None if rng is None else jax.random.fold_in(rng, i)
     token = jnp.where(done, PAD_ID, _choose(logits, key, knobs, opts.sample))  # [B]
     out = lax.dynamic_update_slice(out, token[:, None], (0, i))
-    return i + 1, out, token, done | (token == EOS_ID), cache
+    return i + 1, out, token, done | (token == opts.eos_id), cache
 
   out = jnp.full((B, opts.length), PAD_ID, jnp.int32)
   state = (jnp.int32(0), out, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), cache)
@@ -391,7 +397,7 @@ def length_penalty(length: Array | int, alpha: float) -> Array:
   return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
-def _expand(beams: _Beams, logp: Array, i: Array, length: int, alpha: Array):
+def _expand(beams: _Beams, logp: Array, i: Array, length: int, alpha: Array, eos_id: int):
   """Extends every live beam by token i. logp: float32[B, W, V] of that token.
 
   Returns the new beams, and for each new live beam its parent beam [B, W] and token [B, W].
@@ -402,7 +408,7 @@ def _expand(beams: _Beams, logp: Array, i: Array, length: int, alpha: Array):
   parent, token = index // V, (index % V).astype(jnp.int32)
   seqs = jnp.take_along_axis(beams.alive, parent[:, :, None], axis=1)  # [B, 2W, length]
   seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, i))
-  eos = token == EOS_ID
+  eos = token == eos_id
 
   # Candidates ranked among the first W finish when they end in eos or reach the length.
   ends = (eos | (i == length - 1)) & (jnp.arange(2 * W) < W)
@@ -446,7 +452,7 @@ def _beam_search(model, params, tokens, knobs: _Knobs, opts: _Options) -> tuple[
     i, beams, token, cache = state
     logits, cache = _next_logits(i, first, step, token, start + i - 1, cache)  # [B * W, V]
     logp = jax.nn.log_softmax(logits).reshape(B, W, V)
-    beams, parent, token = _expand(beams, logp, i, length, knobs.alpha)
+    beams, parent, token = _expand(beams, logp, i, length, knobs.alpha, opts.eos_id)
     rows = (jnp.arange(B)[:, None] * W + parent).reshape(-1)  # [B * W] parent rows
     return i + 1, beams, token.reshape(-1), _gather_rows(cache, rows)
 

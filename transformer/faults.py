@@ -134,6 +134,14 @@ class HostAgreement:
       replicated = NamedSharding(mesh, PartitionSpec())
       self._max = jax.jit(lambda x: jnp.max(x, axis=0), out_shardings=replicated)
 
+  def now(self, flags: Sequence[int]) -> np.ndarray:
+    """The agreed flags of this call: waits for every process (use it outside the step loop)."""
+    flags = np.asarray(flags, np.int32).reshape(self.size)
+    if jax.process_count() == 1:
+      return flags
+    local = np.broadcast_to(flags, (jax.local_device_count(), self.size))
+    return np.asarray(self._max(jax.make_array_from_process_local_data(self._sharding, local)))
+
   def combine(self, flags: Sequence[int]) -> np.ndarray:
     flags = np.asarray(flags, np.int32).reshape(self.size)
     if jax.process_count() == 1:

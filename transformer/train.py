@@ -574,6 +574,18 @@ def _train_loop(
     return restored, to_step
 
   step, pending = start, None
+  received = lambda: signals is not None and signals.received is not None
+  if start < tcfg.steps and agreement.now([received(), 0])[0]:  # a signal during the set-up
+    got = signals.received if signals is not None else None
+    where = f'no checkpoint yet in {ckpt.directory}'
+    if ckpt.latest_step() is not None:
+      where = f'checkpoint {start} in {ckpt.directory} is the latest'
+    raise faults.Preempted(
+      f'{got or "another process got a stop signal"}: stopped before the first step, so there is '
+      f'nothing new to save ({where}); rerun the same command to resume',
+      step=start,
+      signal_name=got,
+    )
   while step < tcfg.steps:
     host_batch, batch, data_state = pending or _next_batch(run, iterator)
     pending = None
@@ -656,7 +668,7 @@ def _train_loop(
 
     # Stop signals and timed checkpoints: every process acts on the same step.
     due = bool(every_seconds) and time.time() - last_save >= every_seconds
-    stop, due = agreement.combine([signals is not None and signals.received is not None, due])
+    stop, due = agreement.combine([received(), due])
     if stop and step < tcfg.steps:  # at the last step the run saves and evaluates as usual
       progress.close()
       ckpt.save(step, state, data_state)

@@ -1,0 +1,416 @@
+"""Verdicts of the sweeps' claims, computed from the recorded numbers by rules stated as data.
+
+A sweep file states each rule as a dict, for example
+`dict(kind='less', metric='eval.loss', a='scaled', b='unscaled', margin_std=2)`: "the final eval
+loss of `scaled` is below that of `unscaled` by more than 2 standard deviations over seeds".
+`evaluate(rule, table)` applies it to `table[variant][metric] -> [one value per seed]` and returns
+a `Verdict`; nothing here is ever written by hand. The kinds and their keys are in `KINDS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+REPRODUCED = 'reproduced'
+NOT_REPRODUCED = 'not reproduced at this scale'
+NOT_RUN = 'not run'
+
+Table = Mapping[str, Mapping[str, Sequence[float]]]  # variant -> metric -> per-seed values
+
+# kind -> (required keys, optional keys). Common optional keys: 'text' (the claim in words).
+KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+  # mean(a) < mean(b) by > margin_std pooled stds (>= 2 seeds each) or rel_margin * |mean(b)|.
+  'less': (('metric', 'a', 'b'), ('metric_a', 'metric_b', 'margin_std', 'rel_margin')),
+  'greater': (('metric', 'a', 'b'), ('metric_a', 'metric_b', 'margin_std', 'rel_margin')),
+  # a is no worse than b, up to `tolerance` (absolute); the direction comes from the metric.
+  'no_worse': (('metric', 'a', 'b'), ('metric_a', 'metric_b', 'tolerance', 'lower_is_better')),
+  # |mean(a) - mean(b)| <= tolerance (absolute) or rel_tolerance * max(|a|, |b|).
+  'close': (('metric', 'a', 'b'), ('metric_a', 'metric_b', 'tolerance', 'rel_tolerance')),
+  # the means over `variants` (one metric), in the listed order, rise (or fall) step by step.
+  'ordering': (('metric', 'variants'), ('direction', 'tolerance')),
+  # within one variant, the metrics in the listed order rise (or fall) step by step.
+  'monotone': (('variant', 'metrics'), ('direction', 'tolerance')),
+  # the std over seeds of a exceeds factor x that of b (needs >= 2 seeds).
+  'variance_greater': (('metric', 'a', 'b'), ('factor',)),
+  # least-squares fit log y = log c + slope * log x, across variants (x, y metrics) or within one
+  # variant (x values, y metrics); checks slope_sign and/or slope_between.
+  'fit_power_law': ((), ('variants', 'x', 'y', 'variant', 'xs', 'metrics', 'slope_sign',
+                         'slope_between', 'min_r2')),
+  # mean(a) / mean(b) lies in [low, high].
+  'ratio_between': (('metric', 'a', 'b', 'low', 'high'), ('metric_a', 'metric_b')),
+  # the best (or worst) mean of `metric` among `among` (default all) is one of `expect`.
+  'best': (('metric', 'expect'), ('among', 'lower_is_better')),
+  'worst': (('metric', 'expect'), ('among', 'lower_is_better')),
+  # every listed variant's mean is >= (at_least) or <= (at_most) `value`.
+  'at_least': (('metric', 'variants', 'value'), ()),
+  'at_most': (('metric', 'variants', 'value'), ()),
+}
+_COMMON = ('kind', 'text')
+_LOWER_IS_BETTER_WORDS = ('loss', 'perplexity', 'nll', '_ms', 'ms@', 'mib', 'time', 'rise', 'std')
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  """The outcome of one rule: `status` (REPRODUCED | NOT_REPRODUCED | NOT_RUN) and its numbers."""
+
+  status: str
+  text: str  # the comparison with its numbers, in words
+  rule: dict
+  numbers: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def reproduced(self) -> bool:
+    return self.status == REPRODUCED
+
+
+def lower_is_better(metric: str) -> bool:
+  """Whether smaller values of `metric` are better: losses, perplexities, times, memory."""
+  return any(word in metric.lower() for word in _LOWER_IS_BETTER_WORDS)
+
+
+def check_rule(rule: Mapping[str, Any], variants: Sequence[str] | None = None) -> None:
+  """Raises one ValueError for an unknown kind, a missing or unknown key, or (when `variants` is
+  given) a variant that is not one of them."""
+  kind = rule.get('kind')
+  if kind not in KINDS:
+    raise ValueError(f'rule kind={kind!r} is not valid; choose one of {", ".join(KINDS)}')
+  required, optional = KINDS[kind]
+  missing = [k for k in required if k not in rule]
+  if missing:
+    raise ValueError(f'rule {dict(rule)} of kind {kind!r} needs the key {missing[0]!r}')
+  unknown = sorted(set(rule) - set(required) - set(optional) - set(_COMMON))
+  if unknown:
+    valid = ', '.join(required + optional + _COMMON)
+    raise ValueError(f'rule of kind {kind!r} has unknown key {unknown[0]!r}; valid keys: {valid}')
+  named = [rule[k] for k in ('a', 'b', 'variant') if k in rule]
+  for key in ('variants', 'among', 'expect'):
+    named += list(rule.get(key) or [])
+  for name in named:
+    if variants is not None and name not in variants:
+      raise ValueError(
+        f'rule {kind!r} names variant {name!r}, which the sweep does not have; '
+        f'its variants are: {", ".join(variants)}'
+      )
+  if kind == 'fit_power_law':
+    across = 'x' in rule and 'y' in rule
+    within = 'variant' in rule and 'xs' in rule and 'metrics' in rule
+    if across == within:
+      raise ValueError(
+        "rule 'fit_power_law' needs either x and y (metrics, across variants) or variant, xs "
+        '(x values) and metrics (one per x value), not both or neither'
+      )
+    if within and len(rule['xs']) != len(rule['metrics']):
+      raise ValueError(f'fit_power_law: xs {rule["xs"]} and metrics {rule["metrics"]} differ in size')
+  if rule.get('direction', 'increasing') not in ('increasing', 'decreasing'):
+    raise ValueError(f"direction={rule['direction']!r} must be 'increasing' or 'decreasing'")
+
+
+# Statistics over seeds -------------------------------------------------------------------------
+def _values(table: Table, variant: str, metric: str) -> list[float] | None:
+  """The per-seed values, or None when the variant or metric has none. NaN counts as missing."""
+  values = [v for v in (table.get(variant) or {}).get(metric) or [] if v is not None]
+  values = [float(v) for v in values if not (isinstance(v, float) and math.isnan(v))]
+  return values or None
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+  """Mean and sample standard deviation (0 for one value; inf when a value is infinite)."""
+  x = np.asarray(values, np.float64)
+  if not np.all(np.isfinite(x)):
+    return float(np.mean(x)) if not np.any(np.isnan(x)) else math.nan, math.inf
+  return float(x.mean()), float(x.std(ddof=1)) if len(x) > 1 else 0.0
+
+
+def fmt(value: float, std: float | None = None) -> str:
+  """A number for the report: 4 significant digits, with ± std when there are several seeds."""
+  if value is None or (isinstance(value, float) and math.isnan(value)):
+    return 'n/a'
+  text = 'inf' if math.isinf(value) else f'{value:.4g}'
+  if std is not None and std > 0 and math.isfinite(std):
+    text += f' ± {std:.2g}'
+  return text
+
+
+def _describe(variant: str, metric: str, values: list[float]) -> str:
+  mean, std = mean_std(values)
+  return f'{variant} {metric} = {fmt(mean, std)}'
+
+
+def _missing(rule: Mapping, pairs: Sequence[tuple[str, str]], table: Table) -> Verdict | None:
+  for variant, metric in pairs:
+    if _values(table, variant, metric) is None:
+      return Verdict(NOT_RUN, f'no recorded {metric} for variant {variant}', dict(rule))
+  return None
+
+
+# Rules -----------------------------------------------------------------------------------------
+def _pair(rule: Mapping) -> tuple[tuple[str, str], tuple[str, str]]:
+  return (rule['a'], rule.get('metric_a', rule['metric'])), (
+    rule['b'],
+    rule.get('metric_b', rule['metric']),
+  )
+
+
+def _less_or_greater(rule: Mapping, table: Table) -> Verdict:
+  (a, metric_a), (b, metric_b) = _pair(rule)
+  missing = _missing(rule, [(a, metric_a), (b, metric_b)], table)
+  if missing:
+    return missing
+  va, vb = _values(table, a, metric_a), _values(table, b, metric_b)
+  (ma, sa), (mb, sb) = mean_std(va), mean_std(vb)
+  sign = 1.0 if rule['kind'] == 'less' else -1.0
+  word = '<' if rule['kind'] == 'less' else '>'
+  numbers = {'a': ma, 'b': mb, 'std_a': sa, 'std_b': sb, 'seeds_a': len(va), 'seeds_b': len(vb)}
+  lhs, rhs = _describe(a, metric_a, va), _describe(b, metric_b, vb)
+  if math.isinf(ma) or math.isinf(mb):  # a diverged run or an impossible length: no margin
+    ok = sign * (mb - ma) > 0
+    text = f'{lhs} {word} {rhs} (an infinite value is a run that diverged or could not run)'
+    return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+  gap = sign * (mb - ma)
+  if len(va) >= 2 and len(vb) >= 2:
+    k = float(rule.get('margin_std', 2.0))
+    margin = k * math.sqrt((sa**2 + sb**2) / 2)
+    how = f'{k:g} pooled std over seeds'
+  else:
+    rel = float(rule.get('rel_margin', 0.02))
+    margin = rel * abs(mb)
+    how = f'{rel:.0%} of {b} (one seed: no std)'
+  numbers.update(gap=gap, margin=margin)
+  ok = gap > margin
+  text = f'{lhs} {word} {rhs}: gap {fmt(gap)} {">" if ok else "<="} margin {fmt(margin)} ({how})'
+  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+
+
+def _no_worse(rule: Mapping, table: Table) -> Verdict:
+  (a, metric_a), (b, metric_b) = _pair(rule)
+  missing = _missing(rule, [(a, metric_a), (b, metric_b)], table)
+  if missing:
+    return missing
+  va, vb = _values(table, a, metric_a), _values(table, b, metric_b)
+  ma, mb = mean_std(va)[0], mean_std(vb)[0]
+  lower = rule.get('lower_is_better', lower_is_better(metric_a))
+  tol = float(rule.get('tolerance', 0.0))
+  ok = ma <= mb + tol if lower else ma >= mb - tol
+  better = 'lower' if lower else 'higher'
+  text = (
+    f'{_describe(a, metric_a, va)} vs {_describe(b, metric_b, vb)} ({better} is better, '
+    f'tolerance {tol:g}): {a} is {"no worse" if ok else "worse"}'
+  )
+  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), {'a': ma, 'b': mb})
+
+
+def _close(rule: Mapping, table: Table) -> Verdict:
+  (a, metric_a), (b, metric_b) = _pair(rule)
+  missing = _missing(rule, [(a, metric_a), (b, metric_b)], table)
+  if missing:
+    return missing
+  va, vb = _values(table, a, metric_a), _values(table, b, metric_b)
+  ma, mb = mean_std(va)[0], mean_std(vb)[0]
+  tol = float(rule.get('tolerance', 0.0)) + float(rule.get('rel_tolerance', 0.0)) * max(
+    abs(ma), abs(mb)
+  )
+  diff = abs(ma - mb)
+  ok = diff <= tol
+  text = (
+    f'{_describe(a, metric_a, va)} vs {_describe(b, metric_b, vb)}: difference {fmt(diff)} '
+    f'{"<=" if ok else ">"} tolerance {fmt(tol)}'
+  )
+  numbers = {'a': ma, 'b': mb, 'difference': diff, 'tolerance': tol}
+  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+
+
+def _steps(rule: Mapping, labels: list[str], means: list[float]) -> Verdict:
+  """Whether `means` rise (or fall) step by step, up to `tolerance`."""
+  rising = rule.get('direction', 'increasing') == 'increasing'
+  tol = float(rule.get('tolerance', 0.0))
+  bad = [
+    (labels[i], labels[i + 1])
+    for i in range(len(means) - 1)
+    if not ((means[i + 1] - means[i] if rising else means[i] - means[i + 1]) > -tol)
+  ]
+  shown = ', '.join(f'{label} {fmt(m)}' for label, m in zip(labels, means))
+  text = f'{rule.get("direction", "increasing")}: {shown}'
+  if bad:
+    text += f'; breaks between {bad[0][0]} and {bad[0][1]}'
+  numbers = dict(zip(labels, means))
+  return Verdict(NOT_REPRODUCED if bad else REPRODUCED, text, dict(rule), numbers)
+
+
+def _ordering(rule: Mapping, table: Table) -> Verdict:
+  metric = rule['metric']
+  missing = _missing(rule, [(v, metric) for v in rule['variants']], table)
+  if missing:
+    return missing
+  means = [mean_std(_values(table, v, metric))[0] for v in rule['variants']]
+  verdict = _steps(rule, list(rule['variants']), means)
+  return dataclasses.replace(verdict, text=f'{metric} {verdict.text}')
+
+
+def _monotone(rule: Mapping, table: Table) -> Verdict:
+  variant = rule['variant']
+  missing = _missing(rule, [(variant, m) for m in rule['metrics']], table)
+  if missing:
+    return missing
+  means = [mean_std(_values(table, variant, m))[0] for m in rule['metrics']]
+  verdict = _steps(rule, list(rule['metrics']), means)
+  return dataclasses.replace(verdict, text=f'{variant}: {verdict.text}')
+
+
+def _variance_greater(rule: Mapping, table: Table) -> Verdict:
+  a, b, metric = rule['a'], rule['b'], rule['metric']
+  missing = _missing(rule, [(a, metric), (b, metric)], table)
+  if missing:
+    return missing
+  va, vb = _values(table, a, metric), _values(table, b, metric)
+  if len(va) < 2 or len(vb) < 2:
+    text = f'needs >= 2 seeds per variant for a std over seeds (has {len(va)} and {len(vb)})'
+    return Verdict(NOT_RUN, text, dict(rule))
+  sa, sb = mean_std(va)[1], mean_std(vb)[1]
+  factor = float(rule.get('factor', 1.0))
+  ok = sa > factor * sb
+  text = (
+    f'std over seeds of {metric}: {a} {fmt(sa)} {">" if ok else "<="} {factor:g} x {b} {fmt(sb)}'
+  )
+  numbers = {'std_a': sa, 'std_b': sb}
+  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+
+
+def fit_power_law(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float]:
+  """Least squares of log y = log c + slope * log x; returns slope, c and r2 (of the log fit)."""
+  lx, ly = np.log(np.asarray(xs, np.float64)), np.log(np.asarray(ys, np.float64))
+  slope, intercept = np.polyfit(lx, ly, 1)
+  predicted = intercept + slope * lx
+  total = float(np.sum((ly - ly.mean()) ** 2))
+  r2 = 1.0 - float(np.sum((ly - predicted) ** 2)) / total if total > 0 else 1.0
+  return {'slope': float(slope), 'c': float(math.exp(intercept)), 'r2': r2}
+
+
+def power_law_points(rule: Mapping, table: Table) -> tuple[list[str], list[float], list[float]]:
+  """(labels, xs, ys) of a fit_power_law rule: finite, positive means only."""
+  if 'variant' in rule:
+    variant = rule['variant']
+    raw = [
+      (f'{variant} {m}', x, _values(table, variant, m)) for x, m in zip(rule['xs'], rule['metrics'])
+    ]
+    raw = [(label, float(x), mean_std(v)[0] if v else None) for label, x, v in raw]
+  else:
+    raw = []
+    for v in rule.get('variants') or list(table):
+      x, y = _values(table, v, rule['x']), _values(table, v, rule['y'])
+      raw.append((v, mean_std(x)[0] if x else None, mean_std(y)[0] if y else None))
+  good = [(label, x, y) for label, x, y in raw if x and y and x > 0 and y > 0]
+  good = [(label, x, y) for label, x, y in good if math.isfinite(x) and math.isfinite(y)]
+  return [g[0] for g in good], [g[1] for g in good], [g[2] for g in good]
+
+
+def _fit_power_law(rule: Mapping, table: Table) -> Verdict:
+  labels, xs, ys = power_law_points(rule, table)
+  if len(xs) < 3:
+    return Verdict(NOT_RUN, f'needs >= 3 finite positive points to fit; has {len(xs)}', dict(rule))
+  fit = fit_power_law(xs, ys)
+  checks = []
+  if 'slope_sign' in rule:
+    checks.append((np.sign(fit['slope']) == np.sign(rule['slope_sign']), f'sign {rule["slope_sign"]:+d}'))
+  if 'slope_between' in rule:
+    low, high = rule['slope_between']
+    checks.append((low <= fit['slope'] <= high, f'in [{low:g}, {high:g}]'))
+  if 'min_r2' in rule:
+    checks.append((fit['r2'] >= rule['min_r2'], f'r2 >= {rule["min_r2"]:g}'))
+  ok = all(c for c, _ in checks)
+  y_name = rule.get('y') or 'y'
+  x_name = rule.get('x') or 'x'
+  text = (
+    f'{y_name} ∝ {x_name}^slope over {len(xs)} points: slope {fit["slope"]:.3f}, r2 '
+    f'{fit["r2"]:.3f}; expected slope {", ".join(t for _, t in checks) or "(no condition)"}'
+  )
+  numbers = {**fit, 'points': dict(zip(labels, zip(xs, ys)))}
+  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+
+
+def _ratio_between(rule: Mapping, table: Table) -> Verdict:
+  (a, metric_a), (b, metric_b) = _pair(rule)
+  missing = _missing(rule, [(a, metric_a), (b, metric_b)], table)
+  if missing:
+    return missing
+  ma = mean_std(_values(table, a, metric_a))[0]
+  mb = mean_std(_values(table, b, metric_b))[0]
+  ratio = ma / mb if mb else math.inf
+  low, high = float(rule['low']), float(rule['high'])
+  ok = low <= ratio <= high
+  text = (
+    f'{a} {metric_a} {fmt(ma)} / {b} {metric_b} {fmt(mb)} = {ratio:.3f}x, '
+    f'{"inside" if ok else "outside"} [{low:g}, {high:g}]'
+  )
+  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), {'ratio': ratio})
+
+
+def _best_or_worst(rule: Mapping, table: Table) -> Verdict:
+  metric = rule['metric']
+  among = list(rule.get('among') or table)
+  means = {v: mean_std(_values(table, v, metric))[0] for v in among if _values(table, v, metric)}
+  if not means:
+    return Verdict(NOT_RUN, f'no recorded {metric} for {", ".join(among)}', dict(rule))
+  lower = rule.get('lower_is_better', lower_is_better(metric))
+  pick_min = lower if rule['kind'] == 'best' else not lower
+  winner = (min if pick_min else max)(means, key=lambda v: means[v])
+  ok = winner in rule['expect']
+  shown = ', '.join(f'{v} {fmt(m)}' for v, m in means.items())
+  text = (
+    f'{rule["kind"]} {metric} ({"lower" if lower else "higher"} is better) among {shown}: '
+    f'{winner}; expected one of {", ".join(rule["expect"])}'
+  )
+  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), {'winner': winner, **means})
+
+
+def _threshold(rule: Mapping, table: Table) -> Verdict:
+  metric, value = rule['metric'], float(rule['value'])
+  missing = _missing(rule, [(v, metric) for v in rule['variants']], table)
+  if missing:
+    return missing
+  means = {v: mean_std(_values(table, v, metric))[0] for v in rule['variants']}
+  above = rule['kind'] == 'at_least'
+  failing = [v for v, m in means.items() if not (m >= value if above else m <= value)]
+  shown = ', '.join(f'{v} {fmt(m)}' for v, m in means.items())
+  text = f'{metric} {">=" if above else "<="} {value:g} for each of {shown}'
+  if failing:
+    text += f'; fails for {", ".join(failing)}'
+  return Verdict(NOT_REPRODUCED if failing else REPRODUCED, text, dict(rule), means)
+
+
+_EVALUATORS = {
+  'less': _less_or_greater,
+  'greater': _less_or_greater,
+  'no_worse': _no_worse,
+  'close': _close,
+  'ordering': _ordering,
+  'monotone': _monotone,
+  'variance_greater': _variance_greater,
+  'fit_power_law': _fit_power_law,
+  'ratio_between': _ratio_between,
+  'best': _best_or_worst,
+  'worst': _best_or_worst,
+  'at_least': _threshold,
+  'at_most': _threshold,
+}
+
+
+def evaluate(rule: Mapping[str, Any], table: Table) -> Verdict:
+  """Applies one rule (see `KINDS`) to `table[variant][metric] -> per-seed values`."""
+  check_rule(rule)
+  return _EVALUATORS[rule['kind']](rule, table)
+
+
+def overall(verdicts: Sequence[Verdict]) -> str:
+  """A claim's status from its rules: not reproduced if any rule fails, else reproduced if any
+  rule ran (rules that could not run are listed with it), else not run."""
+  statuses = [v.status for v in verdicts]
+  if NOT_REPRODUCED in statuses:
+    return NOT_REPRODUCED
+  if REPRODUCED in statuses:
+    return REPRODUCED
+  return NOT_RUN
