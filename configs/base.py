@@ -91,6 +91,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.numbers_direction = 'digits_to_words'  # numbers: digits_to_words | words_to_digits
   d.grammar_seed = 0  # grammar: fixes the Markov chain and its documents
   d.grammar_words = 256  # grammar: number of word types
+  d.grammar_join = 1  # grammar: documents joined into one example (long rows; extrapolation)
 
   # Objective and training loop ---------------------------------------------------------------
   t = config.train = ml_collections.ConfigDict()
@@ -98,6 +99,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.label_smoothing = 0.1  # paper: 0.1; 0 = plain cross-entropy
   t.grad_accum_steps = 1  # micro-batches per step (the data batch is split into this many)
   t.log_every = 50  # steps between console/TensorBoard scalars
+  t.head_entropy_every = 0  # steps between head attention-entropy scalars (TensorBoard); 0 = off
   t.eval_every = 500  # steps between evaluations (and at the end)
   t.checkpoint_every = 500  # steps between checkpoints (and at the end)
   t.checkpoint_every_seconds = 0.0  # also checkpoint this long after the last save; 0 = off

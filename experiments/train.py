@@ -2,6 +2,8 @@
 
 Any config key can be overridden: --config.model.num_heads=4 --config.train.steps=3000.
 Rerunning the same command on the same workdir resumes from the latest checkpoint.
+SIGTERM or SIGINT saves a checkpoint after the current step and exits with status 75 (a second
+signal stops at once); rerun the same command to resume.
 Multi-process: add --coordinator_address=HOST:PORT --num_processes=N --process_id=I on each host
 (SLURM and Cloud TPU pod slices are detected without them); see README "Scaling out".
 A config file is Python code: run only configs you trust.

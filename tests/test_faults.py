@@ -270,6 +270,22 @@ def test_sigint_stops_like_sigterm_and_restores_the_handlers(reference, monkeypa
   assert_same_losses(tmp_path, reference)
 
 
+def test_a_signal_during_set_up_stops_before_the_first_step(compile_cache, monkeypatch, tmp_path):
+  original = train.Run.__init__
+
+  def init_then_signal(self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # e.g. while the tokenizer trains or data loads
+
+  monkeypatch.setattr(train.Run, '__init__', init_then_signal)
+  expected = (
+    'SIGTERM: stopped before the first step, so there is nothing new to save (no checkpoint'
+  )
+  with pytest.raises(train.Preempted, match=re.escape(expected)):
+    train.train_and_evaluate(small_config(), str(tmp_path))
+  assert saved_steps(tmp_path) == []
+
+
 # Non-finite steps ------------------------------------------------------------------------------
 def test_nonfinite_skip_leaves_the_state_and_goes_on(compile_cache, monkeypatch, tmp_path, capsys):
   poison_batches(monkeypatch, {3})

@@ -156,8 +156,9 @@ class HostAgreement:
 class SpikeDetector:
   """A loss above `factor` x the median of the last `window` losses is a spike (factor 0 = off).
 
-  Nothing is flagged until the window is full, so a resumed or rolled back run waits `window`
-  steps. Spikes enter the window too: the median shrugs off a few, and follows a lasting shift.
+  Nothing is flagged until the window is full, so a resumed run waits `window` steps (a rollback
+  keeps the losses up to its checkpoint). Spikes enter the window too: the median shrugs off a
+  few, and follows a lasting shift.
   """
 
   def __init__(self, factor: float, window: int):
@@ -175,9 +176,6 @@ class SpikeDetector:
         ratio = loss / median
     self._losses.append((step, loss))
     return ratio
-
-  def median(self) -> float:
-    return float(np.median([value for _, value in self._losses])) if self._losses else math.nan
 
   def forget_after(self, step: int) -> None:
     """Drops the losses of steps after `step` (after a rollback)."""

@@ -685,6 +685,12 @@ def _train_loop(
         step=step,
         signal_name=got,
       )
+    entropy_every = tcfg.get('head_entropy_every', 0)
+    if entropy_every and step % entropy_every == 0:  # attention entropy per head, on this batch
+      from transformer import inspect as inspect_lib
+
+      inputs = model_inputs(run.family, host_batch)
+      inspect_lib.log_head_entropy(writer, run.model_cfg, state.params, inputs, step)
     if step % tcfg.eval_every == 0 or step == tcfg.steps:
       progress.close()
       eval_metrics, samples = run.evaluate(state.params)
