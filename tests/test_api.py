@@ -152,3 +152,15 @@ def test_explore_notebook_runs_top_to_bottom(tmp_path):
   text = ''.join(o.get('text', '') for o in outputs if o.output_type == 'stream')
   assert 'step 2' in text and 'perplexity' in text
   assert any('image/png' in o.get('data', {}) for o in outputs)  # the attention map plot
+
+
+def test_attention_maps_are_causal_distributions(gpt, translator):
+  maps = gpt.attention_maps('hello')
+  assert len(maps) == gpt.cfg.num_layers
+  for probs in maps.values():
+    T = len(gpt.tokenizer.encode('hello')) + 1  # with bos
+    assert probs.shape == (gpt.cfg.num_heads, T, T)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+    assert np.all(np.triu(probs, k=1) == 0)  # causal: nothing above the diagonal
+  cross = {k: v for k, v in translator.attention_maps('one', source='1').items() if 'cross' in k}
+  assert cross and all(v.shape[-1] == 2 for v in cross.values())  # source '1' + eos

@@ -152,3 +152,15 @@ def test_grammar_task_info_converts_entropy_to_tokens():
   np.testing.assert_allclose(
     info['entropy_per_token'], info['entropy_per_word'] / info['tokens_per_word']
   )
+
+
+def test_grammar_join_makes_long_examples_of_consecutive_documents():
+  plain_train, plain_eval, _ = grammar.generate(_cfg(task='grammar'))
+  joined_train, joined_eval, _ = grammar.generate(
+    _cfg(task='grammar', num_train_examples=40, num_eval_examples=5, grammar_join=3)
+  )
+  assert len(joined_train) == 40 and len(joined_eval) == 5
+  assert joined_train[0] == ' '.join(plain_train[:3])  # the same documents, three per example
+  assert joined_eval[1] == ' '.join(plain_eval[3:6])
+  with pytest.raises(ValueError, match='grammar_join=0 must be >= 1'):
+    grammar.generate(_cfg(task='grammar', grammar_join=0))

@@ -39,8 +39,10 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   'variance_greater': (('metric', 'a', 'b'), ('factor',)),
   # least-squares fit log y = log c + slope * log x, across variants (x, y metrics) or within one
   # variant (x values, y metrics); checks slope_sign and/or slope_between.
-  'fit_power_law': ((), ('variants', 'x', 'y', 'variant', 'xs', 'metrics', 'slope_sign',
-                         'slope_between', 'min_r2')),
+  'fit_power_law': (
+    (),
+    ('variants', 'x', 'y', 'variant', 'xs', 'metrics', 'slope_sign', 'slope_between', 'min_r2'),
+  ),
   # mean(a) / mean(b) lies in [low, high].
   'ratio_between': (('metric', 'a', 'b', 'low', 'high'), ('metric_a', 'metric_b')),
   # the best (or worst) mean of `metric` among `among` (default all) is one of `expect`.
@@ -105,7 +107,9 @@ def check_rule(rule: Mapping[str, Any], variants: Sequence[str] | None = None) -
         '(x values) and metrics (one per x value), not both or neither'
       )
     if within and len(rule['xs']) != len(rule['metrics']):
-      raise ValueError(f'fit_power_law: xs {rule["xs"]} and metrics {rule["metrics"]} differ in size')
+      raise ValueError(
+        f'fit_power_law: xs {rule["xs"]} and metrics {rule["metrics"]} differ in size'
+      )
   if rule.get('direction', 'increasing') not in ('increasing', 'decreasing'):
     raise ValueError(f"direction={rule['direction']!r} must be 'increasing' or 'decreasing'")
 
@@ -315,17 +319,22 @@ def _fit_power_law(rule: Mapping, table: Table) -> Verdict:
   fit = fit_power_law(xs, ys)
   checks = []
   if 'slope_sign' in rule:
-    checks.append((np.sign(fit['slope']) == np.sign(rule['slope_sign']), f'sign {rule["slope_sign"]:+d}'))
+    checks.append(
+      (np.sign(fit['slope']) == np.sign(rule['slope_sign']), f'sign {rule["slope_sign"]:+d}')
+    )
   if 'slope_between' in rule:
     low, high = rule['slope_between']
     checks.append((low <= fit['slope'] <= high, f'in [{low:g}, {high:g}]'))
   if 'min_r2' in rule:
     checks.append((fit['r2'] >= rule['min_r2'], f'r2 >= {rule["min_r2"]:g}'))
   ok = all(c for c, _ in checks)
-  y_name = rule.get('y') or 'y'
-  x_name = rule.get('x') or 'x'
+  if 'variant' in rule:  # within one variant: its metrics against the given x values
+    y_name = f'{rule["variant"]} {rule["metrics"][0]} .. {rule["metrics"][-1]}'
+    x_name = f'x = {", ".join(f"{x:g}" for x in rule["xs"])}'
+  else:
+    y_name, x_name = rule['y'], rule['x']
   text = (
-    f'{y_name} ∝ {x_name}^slope over {len(xs)} points: slope {fit["slope"]:.3f}, r2 '
+    f'{y_name} ∝ ({x_name})^slope over {len(xs)} points: slope {fit["slope"]:.3f}, r2 '
     f'{fit["r2"]:.3f}; expected slope {", ".join(t for _, t in checks) or "(no condition)"}'
   )
   numbers = {**fit, 'points': dict(zip(labels, zip(xs, ys)))}
@@ -364,7 +373,9 @@ def _best_or_worst(rule: Mapping, table: Table) -> Verdict:
     f'{rule["kind"]} {metric} ({"lower" if lower else "higher"} is better) among {shown}: '
     f'{winner}; expected one of {", ".join(rule["expect"])}'
   )
-  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), {'winner': winner, **means})
+  return Verdict(
+    REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), {'winner': winner, **means}
+  )
 
 
 def _threshold(rule: Mapping, table: Table) -> Verdict:

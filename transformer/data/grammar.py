@@ -153,17 +153,27 @@ def make_grammar(seed: int, num_words: int = 256) -> Grammar:
 def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict]:
   """Train documents, eval documents and info for the `grammar` task.
 
+  With `cfg.grammar_join` = J > 1, each example is J consecutive documents joined by spaces (long
+  rows for length extrapolation); the joins drop J - 1 END symbols, so the entropy floor in
+  `info` is then a close approximation.
+
   Returns:
     (train, eval, info); info holds `entropy_per_word` and `unigram_entropy_per_word` in nats,
     and `train_words`, the number of words (incl. '.' and END) in the training documents.
   """
   grammar = make_grammar(int(cfg.grammar_seed), int(cfg.grammar_words))
+  join = int(cfg.get('grammar_join', 1))
+  if join < 1:
+    raise ValueError(f'grammar_join={join} must be >= 1 (documents per example)')
   train, train_words = grammar.sample(
-    np.random.default_rng([cfg.grammar_seed, 1]), cfg.num_train_examples
+    np.random.default_rng([cfg.grammar_seed, 1]), cfg.num_train_examples * join
   )
   evaluation, _ = grammar.sample(
-    np.random.default_rng([cfg.grammar_seed, 2]), cfg.num_eval_examples
+    np.random.default_rng([cfg.grammar_seed, 2]), cfg.num_eval_examples * join
   )
+  if join > 1:  # long examples: `join` documents in a row, separated by a space
+    train = [' '.join(train[i : i + join]) for i in range(0, len(train), join)]
+    evaluation = [' '.join(evaluation[i : i + join]) for i in range(0, len(evaluation), join)]
   info = {
     'entropy_per_word': grammar.entropy_per_word(),
     'unigram_entropy_per_word': grammar.unigram_entropy_per_word(),

@@ -1,0 +1,1 @@
+"""Sweep files: one claim each, `get_sweep(scale) -> dict` (see transformer/sweeps.py)."""

@@ -1,0 +1,38 @@
+"""Claim (Table 3 row A): a single head is worse than several at a fixed d_model, and heads
+specialise: some attend sharply, some nearly uniformly."""
+
+
+def get_sweep(scale: int = 1) -> dict:
+  steps = 400 * scale
+  return dict(
+    name='heads',
+    claim='At a fixed d_model, one head trains worse than several, and the heads of a trained '
+    'model differ: some are sharp and some nearly uniform.',
+    description='EncoderDecoder 2+2 layers, d_model 64 (d_k = 64 / h), numbers task. Head '
+    'entropy is measured on 16 held-out examples for every attention module and normalised by the '
+    'log of the number of visible keys (0 = one key, 1 = uniform); entropy.spread is the largest '
+    'minus the smallest head.',
+    base='configs/default.py',
+    overrides={
+      'model.d_model': 64,
+      'model.d_ff': 256,
+      'train.steps': steps,
+      'train.log_every': 10,
+      'train.eval_every': steps,
+      'train.checkpoint_every': steps,
+      'train.eval_decode_examples': 256,
+    },
+    variants={f'h{n}': {'model.num_heads': n} for n in (1, 2, 4, 8, 16)},
+    metrics=['eval.loss', 'eval.bleu', 'entropy.spread', 'entropy.min', 'entropy.max'],
+    measure='head_entropy',
+    rules=[
+      dict(kind='less', metric='eval.loss', a='h4', b='h1', text='one head is worse than four'),
+      dict(
+        kind='at_least',
+        metric='entropy.spread',
+        variants=['h4', 'h8', 'h16'],
+        value=0.3,
+        text='sharp and nearly uniform heads side by side',
+      ),
+    ],
+  )

@@ -1,0 +1,40 @@
+"""Claim (Table 3 row D): label smoothing raises the training cross-entropy (the model learns to
+be less sure) and keeps or improves BLEU."""
+
+
+def get_sweep(scale: int = 1) -> dict:
+  steps = 600 * scale
+  return dict(
+    name='label_smoothing',
+    claim='Label smoothing raises the training cross-entropy and keeps or improves BLEU.',
+    description='EncoderDecoder 2+2 layers, d_model 128, numbers task, eps_ls = 0, 0.1, 0.2. '
+    '`train.nll` is the plain cross-entropy (not the smoothed loss) of the training batches, '
+    'averaged over the last 10% of logged steps.',
+    base='configs/default.py',
+    overrides={
+      'train.steps': steps,
+      'train.log_every': 10,
+      'train.eval_every': steps,
+      'train.checkpoint_every': steps // 2,
+      'train.eval_decode_examples': 256,
+    },
+    variants={f'ls{e}': {'train.label_smoothing': e} for e in (0.0, 0.1, 0.2)},
+    metrics=['train.nll', 'eval.loss', 'eval.bleu'],
+    rules=[
+      dict(
+        kind='ordering',
+        metric='train.nll',
+        variants=['ls0.0', 'ls0.1', 'ls0.2'],
+        direction='increasing',
+        text='smoothing raises training cross-entropy',
+      ),
+      dict(
+        kind='no_worse',
+        metric='eval.bleu',
+        a='ls0.1',
+        b='ls0.0',
+        tolerance=1.0,
+        text='BLEU kept (within 1 point) or improved',
+      ),
+    ],
+  )

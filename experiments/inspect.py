@@ -1,0 +1,25 @@
+"""Look inside a trained run: python -m experiments.inspect --workdir=DIR [--text=...] [--out=DIR2]
+
+Writes DIR/inspect/inspect.md (or --out) with attention maps per layer and head (through the
+'xla' path on the trained parameters, whatever attention_impl trained it), head entropy, init and
+activation statistics, and plots of the sinusoidal and RoPE encodings.
+"""
+
+from absl import flags
+
+from experiments import cli
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory to inspect.', required=True)
+_TEXT = flags.DEFINE_string('text', None, 'Input text; default the first eval example.')
+_OUT = flags.DEFINE_string('out', None, 'Output directory; default DIR/inspect.')
+_STEP = flags.DEFINE_integer('step', None, 'Checkpoint step; default the latest.')
+
+
+def main():
+  from transformer import inspect
+
+  print(f'wrote {inspect.inspect_run(_WORKDIR.value, _TEXT.value, _OUT.value, _STEP.value)}')
+
+
+if __name__ == '__main__':
+  cli.run(main)

@@ -1,0 +1,50 @@
+"""Run a sweep: python -m experiments.sweep --sweep=configs/sweeps/<name>.py --workdir=DIR
+
+  [--seeds=3] [--scale=1] [--parallel=1] [--variants=a,b]
+
+Each (variant, seed) trains in DIR/<variant>/seed_<k>; results collect in DIR/results.jsonl, and
+`python -m experiments.report --workdir=DIR` writes the report. Rerunning the same command skips
+finished runs and resumes interrupted ones. --parallel=N runs N worker processes at once (each
+logs to its run's log.txt). A sweep file is Python code: run only sweeps you trust.
+"""
+
+from absl import flags
+
+from experiments import cli
+
+_SWEEP = flags.DEFINE_string('sweep', None, 'Sweep file, e.g. configs/sweeps/scaling.py.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Sweep directory (runs, results.jsonl, report).')
+_SEEDS = flags.DEFINE_integer('seeds', 1, 'Seeds per variant: 0 .. seeds-1.')
+_SCALE = flags.DEFINE_integer('scale', 1, 'Size multiplier passed to get_sweep (steps, width).')
+_PARALLEL = flags.DEFINE_integer('parallel', 1, 'Runs at once, each in its own process.')
+_VARIANTS = flags.DEFINE_list('variants', None, 'Only these variants (default: all).')
+_RUN = flags.DEFINE_string('run', None, 'Internal: run one VARIANT:SEED (a --parallel worker).')
+flags.mark_flags_as_required(['sweep', 'workdir'])
+
+
+def main():
+  from transformer import sweeps  # after flag parsing: keeps --help fast
+
+  sweep = sweeps.load_sweep(_SWEEP.value, _SCALE.value)
+  if _RUN.value:
+    variant, _, seed = _RUN.value.rpartition(':')
+    sweeps.select_variants(sweep, [variant])
+    result = sweeps.execute_run(sweep, variant, int(seed), _WORKDIR.value)
+    print(f'{variant} seed {seed}: {result["status"]}, {result["wall_time_s"]:.0f} s', flush=True)
+    return
+  results = sweeps.run_sweep(
+    sweep,
+    _WORKDIR.value,
+    seeds=_SEEDS.value,
+    parallel=_PARALLEL.value,
+    variants=_VARIANTS.value,
+    log=lambda text: print(text, flush=True),
+  )
+  print(
+    f'{len(results)} results in {_WORKDIR.value}/results.jsonl; report: python -m '
+    f'experiments.report --workdir={_WORKDIR.value}'
+  )
+
+
+if __name__ == '__main__':
+  cli.run(main)
