@@ -25,7 +25,7 @@ _MATMUL = flags.DEFINE_integer('matmul_size', 2048, 'Size n of the n x n x n ref
 def main():
   import jax
 
-  from transformer import models, train
+  from transformer import measures, models, train
 
   config = _CONFIG.value
   run = train.Run(config, None, with_data=False)
@@ -34,23 +34,7 @@ def main():
   length = (
     config.data.max_length if cfg.family != 'encoder_decoder' else config.data.max_target_length
   )
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(5, cfg.vocab_size, size=(batch_size, length + 1)).astype(np.int32)
-  ones = np.ones((batch_size, length), np.int32)
-  batch = {
-    'inputs': tokens[:, :-1],
-    'targets': tokens[:, 1:],
-    'decoder_inputs': tokens[:, :-1],
-    'segments': ones,
-    'inputs_segments': ones,
-    'targets_segments': ones,
-    'positions': np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length)),
-    'token_types': np.zeros_like(ones),
-    'weights': np.ones((batch_size, length), np.float32),
-  }
-  batch['inputs_positions'] = batch['targets_positions'] = batch['positions']
-  needed = train.model_inputs(cfg.family, batch).keys() | {'targets', 'weights'}
-  batch = run.place({k: v for k, v in batch.items() if k in needed})
+  batch = run.place(measures.synthetic_batch(cfg, batch_size, length))
   state = run.init_state()
   step_fn = run.train_step
   key = run.replicate(jax.random.PRNGKey(1))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer import checkpoint, data, decode, sharding
+from transformer import checkpoint, data, decode
 from transformer.config import ModelConfig
 
 Array = jax.Array
@@ -40,12 +40,7 @@ def load(workdir: str, step: int | None = None) -> Model:
       f'no config.json in {workdir!r}; is it a sparrow workdir (python -m experiments.train '
       'or experiments.convert_hf writes one)?'
     )
-  config = ml_collections.ConfigDict(saved)
-  if 'mesh' in config:  # trained on other devices: lay the arrays out on the ones here
-    try:
-      sharding.mesh_shape(tuple(config.mesh.shape), jax.device_count())
-    except ValueError:
-      config.mesh.shape = type(config.mesh.shape)((-1, 1, 1))
+  config = train.fit_mesh(ml_collections.ConfigDict(saved))  # on the devices here
   run = train.Run(config, None, with_data=False)
   ckpt = checkpoint.Checkpointer(workdir, keep=config.train.get('keep_checkpoints', 3))
   try:

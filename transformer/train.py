@@ -411,6 +411,19 @@ def translation_metrics(hypotheses: list[str], references: list[str]) -> dict[st
   }
 
 
+def fit_mesh(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A saved run's config whose mesh fits this machine: its own, else all devices data parallel.
+
+  Checkpoints restore onto any layout, so a run trained on (2, 2, 2) loads on 1 device.
+  """
+  if 'mesh' in config:
+    try:
+      sharding.mesh_shape(tuple(config.mesh.shape), jax.device_count())
+    except ValueError:
+      config.mesh.shape = type(config.mesh.shape)((-1, 1, 1))
+  return config
+
+
 def load_run(workdir: str, step: int | None = None) -> tuple[Run, TrainState, int]:
   """Rebuilds the Run of `workdir` from its config.json and restores a checkpoint (latest)."""
   saved = checkpoint.read_run_config(workdir)
@@ -418,12 +431,7 @@ def load_run(workdir: str, step: int | None = None) -> tuple[Run, TrainState, in
     raise FileNotFoundError(
       f'no config.json in workdir {workdir!r}; is it a sparrow run directory?'
     )
-  config = ml_collections.ConfigDict(saved)
-  if 'mesh' in config:  # trained on another device count: lay the same arrays out on these
-    try:
-      sharding.mesh_shape(tuple(config.mesh.shape), jax.device_count())
-    except ValueError:
-      config.mesh.shape = type(config.mesh.shape)((-1, 1, 1))
+  config = fit_mesh(ml_collections.ConfigDict(saved))
   run = Run(config, workdir)
   ckpt = checkpoint.Checkpointer(workdir, keep=run.config.train.keep_checkpoints)
   state, _, step = ckpt.restore(run.abstract_state, step)
