@@ -51,3 +51,16 @@ def test_synthetic_batch_has_the_family_inputs(family):
   assert {'targets', 'weights', 'inputs'} <= set(batch)
   assert all(v.shape == (4, 12) for v in batch.values())
   assert batch['inputs'].min() >= 5 and batch['inputs'].max() < 50
+
+
+def test_entropy_summary_separates_heads_from_layers():
+  # Two modules: one with a sharp and a uniform head, one with a single head. The model-wide
+  # spread sees 0.9 - 0.1; the within-module spread is (0.8 + 0) / 2 and is 0 for one head.
+  s = measures.entropy_summary({'a': np.array([0.1, 0.9]), 'b': np.array([0.5])})
+  assert s['entropy.spread'] == pytest.approx(0.8)
+  assert s['entropy.layer_spread'] == pytest.approx(0.4)
+  assert s['entropy.sharp_share'] == pytest.approx(1 / 3)
+  assert s['entropy.uniform_share'] == 0.0
+  one_head = measures.entropy_summary({'enc': np.array([0.05]), 'cross': np.array([0.95])})
+  assert one_head['entropy.spread'] == pytest.approx(0.9)
+  assert one_head['entropy.layer_spread'] == 0.0

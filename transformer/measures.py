@@ -52,6 +52,9 @@ def head_entropy(ctx, examples: int = 16) -> dict[str, Any]:
 
   Returns entropy.mean/min/max over every head of every attention module, entropy.spread (max -
   min) and the shares of sharp (< 0.5) and nearly uniform (> 0.9) heads, plus a bar plot.
+  entropy.layer_spread is the max - min among the heads of one module, averaged over modules: it
+  is 0 with one head, so it measures head specialisation apart from differences between layers
+  (a causal self attention and a cross attention differ whatever the head count).
   """
   from transformer import train
 
@@ -59,18 +62,24 @@ def head_entropy(ctx, examples: int = 16) -> dict[str, Any]:
   batch = {k: v[:examples] for k, v in run.task.eval_batches()[0].items()}
   captured = inspect_lib.capture(run.model_cfg, params, train.model_inputs(run.family, batch))
   by_layer = {n: s['normalized'] for n, s in inspect_lib.entropy_by_layer(captured).items()}
-  values = np.concatenate(list(by_layer.values()))
   inspect_lib.plot_head_entropy(
     by_layer, os.path.join(ctx.run_dir, 'head_entropy.png'), f'{ctx.variant}: normalised entropy'
   )
+  return {**entropy_summary(by_layer), 'figures': ['head_entropy.png']}
+
+
+def entropy_summary(by_layer: dict[str, np.ndarray]) -> dict[str, float]:
+  """The entropy.* metrics of `head_entropy` from each module's per-head entropies [..., N]."""
+  values = np.concatenate([np.ravel(v) for v in by_layer.values()])
+  within = [np.ptp(np.asarray(v), axis=-1).mean() for v in by_layer.values()]  # per module
   return {
     'entropy.mean': float(values.mean()),
     'entropy.min': float(values.min()),
     'entropy.max': float(values.max()),
     'entropy.spread': float(values.max() - values.min()),
+    'entropy.layer_spread': float(np.mean(within)),
     'entropy.sharp_share': float(np.mean(values < 0.5)),
     'entropy.uniform_share': float(np.mean(values > 0.9)),
-    'figures': ['head_entropy.png'],
   }
 
 

@@ -33,6 +33,7 @@ def get_sweep(scale: int = 1) -> dict:
         x='params_non_embedding',
         y='eval.loss',
         slope_sign=-1,
+        min_r2=0.9,  # a straight line on log-log axes, not merely a falling loss
         text='loss falls as a power of N',
       ),
     ],
