@@ -314,3 +314,20 @@ def test_overall_status_and_rule_checks():
     verdicts.check_rule({'kind': 'less', 'metric': 'm', 'a': 'x'})
   with pytest.raises(ValueError, match="unknown key 'margin'"):
     verdicts.check_rule({'kind': 'less', 'metric': 'm', 'a': 'x', 'b': 'y', 'margin': 1})
+
+
+def test_a_claim_that_fails_one_rule_still_names_the_rules_that_held():
+  results = [
+    {'variant': v, 'seed': 0, 'status': 'ok', 'metrics': {'eval.loss': x}}
+    for v, x in (('a', 1.0), ('b', 2.0))
+  ]
+  rules = [
+    dict(kind='less', metric='eval.loss', a='a', b='b', text='a ends better'),
+    dict(kind='less', metric='eval.loss', a='b', b='a', text='b ends better'),
+  ]
+  status, note, lines = report._verdict_lines({'claim': 'c', 'rules': rules}, results)
+  assert status == verdicts.NOT_REPRODUCED
+  assert note == '1 of 2 rules held: a ends better'
+  assert lines[2] == f'**Verdict: {verdicts.NOT_REPRODUCED}.** {note} (see below).'
+  status, note, _ = report._verdict_lines({'claim': 'c', 'rules': rules[:1]}, results)
+  assert (status, note) == (verdicts.REPRODUCED, '')

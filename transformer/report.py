@@ -240,9 +240,13 @@ def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str,
   status = verdicts.overall(found)
   skipped = {r['variant']: r.get('error') for r in results if r.get('status') == 'skipped'}
   not_run = sum(v.status == verdicts.NOT_RUN for v in found)
-  note = ''
+  held = [v.rule.get('text') or v.rule['kind'] for v in found if v.status == verdicts.REPRODUCED]
+  notes = []
+  if held and status == verdicts.NOT_REPRODUCED:  # a partial result is still a result
+    notes.append(f'{len(held)} of {len(found)} rules held: {"; ".join(held)}')
   if not_run and status != verdicts.NOT_RUN:
-    note = f'{not_run} of {len(found)} rules could not run here: no verdict on them'
+    notes.append(f'{not_run} of {len(found)} rules could not run here: no verdict on them')
+  note = '; '.join(notes)
   line = f'**Verdict: {status}.**' + (f' {note} (see below).' if note else '')
   lines = [f'**Claim.** {meta.get("claim") or "(not stated)"}', '', line, '']
   for i, v in enumerate(found):
