@@ -40,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.dropout_rate = 0.1  # embeddings and residual branches
   m.attention_dropout_rate = 0.0  # attention probabilities (uses the 'xla' path while training)
   m.ffn_dropout_rate = 0.0  # feed-forward hidden layer
-  m.scale_embeddings = True  # multiply embeddings by sqrt(d_model)
+  m.scale_embeddings = True  # multiply embeddings by sqrt(d_model); keep on with sinusoidal
   m.share_embeddings = True  # one table for source and target (EncoderDecoder)
   m.tie_output = True  # output projection = transposed target embedding
   m.attention_scale = True  # 1/sqrt(d_k) scaling of the logits; False = the ablation

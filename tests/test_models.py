@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -303,3 +304,12 @@ def test_unknown_config_key_and_preset():
     ModelConfig.from_config({'nmu_heads': 4})
   with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
     ModelConfig.from_preset('gpt5')
+
+
+def test_sinusoidal_positions_over_unscaled_embeddings_warn():
+  with pytest.warns(UserWarning, match=r'scale_embeddings=False.*35x the token embeddings'):
+    tiny('causal_lm', position='sinusoidal', scale_embeddings=False, init_std=0.02)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')  # the paper's setting and learned positions stay quiet
+    tiny('causal_lm', position='sinusoidal', scale_embeddings=True, init_std=0.02)
+    tiny('causal_lm', position='learned', scale_embeddings=False, init_std=0.02)

@@ -11,6 +11,7 @@ import importlib
 import math
 import numbers
 import pkgutil
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,6 +88,14 @@ class ModelConfig:
         raise ValueError(f'window={window!r} must be a pair (left, right) of non-negative integers')
       object.__setattr__(self, 'window', tuple(window))
     _validate(self)
+    if self.position == 'sinusoidal' and not self.scale_embeddings and self.init_std < 0.1:
+      warnings.warn(
+        f'position=sinusoidal with scale_embeddings=False: the table (RMS 0.71) is '
+        f'{math.sqrt(0.5) / self.init_std:.0f}x the token embeddings (std init_std='
+        f'{self.init_std}) and drowns them; set scale_embeddings=True (the paper) or use '
+        'position=learned',
+        stacklevel=2,
+      )
 
   # Derived sizes -----------------------------------------------------------------------------
   @property
