@@ -132,7 +132,7 @@ def get_config() -> ml_collections.ConfigDict:
   r.vocab = 'tensor'  # embedding rows and logits: tensor parallel (see data.vocab_multiple)
   r.layers = ''  # the stacked layer axis of scan_layers
 
-  # Optimizer and schedule: transformer.optim ---------------------------------------------------
+  # Optimizer and schedule: transformer.training.optim ------------------------------------
   o = config.optim = ml_collections.ConfigDict()
   o.optimizer = 'adam'  # adam | adamw (decay masks out norms and biases)
   o.learning_rate = 1.0  # peak LR; for 'rsqrt' a multiplier of d_model^-0.5 * min(...)

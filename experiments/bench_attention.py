@@ -20,9 +20,10 @@ import json
 from absl import flags
 
 from experiments import cli
+from transformer.research import timing
 
 IMPLEMENTATIONS = ('xla', 'chunked', 'pallas', 'cudnn')
-NUM_HEADS = 8
+NUM_HEADS = timing.NUM_HEADS
 
 _LENGTHS = flags.DEFINE_list(
   'lengths', None, 'Sequence lengths T = S; default 256..4096 on CPU, 512..32768 elsewhere.'
@@ -49,50 +50,6 @@ def _ints(name: str, values: list[str]) -> list[int]:
   if not out or min(out) < 1:
     raise ValueError(f'--{name}={",".join(values)} must be a comma-separated list of positive ints')
   return out
-
-
-def skip_reason(implementation: str, backend: str) -> str | None:
-  """Why `implementation` is not timed on `backend` ('cpu', 'gpu', 'tpu'), or None to time it."""
-  import jax
-
-  if implementation == 'pallas' and backend not in ('gpu', 'tpu'):
-    return f'skipped: on {backend} Pallas runs only in its interpreter (too slow to time)'
-  if implementation == 'cudnn':
-    version = getattr(jax.devices()[0].client, 'platform_version', '').lower()
-    if backend != 'gpu' or 'cuda' not in version:
-      return f'skipped: cudnn needs an NVIDIA GPU (backend is {backend})'
-  return None
-
-
-def attention_flops(B: int, N: int, T: int, S: int, H: int, causal: bool) -> tuple[float, float]:
-  """(forward, forward + backward) FLOPs, FlashAttention convention: 4BNTSH, x3.5, causal / 2."""
-  forward = 4.0 * B * N * T * S * H * (0.5 if causal else 1.0)
-  return forward, 3.5 * forward
-
-
-def measure(implementation: str, B: int, T: int, H: int, causal: bool, dtype, repeats: int) -> dict:
-  """Times and compiled temp memory of one configuration: forward, and forward + backward."""
-  import jax
-
-  from transformer.attention import MaskSpec, dot_product_attention
-
-  def attend(q, k, v):
-    mask = MaskSpec(causal=causal)
-    return dot_product_attention(q, k, v, mask=mask, implementation=implementation)
-
-  def forward_backward(q, k, v, cot):
-    out, pullback = jax.vjp(attend, q, k, v)
-    return out, pullback(cot)  # (dq, dk, dv), each [B, T, N, H]
-
-  keys = jax.random.split(jax.random.PRNGKey(T * 1000 + H), 4)
-  q, k, v, cot = (jax.random.normal(key, (B, T, NUM_HEADS, H), dtype) for key in keys)
-  row = {}
-  for name, fn, args in (('fwd', attend, (q, k, v)), ('fwdbwd', forward_backward, (q, k, v, cot))):
-    compiled = jax.jit(fn).lower(*args).compile()
-    memory = compiled.memory_analysis()
-    row[f'{name}_temp_mib'] = None if memory is None else memory.temp_size_in_bytes / 2**20
-    row[f'{name}_ms'] = 1e3 * cli.median_seconds(compiled, args, repeats)
-  return row
 
 
 def _speedups(rows: list[dict], baseline: str) -> None:
@@ -163,13 +120,13 @@ def main():
 
   rows, timed = [], []
   for name in [i for i in IMPLEMENTATIONS if i in _IMPLS.value]:
-    reason = skip_reason(name, backend)
+    reason = timing.skip_reason(name, backend)
     if reason:
       rows.append({'implementation': name, 'error': reason})
     else:
       timed.append(name)
   n = _MATMUL.value or (2048 if on_cpu else 8192)
-  peak = cli.matmul_flops_per_sec(n, dtype)
+  peak = timing.matmul_flops_per_sec(n, dtype)
   print(
     f'backend {backend} ({jax.devices()[0].device_kind}), {dtype_name}, N={NUM_HEADS}, '
     f'B*N*T ~ {tokens}, {_REPEATS.value} repeats; dense {n}^3 matmul: '
@@ -184,12 +141,12 @@ def main():
           row = {'implementation': name, 'T': T, 'head_dim': H, 'causal': causal, 'batch': B}
           row |= {'heads': NUM_HEADS, 'dtype': dtype_name}
           try:
-            row |= measure(name, B, T, H, causal, dtype, _REPEATS.value)
+            row |= timing.measure(name, B, T, H, causal, dtype, _REPEATS.value)
           except Exception as error:  # e.g. out of memory: keep the row, say why
             lines = str(error).strip().splitlines() or [type(error).__name__]
             row['error'] = f'error: {lines[0][:100]}'
           else:
-            flops = attention_flops(B, NUM_HEADS, T, T, H, causal)
+            flops = timing.attention_flops(B, NUM_HEADS, T, T, H, causal)
             for key, f in zip(('fwd', 'fwdbwd'), flops):
               row[f'{key}_tflops'] = f / (row[f'{key}_ms'] * 1e-3) / 1e12
               row[f'{key}_frac_matmul'] = row[f'{key}_tflops'] * 1e12 / peak

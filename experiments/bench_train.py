@@ -3,10 +3,11 @@
   python -m experiments.bench_train --config=configs/gpt_bench.py [--steps=10]
   python -m experiments.bench_train --config=configs/gpt_bench.py --config.mesh.shape='(1,2,4)'
 
-The step is `transformer.train.Run.train_step`, jitted with the shardings of `config.mesh` exactly
-as in training, on random tokens of the config's batch and length. MFU = model FLOPs/s
-(transformer.models.flops_per_token) divided by the FLOP/s of a large dense float32 matmul timed in
-the same process (on all devices at once, so it is only meaningful on one device). Medians over
+The step is `transformer.training.run.Run.train_step`, jitted with the shardings of
+`config.mesh` exactly as in training, on random tokens of the config's batch and length.
+MFU = model FLOPs/s (transformer.model.models.flops_per_token) divided by the FLOP/s of a
+large dense float32 matmul timed in the same process (on all devices at once, so it is only
+meaningful on one device). Medians over
 the timed steps; memory is XLA's compiled estimate for one device.
 """
 
@@ -16,6 +17,7 @@ import numpy as np
 from absl import flags
 
 from experiments import cli
+from transformer.research import timing
 
 _CONFIG = cli.define_config('configs/gpt_bench.py')
 _STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps (after 2 warm-up steps).')
@@ -25,10 +27,12 @@ _MATMUL = flags.DEFINE_integer('matmul_size', 2048, 'Size n of the n x n x n ref
 def main():
   import jax
 
-  from transformer import measures, models, train
+  from transformer.model import models
+  from transformer.research import measures
+  from transformer.training.run import Run
 
   config = _CONFIG.value
-  run = train.Run(config, None, with_data=False)
+  run = Run(config, None, with_data=False)
   cfg = run.model_cfg
   batch_size = config.data.batch_size
   length = (
@@ -38,7 +42,7 @@ def main():
   state = run.init_state()
   step_fn = run.train_step
   key = run.replicate(jax.random.PRNGKey(1))
-  peak_before = cli.matmul_flops_per_sec(_MATMUL.value)
+  peak_before = timing.matmul_flops_per_sec(_MATMUL.value)
   compiled = step_fn.lower(state, batch, key).compile()
   memory = compiled.memory_analysis()
   for _ in range(2):  # warm-up
@@ -53,7 +57,7 @@ def main():
   step_time = float(np.median(times))
   tokens_per_step = batch_size * length
   flops = models.flops_per_token(cfg, length)['train'] * tokens_per_step
-  peak_after = cli.matmul_flops_per_sec(_MATMUL.value)
+  peak_after = timing.matmul_flops_per_sec(_MATMUL.value)
   peak = max(peak_before, peak_after)  # the faster reference: the conservative MFU
   achieved = flops / step_time
   devices = jax.device_count()

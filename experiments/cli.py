@@ -2,7 +2,6 @@
 
 import os
 import sys
-import time
 from collections.abc import Callable
 
 from absl import app, flags, logging
@@ -27,7 +26,7 @@ def run(main: Callable[[], None]) -> None:
   """Runs `main` under absl; user errors print `error: ...` and exit with status 2.
 
   A run stopped by SIGTERM/SIGINT after its checkpoint prints `preempted: ...` and exits with
-  status `transformer.faults.EXIT_PREEMPTED` (75): rerun the same command to resume.
+  status `transformer.training.faults.EXIT_PREEMPTED` (75): rerun the same command to resume.
   """
 
   def wrapped(argv):
@@ -35,7 +34,7 @@ def run(main: Callable[[], None]) -> None:
       raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
     logging.set_verbosity(logging.WARNING)  # progress goes to stdout; keep absl INFO out of it
-    from transformer import faults  # after flag parsing: keeps --help fast
+    from transformer.training import faults  # after flag parsing: keeps --help fast
 
     try:
       main()
@@ -49,26 +48,3 @@ def run(main: Callable[[], None]) -> None:
       sys.exit(2)
 
   app.run(wrapped)
-
-
-def median_seconds(fn: Callable, args: tuple, repeats: int) -> float:
-  """Median wall time of `fn(*args)` until its outputs are ready, after one warm-up call."""
-  import jax
-  import numpy as np
-
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
-def matmul_flops_per_sec(n: int, dtype=None, repeats: int = 10) -> float:
-  """Median FLOP/s of a jitted dense [n, n] @ [n, n] matmul (float32 unless `dtype`)."""
-  import jax
-  import jax.numpy as jnp
-
-  a, b = (jax.random.normal(jax.random.PRNGKey(i), (n, n), dtype or jnp.float32) for i in (0, 1))
-  return 2 * n**3 / median_seconds(jax.jit(jnp.matmul), (a, b), repeats)

@@ -7,7 +7,7 @@ from_hf reads HF_DIR (config.json + model.safetensors [+ tokenizer.json]; or the
 model.safetensors) and writes a new workdir that `transformer.load` and `experiments.train` read.
 to_hf writes a sparrow workdir's latest checkpoint as config.json + model.safetensors.
 The output must not exist yet (or be empty); nothing is written to it unless all succeeds.
-See transformer/hf.py for the name mapping and for dissecting a downloaded model.
+See transformer/inference/hf.py for the name mapping and for dissecting a downloaded model.
 """
 
 from absl import flags
@@ -22,7 +22,7 @@ flags.mark_flags_as_required(['arch', 'input', 'workdir'])
 
 
 def main():
-  from transformer import hf  # imported after flag parsing: keeps --help fast
+  from transformer.inference import hf  # imported after flag parsing: keeps --help fast
 
   summary = hf.convert(_ARCH.value, _INPUT.value, _WORKDIR.value, _DIRECTION.value)
   print(' | '.join(f'{k}: {v}' for k, v in summary.items()))

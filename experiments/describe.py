@@ -13,10 +13,10 @@ _SEQ_LEN = flags.DEFINE_integer('seq_len', None, 'Sequence length for FLOPs; def
 
 def main():
   from transformer import config as config_lib
-  from transformer import inspect as inspect_lib
+  from transformer.model import describe
 
   cfg = config_lib.ModelConfig.from_config(_CONFIG.value.model)
-  print(inspect_lib.describe(cfg, seq_len=_SEQ_LEN.value))
+  print(describe.describe(cfg, seq_len=_SEQ_LEN.value))
 
 
 if __name__ == '__main__':

@@ -35,9 +35,9 @@ def _process_file(run, params, path):
 
 
 def main():
-  from transformer import train
+  from transformer.training.workdir import load_run
 
-  run, state, step = train.load_run(_WORKDIR.value, _STEP.value)
+  run, state, step = load_run(_WORKDIR.value, _STEP.value)
   if _INPUT.value:
     text = '\n'.join(_process_file(run, state.params, _INPUT.value)) + '\n'
     if _OUTPUT.value:

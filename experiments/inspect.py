@@ -16,9 +16,9 @@ _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step; default the latest.
 
 
 def main():
-  from transformer import inspect
+  from transformer.research import inspection
 
-  print(f'wrote {inspect.inspect_run(_WORKDIR.value, _TEXT.value, _OUT.value, _STEP.value)}')
+  print(f'wrote {inspection.inspect_run(_WORKDIR.value, _TEXT.value, _OUT.value, _STEP.value)}')
 
 
 if __name__ == '__main__':

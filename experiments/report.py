@@ -14,7 +14,7 @@ flags.mark_flag_as_required('workdir')
 
 
 def main():
-  from transformer import report
+  from transformer.research import report
 
   print(f'wrote {report.write_report(_WORKDIR.value)}')
 

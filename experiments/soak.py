@@ -40,7 +40,7 @@ _COMPILE_CACHE = flags.DEFINE_bool(
 _REPORT = flags.DEFINE_string('report', 'docs/reliability.md', "Markdown file to write; '' = none.")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXIT_PREEMPTED = 75  # transformer.faults.EXIT_PREEMPTED (not imported: this process stays light)
+EXIT_PREEMPTED = 75  # training.faults.EXIT_PREEMPTED (not imported: this process stays light)
 RSS_LIMIT = 0.05  # allowed RSS growth after warm-up
 JUDGE_SECONDS = 60  # a process's RSS is judged only with this much of it after warm-up
 EXPECTED = {'checkpoints', 'config.json', 'git_revision.txt', 'metrics.jsonl', 'tensorboard'}

@@ -23,12 +23,12 @@ flags.mark_flags_as_required(['sweep', 'workdir'])
 
 
 def main():
-  from transformer import sweeps  # after flag parsing: keeps --help fast
+  from transformer.research import spec, sweeps  # after flag parsing: keeps --help fast
 
-  sweep = sweeps.load_sweep(_SWEEP.value, _SCALE.value)
+  sweep = spec.load_sweep(_SWEEP.value, _SCALE.value)
   if _RUN.value:
     variant, _, seed = _RUN.value.rpartition(':')
-    sweeps.select_variants(sweep, [variant])
+    spec.select_variants(sweep, [variant])
     result = sweeps.execute_run(sweep, variant, int(seed), _WORKDIR.value)
     print(f'{variant} seed {seed}: {result["status"]}, {result["wall_time_s"]:.0f} s', flush=True)
     return

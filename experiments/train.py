@@ -25,12 +25,13 @@ _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'Multi-process: this proc
 
 
 def main():
-  from transformer import sharding, train  # imported after flag parsing: keeps --help fast
+  from transformer import sharding
+  from transformer.training.loop import train_and_evaluate
 
   # Before anything touches a device; also auto-detects SLURM and Cloud TPU pod slices.
   sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   config = _CONFIG.value
-  train.train_and_evaluate(config, _WORKDIR.value or os.path.join('runs', config.name))
+  train_and_evaluate(config, _WORKDIR.value or os.path.join('runs', config.name))
 
 
 if __name__ == '__main__':

@@ -8,3 +8,41 @@ import os
 _FAST_COMPILE = '--xla_backend_optimization_level=0'
 if _FAST_COMPILE not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _FAST_COMPILE).strip()
+
+
+# Shared tiny configs ----------------------------------------------------------------------------
+import pytest  # noqa: E402
+
+from configs import bert_tiny, gpt_tiny, transformer_tiny  # noqa: E402
+
+_PRESETS = {
+  'encoder_decoder': transformer_tiny,
+  'causal_lm': gpt_tiny,
+  'bidirectional_lm': bert_tiny,
+}
+
+
+def make_tiny_config(family='encoder_decoder', task=None, **train_overrides):
+  """The smallest config of `family` that runs every part of a training run (1 layer, d_model
+  32, 4 steps of 8 rows, an eval and two checkpoints); `train_overrides` go to config.train."""
+  config = _PRESETS[family].get_config()
+  m = config.model
+  m.d_model, m.num_heads, m.d_ff, m.num_layers = 32, 2, 64, 1
+  d = config.data
+  d.task = task or ('numbers' if family == 'encoder_decoder' else 'grammar')
+  d.tokenizer = 'byte'
+  d.batch_size, d.eval_batch_size = 8, 8
+  d.num_train_examples, d.num_eval_examples = 200, 16
+  d.max_length, d.max_source_length, d.max_target_length = 32, 8, 32
+  t = config.train
+  t.steps, t.log_every, t.eval_every, t.checkpoint_every = 4, 1, 4, 2
+  t.eval_decode_examples, t.max_decode_length, t.num_samples = 4, 8, 1
+  config.optim.schedule, config.optim.warmup_steps = 'rsqrt', 10
+  t.update(train_overrides)
+  return config
+
+
+@pytest.fixture(scope='session')
+def tiny_config():
+  """`make_tiny_config`, the factory: tiny_config('causal_lm', steps=8) -> ConfigDict."""
+  return make_tiny_config

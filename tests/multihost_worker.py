@@ -19,7 +19,9 @@ os.environ['JAX_PLATFORMS'] = 'cpu'
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from transformer import data, sharding, train  # noqa: E402
+from transformer import data, sharding  # noqa: E402
+from transformer.training.loop import train_and_evaluate  # noqa: E402
+from transformer.training.run import Run  # noqa: E402
 
 
 def tiny_gpt(steps: int):
@@ -42,7 +44,7 @@ def tiny_gpt(steps: int):
 def host(process_id: int, port: int, workdir: str, steps: int, out: str) -> None:
   sharding.initialize_distributed(f'127.0.0.1:{port}', 2, process_id)
   assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
-  result = train.train_and_evaluate(tiny_gpt(steps), workdir)
+  result = train_and_evaluate(tiny_gpt(steps), workdir)
   if jax.process_index() == 0:
     with open(out, 'w') as f:
       json.dump({s['step']: s['loss'] for s in result['train']}, f)
@@ -51,7 +53,7 @@ def host(process_id: int, port: int, workdir: str, steps: int, out: str) -> None
 def reference(steps: int, out: str) -> None:
   """The same global batches on one process: the rows of process 0, then those of process 1."""
   config = tiny_gpt(steps)
-  run = train.Run(config, None)
+  run = Run(config, None)
   shards = [
     data.build(config.data, family='causal_lm', workdir=None, seed=config.seed, **where)
     for where in ({'process_index': i, 'process_count': 2} for i in range(2))

@@ -18,7 +18,9 @@ os.environ['JAX_PLATFORMS'] = 'cpu'
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from transformer import checkpoint, sharding, train  # noqa: E402
+from transformer import sharding  # noqa: E402
+from transformer.training import checkpoint
+from transformer.training.run import Run
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
 
@@ -58,7 +60,7 @@ def relative_error(a, b) -> float:
 
 def train_three_steps(config, devices=None, initial=None):
   """Losses of 3 steps; the state starts from `initial` (host arrays) or the Run's own init."""
-  run = train.Run(config, None, devices)
+  run = Run(config, None, devices)
   state = run.init_state() if initial is None else jax.device_put(initial, run.state_shardings)
   start = jax.device_get(state.params)
   iterator = run.task.train_iterator()
@@ -81,7 +83,7 @@ def equality(results: dict, dropout: float, meshes: list) -> None:
   """
   one = jax.devices()[:1]
   for family in ['causal_lm', 'encoder_decoder', 'bidirectional_lm']:
-    ref_run = train.Run(tiny_config(family, dropout), None, one)
+    ref_run = Run(tiny_config(family, dropout), None, one)
     initial = jax.device_get(ref_run.init_state())
     _, ref_state, ref_losses, ref_start = train_three_steps(
       tiny_config(family, dropout), one, initial
@@ -109,10 +111,10 @@ def equality(results: dict, dropout: float, meshes: list) -> None:
 
 def shardings(results: dict) -> None:
   """Shardings of each kind of weight, the bytes one device holds, and the sharded init."""
-  one = train.Run(tiny_config('causal_lm', 0.0), None, jax.devices()[:1])
+  one = Run(tiny_config('causal_lm', 0.0), None, jax.devices()[:1])
   reference = jax.tree_util.tree_leaves(jax.device_get(one.init_state().params))
   for mesh in [(1, 2, 4), (1, 8, 1), (8, 1, 1)]:
-    run = train.Run(tiny_config('causal_lm', 0.0, mesh), None)
+    run = Run(tiny_config('causal_lm', 0.0, mesh), None)
     state = run.init_state()
     p, mu = state.params, state.opt_state
     initial = jax.tree_util.tree_leaves(jax.device_get(p))
@@ -163,7 +165,7 @@ def checkpoints(results: dict, out_dir: str) -> None:
   }
   np.savez(os.path.join(out_dir, 'params.npz'), **flat)
   results['logits']['saved'] = apply(state.params).tolist()
-  other = train.Run(tiny_config('causal_lm', 0.0, (8, 1, 1)), None)
+  other = Run(tiny_config('causal_lm', 0.0, (8, 1, 1)), None)
   ckpt = checkpoint.Checkpointer(workdir)
   restored, _, _ = ckpt.restore(other.abstract_state)
   ckpt.close()
@@ -191,7 +193,7 @@ def errors(results: dict) -> None:
       with config.unlocked():
         change(config)
     try:
-      train.Run(config, None)
+      Run(config, None)
       results['errors'][name] = None
     except ValueError as error:
       results['errors'][name] = str(error)

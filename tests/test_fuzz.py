@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 
 from configs import base
-from transformer import checkpoint, data
+from transformer import data
 from transformer.config import ModelConfig
 from transformer.data import sources
+from transformer.training import checkpoint
 
 DOCUMENTED_ERRORS = (ValueError, FileNotFoundError)  # and their subclasses, e.g. CheckpointError
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from transformer import sharding, train
+from transformer import sharding
+from transformer.training.workdir import load_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -124,7 +125,7 @@ def test_checkpoint_from_a_2x2x2_mesh_restores_on_8x1x1_and_on_one_device(worker
   np.testing.assert_array_equal(np.asarray(results['logits']['restored_8_1_1']), saved)
   # This process has one device: load the workdir the 8-device worker wrote.
   assert jax.device_count() == 1
-  run, state, step = train.load_run(str(out / 'run'))
+  run, state, step = load_run(str(out / 'run'))
   assert step == 3
   saved_params = np.load(out / 'params.npz')
   flat = jax.tree_util.tree_flatten_with_path(state.params)[0]

@@ -1,5 +1,20 @@
-"""sparrow: Transformers in JAX/Flax. `transformer.load(workdir)` reopens a trained run."""
+"""sparrow: Transformers in JAX/Flax, small enough to read in an afternoon.
 
-from transformer.api import Model, load
+The public surface:
+  transformer.load(path)                  a trained run (or an imported model), ready to use
+  transformer.dot_product_attention(...)  the one attention core, with its implementations
+  transformer.MaskSpec                    structured masks: causal, segments, sliding window
+  transformer.ModelConfig                 the frozen, validated model config
+  transformer.build(cfg)                  the Flax module of a config's family
 
-__all__ = ['Model', 'load']
+The rooms, whose imports point one way: `data`, `model` <- `training` <- `inference` <-
+`research` (see tests/test_layout.py).
+"""
+
+from transformer.config import ModelConfig
+from transformer.inference.api import Model, load
+from transformer.model.attention import dot_product_attention
+from transformer.model.masks import MaskSpec
+from transformer.model.models import build
+
+__all__ = ['MaskSpec', 'Model', 'ModelConfig', 'build', 'dot_product_attention', 'load']

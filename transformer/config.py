@@ -23,7 +23,8 @@ ROPE_SCALINGS = ('none', 'linear', 'ntk', 'yarn')
 NORMS = ('layernorm', 'rmsnorm')
 NORM_PLACEMENTS = ('pre', 'post')
 ACTIVATIONS = ('relu', 'gelu', 'gelu_tanh', 'swiglu')
-ATTENTION_IMPLEMENTATIONS = (None, 'xla', 'chunked', 'pallas', 'cudnn')
+# The names a config may choose; `model.attention.register_implementation` adds its own here.
+ATTENTION_IMPLEMENTATIONS = [None, 'xla', 'chunked', 'pallas', 'cudnn']
 INITS = ('scaled', 'plain')
 INIT_DISTRIBUTIONS = ('xavier', 'normal')
 REMAT_POLICIES = ('none', 'full', 'save_matmuls')
@@ -194,7 +195,7 @@ def _validate(c: ModelConfig) -> None:
   _choice('norm', c.norm, NORMS)
   _choice('norm_placement', c.norm_placement, NORM_PLACEMENTS)
   _choice('activation', c.activation, ACTIVATIONS)
-  _choice('attention_impl', c.attention_impl, ATTENTION_IMPLEMENTATIONS)
+  _choice('attention_impl', c.attention_impl, tuple(ATTENTION_IMPLEMENTATIONS))
   _choice('init', c.init, INITS)
   _choice('init_distribution', c.init_distribution, INIT_DISTRIBUTIONS)
   _choice('remat', c.remat, REMAT_POLICIES)

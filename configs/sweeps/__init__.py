@@ -1,1 +1,1 @@
-"""Sweep files: one claim each, `get_sweep(scale) -> dict` (see transformer/sweeps.py)."""
+"""Sweep files: one claim each, `get_sweep(scale) -> dict` (see transformer/research/sweeps.py)."""

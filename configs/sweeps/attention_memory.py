@@ -10,17 +10,17 @@ def measure(ctx, lengths=_LENGTHS, head_dim: int = 64, repeats: int = 3) -> dict
   import jax
   import jax.numpy as jnp
 
-  from experiments import bench_attention
+  from transformer.research import timing
 
   implementation = ctx.config.model.attention_impl
   backend = jax.default_backend()
-  reason = bench_attention.skip_reason(implementation, backend)
+  reason = timing.skip_reason(implementation, backend)
   if reason:
     return {'skipped': reason}
   dtype = jnp.float32 if backend == 'cpu' else jnp.bfloat16
   out = {}
   for T in lengths:
-    row = bench_attention.measure(implementation, 1, T, head_dim, True, dtype, repeats)
+    row = timing.measure(implementation, 1, T, head_dim, True, dtype, repeats)
     out[f'mib_T{T}'] = row['fwdbwd_temp_mib']
     out[f'ms_T{T}'] = row['fwdbwd_ms']
   return out

@@ -9,7 +9,7 @@ def get_sweep(scale: int = 1) -> dict:
     claim='Cross attention learns the source-target alignment: the share of its mass on the gold '
     'alignment is well above chance.',
     description='The embedded default (EncoderDecoder 2+2 layers, d_model 128, 4 heads) on the '
-    'numbers task. Gold alignment (transformer.measures.gold_alignment): the digits split into '
+    'numbers task. Gold alignment (research.measures.gold_alignment): the digits split into '
     'groups of three from the right; in a group (h, t, o), "X hundred" <- h, a tens word <- t, a '
     'ones word <- o, "ten".."nineteen" <- t and o, the scale word ("thousand", ...) <- its whole '
     'group; a token aligns with the digits of the words it spans. align.score: the share of '

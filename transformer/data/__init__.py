@@ -4,7 +4,7 @@ Usage: `task = data.build(config.data, family=..., workdir=..., seed=...)`.
 """
 
 from transformer.data.grammar import Grammar, make_grammar
-from transformer.data.numbers import numbers_to_words, words_to_numbers
+from transformer.data.number_words import numbers_to_words, words_to_numbers
 from transformer.data.tasks import Task, build, default_config
 from transformer.data.tokenizers import (
   BOS_ID,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from transformer.data.masking import mlm_mask
 from transformer.data.tokenizers import BOS_ID, EOS_ID, MASK_ID, SPECIAL_IDS
 
 FAMILIES = ('encoder_decoder', 'causal_lm', 'bidirectional_lm')
@@ -199,8 +200,6 @@ class Batcher:
     """
     if self.family != 'bidirectional_lm':
       return batch
-    from transformer.objectives import mlm_mask
-
     batch['inputs'], _, batch['weights'] = mlm_mask(
       np.random.default_rng(list(seed)),
       batch['targets'],  # [B, T], 0 = padding

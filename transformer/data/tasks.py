@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import ml_collections
 import numpy as np
 
-from transformer.data import batching, grammar, numbers, sources
+from transformer.data import batching, grammar, number_words, sources
 from transformer.data.tokenizers import (
   ByteTokenizer,
   Tokenizer,
@@ -99,7 +99,7 @@ def _raw_data(cfg, family: str) -> tuple[str, Iterable, list, dict]:
   """(kind, train examples, eval examples, info); kind 'pairs' or 'text'."""
   task = cfg.task
   if task == 'numbers':
-    train, evaluation, info = numbers.generate(cfg)
+    train, evaluation, info = number_words.generate(cfg)
     return 'pairs', train, evaluation, info
   if task == 'grammar':
     train, evaluation, info = grammar.generate(cfg)
@@ -212,7 +212,7 @@ def _save_whole(tokenizer: Tokenizer, cache: str) -> bool:
 
 
 def _has_checkpoints(workdir: str) -> bool:
-  """Whether workdir/checkpoints holds a step (as transformer.checkpoint names them)."""
+  """Whether workdir/checkpoints holds a step (as transformer.training.checkpoint names them)."""
   directory = os.path.join(workdir, 'checkpoints')
   return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
 

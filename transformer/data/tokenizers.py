@@ -201,7 +201,7 @@ def load_tokenizer(directory: str) -> Tokenizer:
     raise FileNotFoundError(f'no tokenizer in {directory!r}: {path!r} does not exist')
   with open(path) as f:
     meta = json.load(f)
-  if 'kind' not in meta and 'model' in meta:  # a Hugging Face tokenizer.json (transformer.hf)
+  if 'kind' not in meta and 'model' in meta:  # a Hugging Face tokenizer.json (inference.hf)
     return HFTokenizer(directory)
   if meta['kind'] == 'byte':
     return ByteTokenizer()

@@ -1,0 +1,315 @@
+"""The three families: parameter counts, causality, padding invariance, remat/scan equivalence."""
+
+import re
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer.config import ModelConfig
+from transformer.model import models
+
+
+def tiny(family='causal_lm', **overrides):
+  base = dict(
+    family=family,
+    vocab_size=50,
+    d_model=32,
+    num_heads=4,
+    d_ff=64,
+    num_layers=2,
+    max_length=32,
+    dropout_rate=0.0,
+  )
+  if family == 'bidirectional_lm':
+    base.update(type_vocab_size=2, embedding_norm=True, position='learned')
+  base.update(overrides)
+  return ModelConfig(**base)
+
+
+class Jitted:
+  """A model whose `apply` is jitted (eager flax is slow on CPU); static keyword arguments."""
+
+  def __init__(self, model):
+    self.model = model
+    self._apply = jax.jit(model.apply, static_argnames=('deterministic', 'method'))
+
+  def apply(self, variables, *args, **kwargs):
+    return self._apply(variables, *args, **kwargs)
+
+
+def init(cfg, seed=0):
+  model = models.build(cfg)
+  params = jax.jit(models.init_params, static_argnums=0)(model, jax.random.PRNGKey(seed))
+  return Jitted(model), params
+
+
+def tokens(rng, shape, vocab=50, low=5):
+  return jnp.asarray(rng.integers(low, vocab, size=shape), jnp.int32)
+
+
+# Exact parameter counts of the reference architectures ---------------------------------------
+@pytest.mark.parametrize(
+  'preset,expected',
+  [('gpt2_small', 124_439_808), ('bert_base', 109_514_298), ('transformer_base', 63_082_496)],
+)
+def test_reference_parameter_counts(preset, expected):
+  assert models.count_params(ModelConfig.from_preset(preset)) == expected
+
+
+def test_describe_cli_prints_exact_count():
+  out = subprocess.run(
+    [sys.executable, '-m', 'experiments.describe', '--config=configs/gpt2_small.py'],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
+  assert 'parameters: 124439808' in out.splitlines()
+  assert 'training FLOPs per token' in out
+
+
+def test_flops_per_token_matches_hand_count():
+  cfg = ModelConfig.from_preset('gpt2_small')
+  flops = models.flops_per_token(cfg, 1024)
+  # 12 layers x (4 d^2 attention + 2 * 4 d^2 MLP) + tied head V * d.
+  d, v, layers = 768, 50257, 12
+  matmul = layers * (4 * d * d + 8 * d * d) + v * d
+  assert flops['matmul_params'] == matmul
+  assert flops['train'] == 3 * (2 * matmul + 4 * 1024 * d * layers)
+
+
+# Forward passes of every family and option ---------------------------------------------------
+@pytest.mark.parametrize('family', ['causal_lm', 'bidirectional_lm', 'encoder_decoder'])
+@pytest.mark.parametrize('position', ['sinusoidal', 'learned', 'rope', 'alibi', 'none'])
+def test_families_and_positions_run(family, position):
+  cfg = tiny(family, position=position)
+  model, params = init(cfg)
+  x = tokens(np.random.default_rng(0), (2, 7))
+  args = (x, x) if family == 'encoder_decoder' else (x,)
+  logits = model.apply({'params': params}, *args)
+  assert logits.shape == (2, 7, 50)
+  assert np.isfinite(np.asarray(logits)).all()
+
+
+@pytest.mark.parametrize(
+  'overrides',
+  [
+    dict(activation='swiglu', norm='rmsnorm', norm_placement='pre'),
+    dict(activation='gelu', num_kv_heads=2),
+    dict(activation='gelu_tanh', num_kv_heads=1, window=(3, 0), attention_impl='chunked'),
+    dict(tie_output=False, scale_embeddings=False, init='plain', init_distribution='normal'),
+  ],
+)
+def test_options_run_and_differ_from_default(overrides):
+  rng = np.random.default_rng(1)
+  x = tokens(rng, (2, 9))
+  model, params = init(tiny('causal_lm', **overrides))
+  logits = model.apply({'params': params}, x)
+  assert logits.shape == (2, 9, 50) and np.isfinite(np.asarray(logits)).all()
+
+
+def test_bert_classifier_head():
+  model, params = init(tiny('bidirectional_lm', num_classes=3))
+  out = model.apply({'params': params}, tokens(np.random.default_rng(0), (4, 6)))
+  assert out.shape == (4, 3)
+  assert 'pooler' in params and 'mlm_bias' not in params
+
+
+def test_dropout_only_when_not_deterministic():
+  cfg = tiny('causal_lm', dropout_rate=0.5, attention_dropout_rate=0.3, ffn_dropout_rate=0.2)
+  model, params = init(cfg)
+  x = tokens(np.random.default_rng(0), (2, 8))
+  a = model.apply({'params': params}, x)
+  b = model.apply({'params': params}, x)
+  np.testing.assert_array_equal(a, b)
+  rngs = {'dropout': jax.random.PRNGKey(1)}
+  c = model.apply({'params': params}, x, deterministic=False, rngs=rngs)
+  assert np.abs(np.asarray(c) - np.asarray(a)).max() > 1e-3
+
+
+# Causality and padding invariance ------------------------------------------------------------
+@pytest.mark.parametrize('position', ['learned', 'rope', 'alibi'])
+def test_causal_lm_future_tokens_do_not_change_the_past(position):
+  rng = np.random.default_rng(0)
+  model, params = init(tiny('causal_lm', position=position))
+  x = tokens(rng, (2, 12))
+  changed = x.at[:, 7:].set(tokens(rng, (2, 5)))
+  a = model.apply({'params': params}, x)
+  b = model.apply({'params': params}, changed)
+  np.testing.assert_allclose(a[:, :7], b[:, :7], rtol=1e-5, atol=1e-6)
+  assert np.abs(np.asarray(a[:, 7:] - b[:, 7:])).max() > 1e-4
+
+
+def test_encoder_decoder_future_targets_do_not_change_the_past():
+  rng = np.random.default_rng(0)
+  model, params = init(tiny('encoder_decoder'))
+  src, tgt = tokens(rng, (2, 10)), tokens(rng, (2, 9))
+  changed = tgt.at[:, 4:].set(tokens(rng, (2, 5)))
+  a = model.apply({'params': params}, src, tgt)
+  b = model.apply({'params': params}, src, changed)
+  np.testing.assert_allclose(a[:, :4], b[:, :4], rtol=1e-5, atol=1e-6)
+  assert np.abs(np.asarray(a[:, 4:] - b[:, 4:])).max() > 1e-4
+
+
+def test_bidirectional_lm_padding_invariance():
+  rng = np.random.default_rng(0)
+  model, params = init(tiny('bidirectional_lm'))
+  x = tokens(rng, (2, 6))
+  padded = jnp.concatenate([x, jnp.zeros((2, 5), jnp.int32)], axis=1)  # pad id 0
+  types = jnp.asarray(rng.integers(0, 2, size=(2, 6)), jnp.int32)
+  types_padded = jnp.concatenate([types, jnp.zeros((2, 5), jnp.int32)], axis=1)
+  a = model.apply({'params': params}, x, token_types=types)
+  b = model.apply({'params': params}, padded, token_types=types_padded)
+  np.testing.assert_allclose(a, b[:, :6], rtol=1e-5, atol=1e-5)
+
+
+def test_encoder_padding_invariance():
+  rng = np.random.default_rng(0)
+  model, params = init(tiny('encoder_decoder', position='sinusoidal'))
+  src, tgt = tokens(rng, (2, 6)), tokens(rng, (2, 5))
+  padded_src = jnp.pad(src, ((0, 0), (0, 7)))
+  padded_tgt = jnp.pad(tgt, ((0, 0), (0, 3)))
+  enc = lambda s: model.apply({'params': params}, s, method='encode')
+  np.testing.assert_allclose(enc(src), enc(padded_src)[:, :6], rtol=1e-5, atol=1e-5)
+  a = model.apply({'params': params}, src, tgt)
+  b = model.apply({'params': params}, padded_src, padded_tgt)
+  np.testing.assert_allclose(a, b[:, :5], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_segments_equal_separate_sequences():
+  rng = np.random.default_rng(3)
+  model, params = init(tiny('causal_lm', position='rope'))
+  a, b = tokens(rng, (1, 5)), tokens(rng, (1, 4))
+  packed = jnp.concatenate([a, b], axis=1)
+  segments = jnp.asarray([[1] * 5 + [2] * 4], jnp.int32)
+  positions = jnp.asarray([list(range(5)) + list(range(4))], jnp.int32)
+  out = model.apply({'params': params}, packed, segments=segments, positions=positions)
+  np.testing.assert_allclose(out[:, :5], model.apply({'params': params}, a), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out[:, 5:], model.apply({'params': params}, b), rtol=1e-5, atol=1e-5)
+
+
+# Remat and scan -------------------------------------------------------------------------------
+def _loss_and_grads(cfg, params, x):
+  model = models.build(cfg)
+
+  def loss(p):
+    args = (x, x) if cfg.family == 'encoder_decoder' else (x,)
+    logits = model.apply({'params': p}, *args)
+    return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def _stack_layers(tree):
+  """Plain params {layer_0: .., layer_1: ..} -> scanned params {layers: stacked}."""
+  if not isinstance(tree, dict):
+    return tree
+  layer_keys = sorted(k for k in tree if k.startswith('layer_'))
+  out = {k: _stack_layers(v) for k, v in tree.items() if k not in layer_keys}
+  if layer_keys:
+    layers = [tree[k] for k in sorted(layer_keys, key=lambda k: int(k.split('_')[1]))]
+    out['layers'] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+  return out
+
+
+@pytest.mark.parametrize(
+  'family,remat', [('causal_lm', 'full'), ('encoder_decoder', 'save_matmuls')]
+)
+def test_remat_and_scan_match_plain(family, remat):
+  cfg = tiny(family)
+  _, params = init(cfg)
+  x = tokens(np.random.default_rng(0), (2, 8))
+  loss, grads = _loss_and_grads(cfg, params, x)
+  remat_loss, remat_grads = _loss_and_grads(cfg.replace(remat=remat), params, x)
+  np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
+  jax.tree_util.tree_map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), remat_grads, grads
+  )
+  scanned_cfg = cfg.replace(scan_layers=True, remat=remat)
+  scanned_params = _stack_layers(params)
+  # The scanned model's own init has exactly this tree structure.
+  _, own = init(scanned_cfg)
+  assert jax.tree_util.tree_structure(own) == jax.tree_util.tree_structure(scanned_params)
+  scan_loss, scan_grads = _loss_and_grads(scanned_cfg, scanned_params, x)
+  np.testing.assert_allclose(scan_loss, loss, rtol=1e-6)
+  jax.tree_util.tree_map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+    scan_grads,
+    _stack_layers(grads),
+  )
+
+
+# Precision and initialisation ----------------------------------------------------------------
+def test_bfloat16_compute_keeps_float32_params_and_is_close():
+  cfg = tiny('causal_lm')
+  model, params = init(cfg)
+  x = tokens(np.random.default_rng(0), (2, 8))
+  ref = model.apply({'params': params}, x)
+  bf16, bf16_params = init(cfg.replace(dtype='bfloat16'))
+  assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(bf16_params))
+  out = bf16.apply({'params': params}, x)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=0.1, rtol=0.05)
+
+
+def test_scaled_init_shrinks_residual_outputs():
+  cfg = tiny('causal_lm', num_layers=8, d_model=64, d_ff=256)
+  _, scaled = init(cfg)
+  _, plain = init(cfg.replace(init='plain'))
+  layer = lambda p: p['decoder']['stack']['layer_0']
+  ratio_out = np.std(layer(scaled)['self_attention']['out']['kernel']) / np.std(
+    layer(plain)['self_attention']['out']['kernel']
+  )
+  ratio_wo = np.std(layer(scaled)['mlp']['wo']['kernel']) / np.std(
+    layer(plain)['mlp']['wo']['kernel']
+  )
+  np.testing.assert_allclose([ratio_out, ratio_wo], 1 / np.sqrt(16), rtol=1e-5)
+  q_ratio = np.std(layer(scaled)['self_attention']['query']['kernel']) / np.std(
+    layer(plain)['self_attention']['query']['kernel']
+  )
+  np.testing.assert_allclose(q_ratio, 1.0, rtol=1e-6)
+
+
+# Bad configurations: one clear error each ----------------------------------------------------
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
+    (dict(d_model=512, num_heads=6), 'num_heads=6 does not divide d_model=512'),
+    (dict(num_heads=8, d_model=64, num_kv_heads=3), 'num_kv_heads=3 does not divide num_heads=8'),
+    (dict(family='gpt'), "family='gpt' is not valid"),
+    (dict(position='relative'), "position='relative' is not valid"),
+    (dict(activation='tanh'), "activation='tanh' is not valid"),
+    (dict(norm='batchnorm'), "norm='batchnorm' is not valid"),
+    (dict(remat='some'), "remat='some' is not valid"),
+    (dict(attention_impl='flash'), "attention_impl='flash' is not valid"),
+    (dict(d_ff=-4), 'd_ff=-4 must be a positive integer'),
+    (dict(num_layers=0), 'num_layers=0 must be a positive integer'),
+    (dict(vocab_size=-1), 'vocab_size=-1 must be a positive integer'),
+    (dict(dropout_rate=1.5), 'dropout_rate=1.5 must be in [0, 1)'),
+    (dict(window=(-1, 0)), 'window=(-1, 0) must be a pair'),
+    (dict(dtype='float8'), "dtype='float8' is not valid"),
+  ],
+)
+def test_bad_config_raises_one_clear_error(overrides, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    tiny(**{'family': 'causal_lm', **overrides})
+
+
+def test_unknown_config_key_and_preset():
+  with pytest.raises(ValueError, match="unknown model config key 'nmu_heads'"):
+    ModelConfig.from_config({'nmu_heads': 4})
+  with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
+    ModelConfig.from_preset('gpt5')
+
+
+def test_sinusoidal_positions_over_unscaled_embeddings_warn():
+  with pytest.warns(UserWarning, match=r'scale_embeddings=False.*35x the token embeddings'):
+    tiny('causal_lm', position='sinusoidal', scale_embeddings=False, init_std=0.02)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')  # the paper's setting and learned positions stay quiet
+    tiny('causal_lm', position='sinusoidal', scale_embeddings=True, init_std=0.02)
+    tiny('causal_lm', position='learned', scale_embeddings=False, init_std=0.02)

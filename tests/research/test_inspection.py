@@ -1,0 +1,176 @@
+"""Inspection: attention maps against NumPy, every implementation through the xla path, head
+entropy bounds, init statistics against the init scheme, and the plots."""
+
+import math
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from transformer.config import ModelConfig
+from transformer.model import capture as capture_lib
+from transformer.model import models
+from transformer.research import inspection
+from transformer.training import loop
+
+
+def _model(family='causal_lm', **changes):
+  cfg = ModelConfig(
+    family=family, vocab_size=40, d_model=32, num_heads=4, d_ff=64, num_layers=2, max_length=32,
+    dropout_rate=0.0, **changes,
+  )  # fmt: skip
+  params = models.init_params(models.build(cfg), jax.random.PRNGKey(0))
+  return cfg, params
+
+
+_TOKENS = np.array([[5, 6, 7, 8, 9, 10, 0, 0], [11, 12, 13, 14, 15, 16, 17, 18]], np.int32)
+
+
+def _softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  e = np.exp(x)
+  return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize('placement', ['pre', 'post'])
+def test_attention_maps_match_numpy_from_the_projections(placement):
+  cfg, params = _model(norm_placement=placement)
+  captured = capture_lib.capture(cfg, params, {'inputs': _TOKENS})
+  name = 'decoder/stack/layer_1/self_attention'
+  probs = captured.attention[name]  # [B, N, T, S]
+  assert probs.shape == (2, 4, 8, 8)
+  x = captured.attention_inputs[name].astype(np.float64)  # [B, T, D]
+  p = params['decoder']['stack']['layer_1']['self_attention']
+  q = np.einsum('btd,dnh->btnh', x, p['query']['kernel']) + p['query']['bias']
+  k = np.einsum('btd,dnh->btnh', x, p['key']['kernel']) + p['key']['bias']
+  logits = np.einsum('btnh,bsnh->bnts', q, k) / math.sqrt(q.shape[-1])
+  real = _TOKENS != 0  # [B, T]
+  visible = np.tril(np.ones((8, 8), bool))[None] & real[:, None, :] & real[:, :, None]
+  expected = _softmax(np.where(visible[:, None], logits, -1e30))
+  expected = np.where(real[:, None, :, None], expected, 0.0)  # padding queries see nothing
+  np.testing.assert_allclose(probs, expected, atol=1e-5)
+  sums = probs.sum(-1)  # rows of real queries sum to 1, padding rows to 0
+  np.testing.assert_allclose(sums, np.broadcast_to(real[:, None, :], sums.shape), atol=1e-5)
+
+
+@pytest.mark.parametrize('family', ['causal_lm', 'bidirectional_lm', 'encoder_decoder'])
+def test_maps_of_a_chunked_model_are_the_xla_maps_on_the_same_parameters(family):
+  cfg, params = _model(family, attention_impl='chunked', attention_chunk_size=4)
+  inputs = {'inputs': _TOKENS}
+  if family == 'encoder_decoder':
+    inputs['decoder_inputs'] = _TOKENS[:, :6]
+  chunked = capture_lib.capture(cfg, params, inputs)
+  xla = capture_lib.capture(cfg.replace(attention_impl='xla'), params, inputs)
+  assert chunked.attention.keys() == xla.attention.keys() and chunked.attention
+  for name in xla.attention:
+    np.testing.assert_array_equal(chunked.attention[name], xla.attention[name])
+  # The inspection pass computes what the chunked model computes.
+  logits = models.build(cfg).apply({'params': params}, **inputs, deterministic=True)
+  np.testing.assert_allclose(chunked.logits, np.asarray(logits), atol=2e-5)
+  if family == 'encoder_decoder':
+    maps = capture_lib.attention_maps(cfg, params, _TOKENS, decoder_inputs=_TOKENS[:, :6])
+    assert maps['decoder/stack/layer_0/cross_attention'].shape == (2, 4, 6, 8)
+
+
+def test_scanned_and_rematerialised_models_give_the_same_maps():
+  cfg, params = _model(scan_layers=False)
+  scanned_cfg = cfg.replace(scan_layers=True, remat='full')
+  scanned = models.init_params(models.build(scanned_cfg), jax.random.PRNGKey(0))
+  unscanned = capture_lib.unscan_params(scanned_cfg, scanned)
+  assert jax.tree_util.tree_structure(unscanned) == jax.tree_util.tree_structure(params)
+  a = capture_lib.capture(scanned_cfg, scanned, {'inputs': _TOKENS})
+  b = capture_lib.capture(cfg, unscanned, {'inputs': _TOKENS})
+  for name in b.attention:
+    np.testing.assert_array_equal(a.attention[name], b.attention[name])
+
+
+def test_head_entropy_bounds():
+  cfg, params = _model()
+  captured = capture_lib.capture(cfg, params, {'inputs': _TOKENS})
+  for name, stats in capture_lib.entropy_by_layer(captured).items():
+    S = captured.attention[name].shape[-1]
+    assert np.all(stats['entropy'] >= 0) and np.all(stats['max'] <= math.log(S) + 1e-6)
+    assert np.all((stats['normalized'] >= 0) & (stats['normalized'] <= 1 + 1e-6))
+  uniform = np.full((1, 1, 4, 8), 1 / 8)
+  sharp = np.zeros((1, 1, 4, 8))
+  sharp[..., 3] = 1.0
+  assert capture_lib.head_entropy(uniform)['entropy'][0] == pytest.approx(math.log(8))
+  assert capture_lib.head_entropy(uniform)['normalized'][0] == pytest.approx(1.0)
+  assert capture_lib.head_entropy(sharp)['entropy'][0] == pytest.approx(0.0)
+  # Causal rows see 1..S keys: each is normalised by its own log(keys); the one-key row is left out.
+  causal = np.tril(np.ones((8, 8)))
+  causal = (causal / causal.sum(-1, keepdims=True))[None, None]
+  visible = np.tril(np.ones((8, 8), bool))[None, None]
+  assert capture_lib.head_entropy(causal, visible)['normalized'][0] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+  'changes',
+  [
+    {},
+    {'init': 'plain'},
+    {'init_distribution': 'normal', 'init_std': 0.05},
+    {'family': 'encoder_decoder'},
+  ],
+)
+def test_initial_weights_have_the_intended_std(changes):
+  cfg = ModelConfig(**{
+    'family': 'causal_lm', 'vocab_size': 500, 'd_model': 128, 'num_heads': 4, 'd_ff': 512,
+    'num_layers': 4, 'position': 'learned', 'max_length': 256, **changes,
+  })  # fmt: skip
+  rows = inspection.init_statistics(cfg, seed=1)
+  checked = 0
+  for r in rows:
+    if r['intended_std'] is None:
+      continue
+    if r['intended_std'] == 0:
+      assert r['std'] == 0 and r['mean'] == r['intended_mean']
+      continue
+    assert r['std'] == pytest.approx(r['intended_std'], rel=0.05), r['name']
+    assert abs(r['mean']) < 4 * r['intended_std'] / math.sqrt(math.prod(r['shape'])) + 1e-3
+    checked += 1
+  assert checked >= 10
+  out = next(r for r in rows if r['name'].endswith('layer_0/self_attention/out/kernel'))
+  wi = next(r for r in rows if r['name'].endswith('layer_0/mlp/wi/kernel'))
+  if cfg.init_distribution == 'xavier':
+    factor = 1.0 if cfg.init == 'plain' else 1 / math.sqrt(2 * 4)
+    assert out['intended_std'] == pytest.approx(math.sqrt(2 / (128 + 128)) * factor)
+    assert wi['intended_std'] == pytest.approx(math.sqrt(2 / (128 + 512)))
+
+
+def test_activation_statistics_and_head_entropy_logging():
+  cfg, params = _model()
+  captured = capture_lib.capture(cfg, params, {'inputs': _TOKENS})
+  rows = inspection.activation_statistics(captured)
+  assert [r['name'] for r in rows] == ['decoder/stack/layer_0', 'decoder/stack/layer_1']
+  assert all(r['std'] > 0 and r['max_abs'] >= r['rms'] for r in rows)
+
+  class Writer:
+    def __init__(self):
+      self.scalars = {}
+
+    def scalar(self, tag, value, step):
+      self.scalars[tag] = (value, step)
+
+  writer = Writer()
+  loop.log_head_entropy(writer, cfg, params, {'inputs': _TOKENS, 'segments': None}, step=7)
+  tag = 'head_entropy/decoder/stack/layer_0/self_attention/head_3'
+  assert tag in writer.scalars and writer.scalars[tag][1] == 7
+  assert len(writer.scalars) == 2 * (4 + 1)  # 2 layers x (4 heads + their mean)
+
+
+def test_plots_are_written(tmp_path):
+  cfg, params = _model()
+  maps = capture_lib.capture(cfg, params, {'inputs': _TOKENS}).attention
+  paths = [
+    inspection.plot_attention(
+      maps['decoder/stack/layer_0/self_attention'][0], str(tmp_path / 'a.png'),
+                           query_labels=list('abcdefgh'), key_labels=list('abcdefgh')),
+    inspection.plot_sinusoidal(32, str(tmp_path / 'sin.png')),
+    inspection.plot_rope(16, str(tmp_path / 'rope.png')),
+    inspection.plot_head_entropy({'layer': np.array([0.1, 0.9])}, str(tmp_path / 'h.png')),
+    inspection.plot_init_statistics(inspection.init_statistics(cfg), str(tmp_path / 'init.png')),
+  ]  # fmt: skip
+  for path in paths:
+    assert os.path.getsize(path) > 1000

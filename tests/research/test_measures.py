@@ -1,0 +1,67 @@
+"""Sweep measurements: the gold alignment of the numbers task and the synthetic batches."""
+
+import numpy as np
+import pytest
+
+from transformer import data
+from transformer.config import ModelConfig
+from transformer.research import measures
+
+
+@pytest.mark.parametrize(
+  'digits,expected',
+  [
+    ('0', [('zero', [0])]),
+    ('7', [('seven', [0])]),
+    ('15', [('fifteen', [0, 1])]),
+    ('40', [('forty', [0])]),
+    ('105', [('one', [0]), ('hundred', [0]), ('five', [2])]),
+    (
+      '1234000',
+      [('one', [0]), ('million', [0]), ('two', [1]), ('hundred', [1]), ('thirty', [2]),
+       ('four', [3]), ('thousand', [1, 2, 3])],
+    ),
+    ('1000011', [('one', [0]), ('million', [0]), ('eleven', [5, 6])]),
+  ],
+)  # fmt: skip
+def test_gold_alignment_names_the_digits_of_each_word(digits, expected):
+  assert measures.gold_alignment(digits) == expected
+
+
+def test_gold_alignment_covers_every_word_of_large_numbers():
+  rng = np.random.default_rng(0)
+  for n in rng.integers(0, 10**12, size=200):
+    words = measures.gold_alignment(str(n))  # asserts the words are numbers_to_words(n)
+    assert all(0 <= d < len(str(n)) for _, digits in words for d in digits)
+  with pytest.raises(ValueError, match='without leading zeros'):
+    measures.gold_alignment('012')
+
+
+def test_gold_token_alignment_with_bytes():
+  src, tgt, gold = measures.gold_token_alignment(data.ByteTokenizer(), '105', 'one hundred five')
+  assert len(src) == 3 and len(tgt) == len('one hundred five') and gold.shape == (16, 3)
+  assert gold[0].tolist() == [True, False, False]  # 'o' of 'one' <- the hundreds digit
+  assert not gold[3].any()  # the space belongs to no word
+  assert gold[-1].tolist() == [False, False, True]  # 'e' of 'five' <- the ones digit
+
+
+@pytest.mark.parametrize('family', ['encoder_decoder', 'causal_lm', 'bidirectional_lm'])
+def test_synthetic_batch_has_the_family_inputs(family):
+  cfg = ModelConfig(family=family, vocab_size=50, d_model=16, num_heads=2, d_ff=32, num_layers=1)
+  batch = measures.synthetic_batch(cfg, 4, 12)
+  assert {'targets', 'weights', 'inputs'} <= set(batch)
+  assert all(v.shape == (4, 12) for v in batch.values())
+  assert batch['inputs'].min() >= 5 and batch['inputs'].max() < 50
+
+
+def test_entropy_summary_separates_heads_from_layers():
+  # Two modules: one with a sharp and a uniform head, one with a single head. The model-wide
+  # spread sees 0.9 - 0.1; the within-module spread is (0.8 + 0) / 2 and is 0 for one head.
+  s = measures.entropy_summary({'a': np.array([0.1, 0.9]), 'b': np.array([0.5])})
+  assert s['entropy.spread'] == pytest.approx(0.8)
+  assert s['entropy.layer_spread'] == pytest.approx(0.4)
+  assert s['entropy.sharp_share'] == pytest.approx(1 / 3)
+  assert s['entropy.uniform_share'] == 0.0
+  one_head = measures.entropy_summary({'enc': np.array([0.05]), 'cross': np.array([0.95])})
+  assert one_head['entropy.spread'] == pytest.approx(0.9)
+  assert one_head['entropy.layer_spread'] == 0.0

@@ -1,0 +1,334 @@
+"""Sweeps and reports end to end on tiny configs; rerun skips; bad input; the verdict rules."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from transformer.research import report, spec, sweeps, verdicts
+from transformer.research import results as results_lib
+
+_TINY_SWEEP = """
+def get_sweep(scale):
+  return dict(
+    name='tiny',
+    claim='scaled attention logits end with a lower eval loss',
+    base='configs/gpt_tiny.py',
+    overrides={
+      'model.d_model': 16, 'model.num_heads': 2, 'model.d_ff': 32, 'model.num_layers': 1,
+      'data.tokenizer': 'byte', 'data.max_length': 16, 'data.batch_size': 4,
+      'data.eval_batch_size': 4, 'data.num_train_examples': 64, 'data.num_eval_examples': 8,
+      'train.steps': 2 * scale, 'train.log_every': 1, 'train.eval_every': 2,
+      'train.checkpoint_every': 2, 'train.eval_decode_examples': 0, 'optim.warmup_steps': 1,
+      'train.head_entropy_every': 2,
+    },
+    variants={'scaled': {}, 'unscaled': {'model.attention_scale': False}},
+    metrics=['eval.loss', 'train.loss'],
+    rules=[dict(kind='less', metric='eval.loss', a='scaled', b='unscaled', rel_margin=0.0)],
+    plots=[dict(kind='scatter', x='params', y='eval.loss', title='loss against parameters')],
+  )
+"""
+
+
+def _sweep_file(tmp_path, text=_TINY_SWEEP):
+  path = tmp_path / 'tiny_sweep.py'
+  path.write_text(text)
+  return str(path)
+
+
+# End to end ------------------------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def finished(tmp_path_factory):
+  """A 2-variant, 2-step sweep, run once for the tests below: (sweep file, workdir, results)."""
+  tmp_path = tmp_path_factory.mktemp('sweep')
+  path = _sweep_file(tmp_path)
+  workdir = str(tmp_path / 'out')
+  results = sweeps.run_sweep(spec.load_sweep(path), workdir, seeds=1, log=lambda _: None)
+  return path, workdir, results
+
+
+def test_two_variant_sweep_writes_results_and_curves(finished):
+  _, workdir, results = finished
+  assert [(r['variant'], r['seed'], r['status']) for r in results] == [
+    ('scaled', 0, 'ok'),
+    ('unscaled', 0, 'ok'),
+  ]
+  with open(os.path.join(workdir, 'results.jsonl')) as f:
+    lines = [json.loads(line) for line in f]
+  assert [line['metrics'] for line in lines] == [r['metrics'] for r in results]
+  for line in lines:
+    assert {'variant', 'seed', 'config', 'metrics', 'curve', 'wall_time_s', 'params'} <= set(line)
+    assert line['params'] > 0 and line['flops_per_token'] > 0 and line['wall_time_s'] > 0
+    assert line['metrics']['params'] == line['params']
+    assert line['config']['train']['steps'] == 2
+    assert math.isfinite(line['metrics']['eval.loss'])
+    with open(os.path.join(workdir, line['curve'])) as f:
+      curve = json.load(f)
+    assert [h['step'] for h in curve['train']] == [1, 2] and curve['eval'][-1]['step'] == 2
+  # Head entropy went to TensorBoard during training (train.head_entropy_every).
+  events = os.path.join(workdir, 'scaled', 'seed_0', 'tensorboard')
+  data = b''.join(open(os.path.join(events, name), 'rb').read() for name in os.listdir(events))
+  assert b'head_entropy/decoder/stack/layer_0/self_attention/head_1' in data
+  assert lines[0]['config']['model']['attention_scale'] is True
+  assert lines[1]['config']['model']['attention_scale'] is False
+
+
+def test_report_has_plots_table_and_the_verdict_of_the_rule(finished):
+  _, workdir, results = finished
+  text = open(report.write_report(workdir)).read()
+  for png in ('curves.png', 'metrics.png', 'plot_0.png'):
+    assert os.path.getsize(os.path.join(workdir, png)) > 1000
+    assert f']({png})' in text  # relative links: readable on GitHub as it is
+  assert (
+    '| variant | N | d_model | d_ff | h | d_k | P_drop | ε_ls | train steps | PPL (dev) |' in text
+  )
+  assert '| scaled | 1 | 16 | 32 | 2 | 8 | 0 | 0 | 2 |' in text
+  # The verdict is the rule applied to the recorded numbers.
+  a, b = (r['metrics']['eval.loss'] for r in results)
+  expected = verdicts.REPRODUCED if a < b else verdicts.NOT_REPRODUCED
+  assert f'**Verdict: {expected}.**' in text
+  assert f'scaled eval.loss = {verdicts.fmt(a)} < unscaled eval.loss = {verdicts.fmt(b)}' in text
+  assert report.summary(workdir)['status'] == expected
+
+
+def test_rerun_skips_finished_runs(finished):
+  path, workdir, results = finished
+  files = [os.path.join(workdir, v, 'seed_0', 'result.json') for v in ('scaled', 'unscaled')]
+  stamps = [os.path.getmtime(f) for f in files]
+  messages = []
+  again = sweeps.run_sweep(spec.load_sweep(path), workdir, seeds=1, log=messages.append)
+  assert 'sweep tiny: 2 runs, 2 already finished' in messages
+  assert [r['metrics'] for r in again] == [r['metrics'] for r in results]
+  assert stamps == [os.path.getmtime(f) for f in files]
+  # A finished run of another config is not silently reused.
+  with pytest.raises(ValueError, match='holds a finished run of another config .*train.steps'):
+    sweeps.run_sweep(spec.load_sweep(path, scale=2), workdir, log=lambda _: None)
+
+
+def test_interrupted_run_resumes_from_its_checkpoint(finished):
+  path, workdir, _ = finished
+  run = os.path.join(workdir, 'scaled', 'seed_0')
+  os.remove(os.path.join(run, 'result.json'))  # as if stopped after checkpoint 2
+  longer = spec.load_sweep(path, scale=2)  # 4 steps: resumes at step 2
+  result = sweeps.execute_run(longer, 'scaled', 0, workdir)
+  with open(os.path.join(run, 'curve.json')) as f:
+    assert [h['step'] for h in json.load(f)['train']] == [1, 2, 3, 4]
+  assert result['status'] == 'ok' and result['config']['train']['steps'] == 4
+  assert sorted(os.listdir(os.path.join(run, 'checkpoints'))) == ['2', '4']
+
+
+@pytest.mark.slow
+def test_parallel_workers_give_the_same_results(tmp_path, finished):
+  path, _, results = finished
+  workdir = str(tmp_path / 'parallel')
+  messages = []
+  parallel = sweeps.run_sweep(spec.load_sweep(path), workdir, parallel=2, log=messages.append)
+  assert sum(m.startswith('started ') for m in messages) == 2
+  assert [r['metrics']['eval.loss'] for r in parallel] == pytest.approx(
+    [r['metrics']['eval.loss'] for r in results], rel=1e-5
+  )
+  assert os.path.exists(os.path.join(workdir, 'scaled', 'seed_0', 'log.txt'))
+
+
+# Bad input -------------------------------------------------------------------------------------
+def test_missing_sweep_file_is_one_clear_error(tmp_path):
+  with pytest.raises(ValueError, match=r"sweep file .*nope.py' does not exist; available sweeps"):
+    spec.load_sweep(str(tmp_path / 'nope.py'))
+
+
+def test_override_of_a_key_the_base_lacks_is_an_error_before_anything_runs(tmp_path):
+  text = _TINY_SWEEP.replace("'model.attention_scale': False", "'model.atention_scale': False")
+  with pytest.raises(ValueError, match="overrides 'model.atention_scale', which is not a key"):
+    spec.load_sweep(_sweep_file(tmp_path, text))
+  text = _TINY_SWEEP.replace("'train.steps'", "'training.steps'")
+  with pytest.raises(ValueError, match="the config has no 'training'"):
+    spec.load_sweep(_sweep_file(tmp_path, text))
+  assert not os.path.exists(tmp_path / 'out')
+
+
+def test_bad_values_and_rules_are_errors_at_load(tmp_path):
+  text = _TINY_SWEEP.replace("'model.num_heads': 2", "'model.num_heads': 3")
+  with pytest.raises(ValueError, match='num_heads=3 does not divide d_model=16'):
+    spec.load_sweep(_sweep_file(tmp_path, text))
+  text = _TINY_SWEEP.replace("b='unscaled'", "b='unscailed'")
+  with pytest.raises(ValueError, match="names variant 'unscailed', which the sweep does not have"):
+    spec.load_sweep(_sweep_file(tmp_path, text))
+
+
+def test_unknown_variant_requested_is_an_error(tmp_path):
+  sweep = spec.load_sweep(_sweep_file(tmp_path))
+  with pytest.raises(ValueError, match="unknown variant 'big' of sweep 'tiny'; its variants are"):
+    sweeps.run_sweep(sweep, str(tmp_path / 'out'), variants=['big'])
+  assert not os.path.exists(tmp_path / 'out')
+
+
+def test_report_over_an_empty_workdir_is_one_clear_error(tmp_path):
+  with pytest.raises(ValueError, match='no results.jsonl in .*: nothing to report'):
+    report.write_report(str(tmp_path))
+
+
+def test_cli_bad_input_prints_one_error_line(tmp_path):
+  for module, args, message in [
+    ('sweep', [f'--sweep={tmp_path}/none.py', f'--workdir={tmp_path}/w'], "error: sweep file '"),
+    ('report', [f'--workdir={tmp_path}'], 'error: no results.jsonl in'),
+  ]:
+    out = subprocess.run(
+      [sys.executable, '-m', f'experiments.{module}', *args], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and out.stderr.count('error:') == 1, out.stderr
+    assert out.stderr.startswith(message), out.stderr
+
+
+def test_every_committed_sweep_file_loads_and_checks():
+  paths = spec.available_sweeps()
+  names = {os.path.basename(p)[:-3] for p in paths}
+  assert names == {
+    'scaling', 'heads', 'positions', 'extrapolation', 'warmup', 'label_smoothing', 'dropout',
+    'norm_placement', 'attention_memory', 'remat', 'model_scaling', 'cross_attention_alignment',
+    'bidirectional_vs_causal',
+  }  # fmt: skip
+  for path in paths:
+    sweep = spec.load_sweep(path)  # every key, model and rule checked
+    assert sweep.rules and sweep.claim
+
+
+def test_axes_make_the_product_of_variants(tmp_path):
+  text = _TINY_SWEEP.replace(
+    "variants={'scaled': {}, 'unscaled': {'model.attention_scale': False}},",
+    "axes={'scale': {'scaled': {}, 'unscaled': {'model.attention_scale': False}},"
+    " 'norm': {'pre': {}, 'post': {'model.norm_placement': 'post'}}},",
+  )
+  text = text.replace("a='scaled', b='unscaled'", "a='scaled_pre', b='unscaled_post'")
+  sweep = spec.load_sweep(_sweep_file(tmp_path, text))
+  assert sweep.all_variants == ['scaled_pre', 'scaled_post', 'unscaled_pre', 'unscaled_post']
+  config = spec.resolve_config(sweep, 'unscaled_post', seed=2)
+  assert config.model.attention_scale is False and config.model.norm_placement == 'post'
+  assert config.seed == 2
+
+
+def test_final_metrics_of_a_curve():
+  losses = [5.0, 4.0, 3.0, 3.5, 2.0, 1.9, 1.8, 1.7, 1.6, 1.5]
+  curve = {
+    'train': [{'step': i + 1, 'loss': x, 'perplexity': math.exp(x)} for i, x in enumerate(losses)],
+    'eval': [{'step': 10, 'loss': 1.4, 'accuracy': 0.5}],
+  }
+  m = results_lib.final_metrics(curve)
+  assert m['train.loss'] == 1.5 and m['train.loss_final'] == 1.5
+  assert m['train.nll'] == pytest.approx(1.5)
+  assert m['train.loss_rise'] == pytest.approx(0.5)  # 3.0 -> 3.5
+  assert m['eval.loss'] == 1.4 and m['eval.accuracy'] == 0.5
+  curve['train'][3]['loss'] = math.nan
+  assert results_lib.final_metrics(curve)['train.loss_rise'] == math.inf
+
+
+# Verdict rules on synthetic numbers ------------------------------------------------------------
+def _status(rule, table):
+  return verdicts.evaluate(rule, table).status
+
+
+R, N, X = verdicts.REPRODUCED, verdicts.NOT_REPRODUCED, verdicts.NOT_RUN
+
+
+def test_less_and_greater_use_std_over_seeds_or_a_relative_margin():
+  table = {'a': {'loss': [1.0, 1.1, 0.9]}, 'b': {'loss': [2.0, 2.1, 1.9]}}
+  less = dict(kind='less', metric='loss', a='a', b='b', margin_std=2)
+  assert _status(less, table) == R
+  assert _status({**less, 'kind': 'greater'}, table) == N
+  noisy = {'a': {'loss': [1.0, 3.0, 0.5]}, 'b': {'loss': [2.0, 2.1, 1.9]}}
+  assert _status(less, noisy) == N  # the means differ, but not by 2 std
+  one_seed = {'a': {'loss': [1.95]}, 'b': {'loss': [2.0]}}  # gap 0.05
+  assert _status(less, one_seed) == R  # > 2% of 2.0 = 0.04, the default one-seed margin
+  assert _status({**less, 'rel_margin': 0.05}, one_seed) == N  # < 5% of 2.0 = 0.1
+  diverged = {'a': {'loss': [1.0]}, 'b': {'loss': [math.inf]}}
+  assert _status(less, diverged) == R
+  text = verdicts.evaluate(less, table).text
+  assert 'a loss = 1 ± 0.1 < b loss = 2 ± 0.1' in text and 'margin 0.2 (2 pooled std' in text
+  assert _status(less, {'a': {'loss': [1.0]}}) == X
+
+
+def test_one_seed_relative_margin_boundary():
+  table = {'a': {'loss': [1.95]}, 'b': {'loss': [2.0]}}
+  verdict = verdicts.evaluate(dict(kind='less', metric='loss', a='a', b='b'), table)
+  assert verdict.numbers['margin'] == pytest.approx(0.04) and verdict.status == R
+
+
+def test_variance_ordering_monotone_and_thresholds():
+  table = {
+    'a': {'m': [1.0, 3.0, 2.0], 'x1': [1.0], 'x2': [2.0], 'x4': [3.0]},
+    'b': {'m': [2.5, 2.6, 2.4]},
+    'c': {'m': [5.0]},
+  }
+  assert _status(dict(kind='variance_greater', metric='m', a='a', b='b'), table) == R
+  assert _status(dict(kind='variance_greater', metric='m', a='b', b='a'), table) == N
+  assert _status(dict(kind='variance_greater', metric='m', a='c', b='a'), table) == X  # one seed
+  assert _status(dict(kind='ordering', metric='m', variants=['a', 'b', 'c']), table) == R
+  assert _status(dict(kind='ordering', metric='m', variants=['c', 'b']), table) == N
+  assert (
+    _status(dict(kind='ordering', metric='m', variants=['c', 'b'], direction='decreasing'), table)
+    == R
+  )
+  assert _status(dict(kind='monotone', variant='a', metrics=['x1', 'x2', 'x4']), table) == R
+  assert _status(dict(kind='monotone', variant='a', metrics=['x4', 'x1']), table) == N
+  assert _status(dict(kind='at_least', metric='m', variants=['a', 'c'], value=2.0), table) == R
+  assert _status(dict(kind='at_most', metric='m', variants=['a', 'c'], value=2.0), table) == N
+
+
+def test_power_law_fit_ratio_best_close_and_no_worse():
+  table = {f'v{n}': {'params': [n], 'loss': [10.0 * n**-0.3]} for n in (10, 100, 1000, 10000)}
+  fit = dict(kind='fit_power_law', x='params', y='loss', slope_sign=-1)
+  verdict = verdicts.evaluate(fit, table)
+  assert verdict.status == R and verdict.numbers['slope'] == pytest.approx(-0.3)
+  assert verdict.numbers['r2'] == pytest.approx(1.0)
+  assert _status({**fit, 'slope_sign': 1}, table) == N
+  assert _status({**fit, 'slope_between': (-0.2, 0.0)}, table) == N
+  within = {'xla': {f'mib_{t}': [t**2 / 100] for t in (256, 512, 1024)}}
+  rule = dict(kind='fit_power_law', variant='xla', xs=[256, 512, 1024],
+              metrics=['mib_256', 'mib_512', 'mib_1024'], slope_between=(1.8, 2.2))  # fmt: skip
+  assert _status(rule, within) == R
+  assert _status({**rule, 'variant': 'pallas'}, within) == X
+  times = {'full': {'step_ms': [125.0]}, 'none': {'step_ms': [100.0]}}
+  ratio = dict(kind='ratio_between', metric='step_ms', a='full', b='none', low=1.2, high=1.3)
+  assert _status(ratio, times) == R
+  assert _status({**ratio, 'high': 1.24}, times) == N
+  scores = {'h1': {'eval.loss': [2.0], 'eval.bleu': [50.0]}, 'h4': {'eval.loss': [1.0],
+            'eval.bleu': [60.0]}}  # fmt: skip
+  assert _status(dict(kind='best', metric='eval.loss', expect=['h4']), scores) == R
+  assert _status(dict(kind='best', metric='eval.bleu', expect=['h4']), scores) == R  # higher
+  assert _status(dict(kind='worst', metric='eval.loss', expect=['h4']), scores) == N
+  close = dict(kind='close', metric='eval.bleu', a='h1', b='h4', tolerance=5.0)
+  assert _status(close, scores) == N and _status({**close, 'tolerance': 10.0}, scores) == R
+  no_worse = dict(kind='no_worse', metric='eval.bleu', a='h1', b='h4', tolerance=1.0)
+  assert _status(no_worse, scores) == N and _status({**no_worse, 'a': 'h4', 'b': 'h1'}, scores) == R
+
+
+def test_overall_status_and_rule_checks():
+  assert verdicts.overall([]) == X
+  make = lambda s: verdicts.Verdict(s, '', {})
+  assert verdicts.overall([make(R), make(X)]) == R
+  assert verdicts.overall([make(R), make(N)]) == N
+  with pytest.raises(ValueError, match="rule kind='lesser' is not valid; choose one of less"):
+    verdicts.check_rule({'kind': 'lesser'})
+  with pytest.raises(ValueError, match="needs the key 'b'"):
+    verdicts.check_rule({'kind': 'less', 'metric': 'm', 'a': 'x'})
+  with pytest.raises(ValueError, match="unknown key 'margin'"):
+    verdicts.check_rule({'kind': 'less', 'metric': 'm', 'a': 'x', 'b': 'y', 'margin': 1})
+
+
+def test_a_claim_that_fails_one_rule_still_names_the_rules_that_held():
+  results = [
+    {'variant': v, 'seed': 0, 'status': 'ok', 'metrics': {'eval.loss': x}}
+    for v, x in (('a', 1.0), ('b', 2.0))
+  ]
+  rules = [
+    dict(kind='less', metric='eval.loss', a='a', b='b', text='a ends better'),
+    dict(kind='less', metric='eval.loss', a='b', b='a', text='b ends better'),
+  ]
+  status, note, lines = report._verdict_lines({'claim': 'c', 'rules': rules}, results)
+  assert status == verdicts.NOT_REPRODUCED
+  assert note == '1 of 2 rules held: a ends better'
+  assert lines[2] == f'**Verdict: {verdicts.NOT_REPRODUCED}.** {note} (see below).'
+  status, note, _ = report._verdict_lines({'claim': 'c', 'rules': rules[:1]}, results)
+  assert (status, note) == (verdicts.REPRODUCED, '')

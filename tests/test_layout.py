@@ -1,0 +1,247 @@
+"""The package's rooms: imports point one way (model <- training <- inference <- research), no
+module imports itself back through others, and no source file outgrows one job.
+
+Every import counts, also those inside functions: a lazy import that dodges a cycle at import
+time is still an arrow in the design.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Lower ranks may be imported by higher ones, never the reverse. Same rank: the same room.
+RANKS = {
+  'transformer.util': 0,
+  'transformer.config': 0,
+  'transformer.sharding': 0,
+  'transformer.data': 1,
+  'transformer.model': 2,
+  'transformer.training': 3,
+  'transformer.inference': 4,
+  'transformer.research': 5,
+  'transformer': 6,  # the public surface in transformer/__init__.py
+}
+MAX_LINES = 800
+
+
+def _module_name(root: str, path: str) -> str:
+  rel = os.path.relpath(path, root)[: -len('.py')].split(os.sep)
+  if rel[-1] == '__init__':
+    rel = rel[:-1]
+  return '.'.join(rel)
+
+
+def modules(root: str, packages: tuple[str, ...]) -> dict[str, str]:
+  """{dotted module name: file path} of every .py file under `packages` of `root`."""
+  found = {}
+  for package in packages:
+    for directory, _, files in os.walk(os.path.join(root, package)):
+      for name in files:
+        if name.endswith('.py'):
+          path = os.path.join(directory, name)
+          found[_module_name(root, path)] = path
+  return found
+
+
+def imports(path: str, name: str, known: set[str]) -> set[str]:
+  """Modules that the file imports anywhere in it (functions included), as dotted names.
+
+  `from a.b import c` is an import of `a.b.c` when that is a module, else of `a.b`.
+  """
+  tree = ast.parse(open(path).read(), path)
+  package = name if path.endswith('__init__.py') else name.rpartition('.')[0]
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ''
+      if node.level:  # relative: from . import x
+        parts = package.split('.')
+        parts = parts[: len(parts) - node.level + 1]
+        base = '.'.join(parts + ([node.module] if node.module else []))
+      for alias in node.names:
+        full = f'{base}.{alias.name}'
+        out.add(full if full in known else base)
+  return out
+
+
+def rank(module: str) -> int | None:
+  """The rank of the room that holds `module` (None: outside transformer/)."""
+  best = None
+  for prefix, value in RANKS.items():
+    if module == prefix or module.startswith(prefix + '.'):
+      if best is None or len(prefix) > len(best[0]):
+        best = (prefix, value)
+  return None if best is None else best[1]
+
+
+def graph(root: str) -> dict[str, set[str]]:
+  """Edges between the project's own modules: transformer/, kernels/, configs/, experiments/."""
+  found = modules(root, ('transformer', 'kernels', 'configs', 'experiments'))
+  known = set(found)
+  return {m: {t for t in imports(p, m, known) if t in known and t != m} for m, p in found.items()}
+
+
+def back_arrows(edges: dict[str, set[str]]) -> list[str]:
+  """Imports that point up the house, or out of it where the design forbids."""
+  bad = []
+  for source, targets in sorted(edges.items()):
+    for target in sorted(targets):
+      top_s, top_t = source.split('.')[0], target.split('.')[0]
+      if top_s == 'kernels' and top_t == 'transformer':
+        bad.append(f'{source} -> {target} (kernels/ imports nothing from transformer/)')
+      elif top_s in ('transformer', 'kernels', 'configs') and top_t == 'experiments':
+        bad.append(f'{source} -> {target} (only experiments/ imports experiments/)')
+      elif (
+        top_s == 'configs' and top_t == 'transformer' and not source.startswith('configs.sweeps')
+      ):
+        # A sweep file may define its own measure, which calls the package; a config may not.
+        bad.append(f'{source} -> {target} (configs are plain ConfigDicts)')
+      elif top_s == top_t == 'transformer':
+        rs, rt = rank(source), rank(target)
+        if rt > rs:
+          bad.append(f'{source} -> {target} (rank {rs} imports rank {rt})')
+  return bad
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+  """Every strongly connected group of two or more modules (Tarjan), each sorted."""
+  index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(edges.get(v, ())):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      group = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        group.append(w)
+        if w == v:
+          break
+      if len(group) > 1:
+        groups.append(sorted(group))
+
+  for v in sorted(edges):
+    if v not in index:
+      visit(v)
+  return groups
+
+
+# The project itself --------------------------------------------------------------------------
+def test_imports_point_one_way():
+  assert back_arrows(graph(ROOT)) == []
+
+
+def test_no_import_cycles():
+  assert cycles(graph(ROOT)) == []
+
+
+def test_every_room_exists_and_holds_modules():
+  found = modules(ROOT, ('transformer',))
+  for room in ('data', 'model', 'training', 'inference', 'research'):
+    inside = [m for m in found if m.startswith(f'transformer.{room}.')]
+    assert inside, f'transformer/{room}/ holds no modules'
+
+
+def test_no_module_shadows_the_standard_library():
+  import sys
+
+  stdlib = set(sys.stdlib_module_names)
+  for name in modules(ROOT, ('transformer', 'kernels')):
+    leaf = name.rpartition('.')[2]
+    assert leaf not in stdlib or leaf == '__init__', f'{name} shadows the standard library'
+
+
+def test_no_source_file_is_over_800_lines():
+  long = []
+  for top in ('transformer', 'kernels', 'configs', 'experiments'):
+    for path in modules(ROOT, (top,)).values():
+      count = sum(1 for _ in open(path))
+      if count > MAX_LINES:
+        long.append(f'{os.path.relpath(path, ROOT)}: {count} lines')
+  assert long == []
+
+
+def test_experiments_only_call_the_package():
+  # Thin entry points: experiments/ never reaches into a module's private names.
+  for name, path in modules(ROOT, ('experiments',)).items():
+    for node in ast.walk(ast.parse(open(path).read())):
+      if (
+        isinstance(node, ast.Attribute)
+        and node.attr.startswith('_')
+        and not (node.attr.startswith('__'))
+      ):
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in ('transformer', 'training', 'model'):
+          raise AssertionError(f'{name} uses the private {value.id}.{node.attr}')
+
+
+# The checker, on a tree made to break the rules ------------------------------------------------
+def _write(root, files: dict[str, str]) -> None:
+  for rel, text in files.items():
+    path = os.path.join(root, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'w') as f:
+      f.write(textwrap.dedent(text))
+
+
+def test_checker_finds_back_arrows_and_cycles_also_inside_functions(tmp_path):
+  _write(
+    tmp_path,
+    {
+      'transformer/__init__.py': '',
+      'transformer/config.py': '',
+      'transformer/model/__init__.py': '',
+      'transformer/model/layers.py': 'from transformer.model import models\n',
+      'transformer/model/models.py': """
+        def build():
+          from transformer.model import layers  # a lazy import still closes the cycle
+          from transformer.training import loop  # and still points back up
+      """,
+      'transformer/training/__init__.py': '',
+      'transformer/training/loop.py': 'import kernels.flash\n',
+      'kernels/__init__.py': '',
+      'kernels/flash.py': 'from transformer import config\n',
+      'experiments/__init__.py': '',
+      'experiments/train.py': 'from transformer.training import loop\n',
+    },
+  )
+  edges = graph(str(tmp_path))
+  assert edges['experiments.train'] == {'transformer.training.loop'}
+  assert back_arrows(edges) == [
+    'kernels.flash -> transformer.config (kernels/ imports nothing from transformer/)',
+    'transformer.model.models -> transformer.training.loop (rank 2 imports rank 3)',
+  ]
+  assert cycles(edges) == [['transformer.model.layers', 'transformer.model.models']]
+
+
+def test_checker_resolves_names_and_relative_imports(tmp_path):
+  _write(
+    tmp_path,
+    {
+      'transformer/__init__.py': 'from transformer.inference.api import load\n',
+      'transformer/data/__init__.py': 'from .tokenizers import BOS_ID\n',
+      'transformer/data/tokenizers.py': 'BOS_ID = 1\n',
+      'transformer/inference/__init__.py': '',
+      'transformer/inference/api.py': 'from transformer.data import BOS_ID\n',
+      'transformer/data/tasks.py': 'from transformer import load\n',  # the surface, from below
+    },
+  )
+  edges = graph(str(tmp_path))
+  assert edges['transformer.data'] == {'transformer.data.tokenizers'}
+  assert edges['transformer.inference.api'] == {'transformer.data'}
+  assert back_arrows(edges) == ['transformer.data.tasks -> transformer (rank 1 imports rank 6)']
+  assert cycles(edges) == []

@@ -1,0 +1,195 @@
+"""Tests for transformer/optim.py: schedules against their formulas, the decay mask, clipping."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from transformer.training import optim
+
+
+def _config(**overrides):
+  cfg = ml_collections.ConfigDict(
+    dict(
+      schedule='warmup_cosine',
+      learning_rate=2e-3,
+      warmup_steps=10,
+      total_steps=110,
+      d_model=64,
+      end_learning_rate_factor=0.1,
+      restart_period=25,
+      optimizer='adam',
+      b1=0.9,
+      b2=0.98,
+      eps=1e-9,
+      weight_decay=0.0,
+      clip_norm=0.0,
+    )
+  )
+  cfg.update(overrides)
+  return cfg
+
+
+def _lr(schedule, step):
+  return float(schedule(step))
+
+
+def test_rsqrt_matches_paper_formula():
+  lr, d, w = 2.0, 64, 10
+  schedule = optim.make_schedule(_config(schedule='rsqrt', learning_rate=lr, warmup_steps=w))
+  paper = lambda s: lr * d**-0.5 * min(s**-0.5, s * w**-1.5)
+  assert _lr(schedule, 0) == pytest.approx(paper(1), rel=1e-6)  # step 0 is the paper's step 1
+  for step in [1, 3, 9, 10, 11, 57, 1000]:
+    assert _lr(schedule, step) == pytest.approx(paper(step), rel=1e-6)
+  assert _lr(schedule, w) == pytest.approx(lr * d**-0.5 * w**-0.5, rel=1e-6)  # the peak
+  steps = jnp.arange(0, 200)
+  assert int(jnp.argmax(jax.vmap(schedule)(steps))) == w
+
+
+def test_warmup_cosine():
+  cfg = _config(schedule='warmup_cosine')
+  schedule = optim.make_schedule(cfg)
+  peak, end = 2e-3, 2e-4
+  assert _lr(schedule, 0) == 0.0
+  assert _lr(schedule, 5) == pytest.approx(peak * 5 / 10, rel=1e-6)
+  assert _lr(schedule, 10) == pytest.approx(peak, rel=1e-6)
+  mid = end + (peak - end) * 0.5 * (1 + math.cos(math.pi * 35 / 100))
+  assert _lr(schedule, 45) == pytest.approx(mid, rel=1e-5)
+  assert _lr(schedule, 110) == pytest.approx(end, rel=1e-5)
+  assert _lr(schedule, 500) == pytest.approx(end, rel=1e-5)
+
+
+def test_cosine_restarts_returns_to_peak():
+  schedule = optim.make_schedule(_config(schedule='cosine_restarts'))
+  peak, end, w, period = 2e-3, 2e-4, 10, 25
+  assert _lr(schedule, 0) == 0.0
+  assert _lr(schedule, w) == pytest.approx(peak, rel=1e-6)
+  for cycle in range(4):
+    start = w + cycle * period
+    assert _lr(schedule, start) == pytest.approx(peak, rel=1e-6)
+    half = end + (peak - end) * 0.5 * (1 + math.cos(math.pi * 10 / period))
+    assert _lr(schedule, start + 10) == pytest.approx(half, rel=1e-5)
+    last = end + (peak - end) * 0.5 * (1 + math.cos(math.pi * (period - 1) / period))
+    assert _lr(schedule, start + period - 1) == pytest.approx(last, rel=1e-5)
+
+
+def test_constant_with_and_without_warmup():
+  with_warmup = optim.make_schedule(_config(schedule='constant', warmup_steps=4))
+  assert [_lr(with_warmup, s) for s in [0, 2, 4, 110]] == pytest.approx([0, 1e-3, 2e-3, 2e-3])
+  flat = optim.make_schedule(_config(schedule='constant', warmup_steps=0))
+  assert [_lr(flat, s) for s in [0, 1, 1000]] == pytest.approx([2e-3] * 3)
+
+
+def test_linear_decay():
+  schedule = optim.make_schedule(_config(schedule='linear', end_learning_rate_factor=0.0))
+  assert _lr(schedule, 0) == 0.0
+  assert _lr(schedule, 10) == pytest.approx(2e-3, rel=1e-6)
+  assert _lr(schedule, 35) == pytest.approx(2e-3 * (1 - 25 / 100), rel=1e-6)
+  assert _lr(schedule, 110) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_schedules_jit():
+  for name in optim.SCHEDULES:
+    schedule = optim.make_schedule(_config(schedule=name))
+    assert float(jax.jit(schedule)(jnp.int32(37))) == pytest.approx(_lr(schedule, 37), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+  'overrides,match',
+  [
+    (dict(schedule='noam'), "'noam'.*'rsqrt'"),
+    (dict(warmup_steps=-1), 'warmup_steps=-1'),
+    (dict(total_steps=10), 'total_steps=10 must exceed warmup_steps=10'),
+    (dict(schedule='cosine_restarts', restart_period=0), 'restart_period=0'),
+    (dict(end_learning_rate_factor=1.5), 'end_learning_rate_factor=1.5'),
+    (dict(learning_rate=-1.0), 'learning_rate=-1.0'),
+  ],
+)
+def test_bad_schedule_config_raises(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    optim.make_schedule(_config(**overrides))
+
+
+def _params():
+  return {
+    'encoder': {
+      'layer_0': {
+        'attention': {'kernel': jnp.ones((4, 2, 3)), 'bias': jnp.ones((2, 3))},
+        'norm': {'scale': jnp.ones((4,)), 'bias': jnp.ones((4,))},
+      },
+      'embedding': jnp.ones((7, 4)),
+    },
+    'head': {'kernel': jnp.ones((4, 5)), 'bias': jnp.ones((5,))},
+    'temperature': jnp.ones(()),
+  }
+
+
+def test_decay_mask():
+  mask = optim.decay_mask(_params())
+  assert mask == {
+    'encoder': {
+      'layer_0': {
+        'attention': {'kernel': True, 'bias': False},  # a 2-D bias is still a bias
+        'norm': {'scale': False, 'bias': False},
+      },
+      'embedding': True,
+    },
+    'head': {'kernel': True, 'bias': False},
+    'temperature': False,
+  }
+  abstract = jax.eval_shape(lambda: _params())
+  assert optim.decay_mask(abstract) == mask
+
+
+def test_adamw_decays_only_matrices():
+  cfg = _config(
+    optimizer='adamw', schedule='constant', warmup_steps=0, learning_rate=0.1, weight_decay=0.5
+  )
+  tx = optim.make_optimizer(cfg)
+  params = _params()
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  mask = optim.decay_mask(params)
+  for decayed, value in zip(jax.tree.leaves(mask), jax.tree.leaves(new)):
+    expected = 1 - 0.1 * 0.5 if decayed else 1.0  # p - lr * wd * p with zero gradients
+    np.testing.assert_allclose(np.asarray(value), expected, rtol=1e-6)
+
+
+def test_clipping_caps_global_norm():
+  grads = {'a': jnp.array([30.0, -40.0]), 'b': jnp.array([[0.0, 0.0]])}  # global norm 50
+  params = jax.tree.map(jnp.zeros_like, grads)
+  common = dict(schedule='constant', warmup_steps=0, learning_rate=1.0, eps=1.0)
+
+  def first_update(g, clip_norm):
+    tx = optim.make_optimizer(_config(clip_norm=clip_norm, **common))
+    return tx.update(g, tx.init(params), params)[0]
+
+  scaled = jax.tree.map(lambda g: g / 50.0, grads)  # the same direction with norm 1
+  clipped = first_update(grads, 1.0)
+  unclipped = first_update(grads, 0.0)
+  reference = first_update(scaled, 0.0)
+  for c, r in zip(jax.tree.leaves(clipped), jax.tree.leaves(reference)):
+    np.testing.assert_allclose(np.asarray(c), np.asarray(r), rtol=1e-5)
+  # with eps=1 Adam is not scale invariant, so the test would notice if clipping did nothing
+  assert not np.allclose(np.asarray(unclipped['a']), np.asarray(reference['a']), rtol=1e-2)
+  below = first_update(scaled, 10.0)  # under the cap nothing changes
+  for b, r in zip(jax.tree.leaves(below), jax.tree.leaves(reference)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(r), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+  'overrides,match',
+  [
+    (dict(optimizer='sgd'), "'sgd'.*'adamw'"),
+    (dict(optimizer='adam', weight_decay=0.1), "weight_decay=0.1 needs optimizer='adamw'"),
+    (dict(optimizer='adamw', weight_decay=-0.1), 'weight_decay=-0.1'),
+    (dict(clip_norm=-1.0), 'clip_norm=-1.0'),
+  ],
+)
+def test_bad_optimizer_config_raises(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    optim.make_optimizer(_config(**overrides))

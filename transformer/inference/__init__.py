@@ -1,0 +1,1 @@
+"""Inference: `Model` and `load` for notebooks, and Hugging Face import/export."""

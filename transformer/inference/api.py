@@ -1,0 +1,309 @@
+"""One-call reload of a trained run for notebooks: `m = transformer.load('runs/gpt')`.
+
+`load` reads a workdir (config.json, the latest good checkpoint, tokenizer/) onto whatever devices
+this machine has, whatever mesh trained it, and returns a `Model` that generates, translates,
+fills masks, scores text, returns raw logits and attention maps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer import data
+from transformer.config import ModelConfig
+from transformer.model import capture, decode, models
+
+Array = jax.Array
+MASK_TEXT = '[MASK]'  # what fill_mask replaces
+
+
+def load(workdir: str, step: int | None = None) -> Model:
+  """The model, parameters, config and tokenizer of `workdir` (its latest checkpoint by default).
+
+  Raises:
+    FileNotFoundError: no such workdir, no config.json in it, or no checkpoint.
+    ValueError: the checkpoint does not fit the saved config, or it is corrupt.
+  """
+  from transformer.training.workdir import load_run  # the loop's siblings; keep `import` light
+
+  run, state, step = load_run(workdir, step, with_data=False)
+  tokenizer_dir = os.path.join(workdir, 'tokenizer')
+  tokenizer = data.load_tokenizer(tokenizer_dir) if os.path.isdir(tokenizer_dir) else None
+  return Model(run.model_cfg, state.params, run.config, tokenizer, step, workdir)
+
+
+class Model:
+  """A trained model ready to use: `generate`, `translate`, `fill_mask`, `score`, `logits`,
+  `attention_maps`. Text methods need the run's tokenizer; `logits` takes token ids."""
+
+  def __init__(self, cfg: ModelConfig, params: Any, config, tokenizer, step: int, workdir: str):
+    self.cfg, self.params, self.config, self.tokenizer = cfg, params, config, tokenizer
+    self.step, self.workdir = step, workdir
+    self.module = models.build(cfg)
+
+  def __repr__(self) -> str:
+    return (
+      f'Model({self.cfg.family}, {models.count_params(self.cfg):,} parameters, step {self.step}, '
+      f'workdir={self.workdir!r})'
+    )
+
+  # Text in, text out -----------------------------------------------------------------------------
+  def generate(
+    self,
+    prompts: str | list[str],
+    max_new_tokens: int = 50,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    beam_size: int = 1,
+    alpha: float = 0.6,
+    seed: int = 0,
+  ) -> list[str]:
+    """Continuations of each prompt (CausalLM): greedy, beam search or sampling."""
+    self._need('causal_lm', 'generate')
+    bos = _special(self.tokenizer, 'bos_id', data.BOS_ID)
+    ids = [[bos] + self._encode(p) for p in _as_list(prompts)]
+    out = decode.generate(
+      self.module,
+      self.params,
+      _pad(ids),
+      max_new_tokens=max_new_tokens,
+      beam_size=beam_size,
+      alpha=alpha,
+      temperature=temperature,
+      top_k=top_k,
+      top_p=top_p,
+      rng=jax.random.PRNGKey(seed) if temperature > 0 else None,
+      eos_id=_special(self.tokenizer, 'eos_id', data.EOS_ID),
+    )
+    return self._decode(out)
+
+  def translate(
+    self,
+    sources: str | list[str],
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_length: int | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+  ) -> list[str]:
+    """Translations of each source (EncoderDecoder); beam 4, alpha 0.6 as in the paper."""
+    self._need('encoder_decoder', 'translate')
+    ids = [self._encode(s) + [data.EOS_ID] for s in _as_list(sources)]
+    max_length = max_length or self.config.train.get('max_decode_length', 64)
+    out = decode.translate(
+      self.module,
+      self.params,
+      _pad(ids),
+      max_length=max_length,
+      beam_size=beam_size,
+      alpha=alpha,
+      temperature=temperature,
+      top_k=top_k,
+      top_p=top_p,
+      rng=jax.random.PRNGKey(seed) if temperature > 0 else None,
+    )
+    return self._decode(out)
+
+  def fill_mask(self, texts: str | list[str], top_k: int = 1) -> list[dict]:
+    """Fills every `[MASK]` of each text (BidirectionalLM) with its most likely tokens.
+
+    Returns, per text: {'text': the text with each mask replaced by its best token,
+    'candidates': per mask, the `top_k` (token text, probability) pairs}.
+    """
+    self._need('bidirectional_lm', 'fill_mask')
+    rows, where = [], []
+    for text in _as_list(texts):
+      if MASK_TEXT not in text:
+        raise ValueError(f'fill_mask needs {MASK_TEXT} in each text; got {text!r}')
+      ids = [data.BOS_ID]
+      for i, piece in enumerate(text.split(MASK_TEXT)):
+        if i:
+          ids.append(data.MASK_ID)
+        ids += self._encode(piece)
+      rows.append(ids + [data.EOS_ID])
+      where.append([j for j, t in enumerate(ids) if t == data.MASK_ID])
+    tokens = _pad(rows)
+    probs = np.asarray(jax.nn.softmax(self.logits(tokens, mask=tokens != data.PAD_ID), -1))
+    results = []
+    for row, positions, text in zip(probs, where, _as_list(texts)):
+      candidates, filled = [], text
+      for position in positions:
+        best = np.argsort(-row[position])[:top_k]
+        pairs = [(self.tokenizer.decode([int(t)]), float(row[position, t])) for t in best]
+        candidates.append(pairs)
+        filled = filled.replace(MASK_TEXT, pairs[0][0], 1)
+      results.append({'text': filled, 'candidates': candidates})
+    return results
+
+  def score(self, texts: str | list[str], sources: list[str] | None = None) -> list[dict]:
+    """Per-token log-probabilities and perplexity of each text (+ eos).
+
+    CausalLM scores the text itself; EncoderDecoder scores each text as the translation of the
+    matching `sources` entry. Returns per text: {'tokens', 'log_probs' (nats, one per token
+    including eos), 'nll' (their negative sum), 'perplexity'}.
+    """
+    texts = _as_list(texts)
+    ids = [self._encode(t) for t in texts]
+    targets = _pad([row + [data.EOS_ID] for row in ids])
+    decoder_inputs = _pad([[data.BOS_ID] + row for row in ids])
+    if self.cfg.family == 'causal_lm':
+      logits = self.logits(decoder_inputs, mask=decoder_inputs != data.PAD_ID)
+    elif self.cfg.family == 'encoder_decoder':
+      if sources is None or len(_as_list(sources)) != len(texts):
+        raise ValueError('EncoderDecoder.score needs sources=[one source text per text]')
+      inputs = _pad([self._encode(s) + [data.EOS_ID] for s in _as_list(sources)])
+      logits = self.logits(inputs, decoder_tokens=decoder_inputs)
+    else:
+      raise ValueError(
+        "score needs family 'causal_lm' or 'encoder_decoder'; this model is 'bidirectional_lm' "
+        '(use fill_mask)'
+      )
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), -1))
+    results = []
+    for i, row in enumerate(ids):
+      n = len(row) + 1
+      per_token = logp[i, np.arange(n), targets[i, :n]]
+      nll = float(-per_token.sum())
+      results.append(
+        {
+          'tokens': [self.tokenizer.decode([t]) for t in row] + ['</s>'],
+          'log_probs': per_token.tolist(),
+          'nll': nll,
+          'perplexity': float(np.exp(nll / n)),
+        }
+      )
+    return results
+
+  # Arrays in, arrays out -----------------------------------------------------------------------
+  def logits(
+    self,
+    tokens: Any,
+    mask: Any = None,
+    token_types: Any = None,
+    *,
+    decoder_tokens: Any = None,
+  ) -> np.ndarray:
+    """Raw logits float32 [B, T, V] for int tokens [B, T]; `mask` 1 = real token, 0 = padding.
+
+    EncoderDecoder: `tokens` are the source and `decoder_tokens` [B, T'] the decoder inputs
+    (padding 0); the logits are the decoder's. BidirectionalLM takes `token_types` [B, T].
+    """
+    tokens = _int_array(tokens, 'tokens')
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+      raise ValueError(
+        f'token ids must be in [0, {self.cfg.vocab_size}); got min {tokens.min()} and '
+        f'max {tokens.max()}'
+      )
+    kwargs = {}
+    if mask is not None:
+      mask = np.asarray(mask)
+      if mask.shape != tokens.shape:
+        raise ValueError(f'mask shape {mask.shape} must equal tokens shape {tokens.shape}')
+      kwargs['inputs_segments' if self.cfg.family == 'encoder_decoder' else 'segments'] = (
+        mask.astype(np.int32)
+      )
+    if token_types is not None:
+      if self.cfg.family != 'bidirectional_lm':
+        raise ValueError('token_types are for bidirectional_lm models')
+      kwargs['token_types'] = _int_array(token_types, 'token_types')
+    if self.cfg.family == 'encoder_decoder':
+      if decoder_tokens is None:
+        raise ValueError('EncoderDecoder.logits needs decoder_tokens=[B, T] decoder inputs')
+      return np.asarray(
+        _apply(
+          self.module, self.params, tokens, _int_array(decoder_tokens, 'decoder_tokens'), **kwargs
+        )
+      )
+    return np.asarray(_apply(self.module, self.params, tokens, **kwargs))
+
+  def attention_maps(self, text: str | Any, *, source: str | None = None) -> dict[str, np.ndarray]:
+    """Attention probabilities per layer: {name: float32 [N, T, S]}, through the 'xla' path.
+
+    `text` is a string (tokenised like training input) or int token ids [T]. EncoderDecoder: the
+    decoder side gets `text` and the encoder `source`.
+    """
+
+    def ids(value, prefix):
+      if isinstance(value, str):
+        return np.asarray([prefix + self._encode(value)], np.int32)
+      value = np.asarray(value)
+      return _int_array(value[None] if value.ndim == 1 else value, 'text')
+
+    if self.cfg.family == 'encoder_decoder':
+      if source is None:
+        raise ValueError('EncoderDecoder.attention_maps needs source=... (the encoder input)')
+      src = ids(source, [])
+      if isinstance(source, str):
+        src = np.concatenate([src, [[data.EOS_ID]]], axis=1)
+      maps = capture.attention_maps(
+        self.cfg, self.params, src, decoder_inputs=ids(text, [data.BOS_ID])
+      )
+    else:
+      maps = capture.attention_maps(self.cfg, self.params, ids(text, [data.BOS_ID]))
+    return {name: np.asarray(m)[0] for name, m in maps.items()}
+
+  # Helpers ---------------------------------------------------------------------------------------
+  def _encode(self, text: str) -> list[int]:
+    if self.tokenizer is None:
+      raise ValueError(
+        f'workdir {self.workdir!r} has no tokenizer/; pass token ids to logits() instead'
+      )
+    return self.tokenizer.encode(text)
+
+  def _decode(self, out: Array) -> list[str]:
+    """Texts of generated rows, each cut at its first eos (what follows is padding)."""
+    eos = _special(self.tokenizer, 'eos_id', data.EOS_ID)
+    texts = []
+    for row in np.asarray(out).tolist():
+      texts.append(self.tokenizer.decode(row[: row.index(eos)] if eos in row else row))
+    return texts
+
+  def _need(self, family: str, method: str) -> None:
+    if self.cfg.family != family:
+      raise ValueError(f'{method} needs a {family} model; this one is {self.cfg.family!r}')
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(module, params, *args, **kwargs):
+  return module.apply({'params': params}, *args, **kwargs).astype(jnp.float32)
+
+
+def _special(tokenizer, name: str, default: int) -> int:
+  """A tokenizer's special id (an imported Hugging Face one has its own), else sparrow's."""
+  value = getattr(tokenizer, name, None)
+  return default if value is None else int(value)
+
+
+def _as_list(texts) -> list[str]:
+  if isinstance(texts, str):
+    return [texts]
+  texts = list(texts)
+  if not all(isinstance(t, str) for t in texts):
+    raise ValueError('texts must be a string or a list of strings')
+  return texts
+
+
+def _pad(rows: list[list[int]]) -> np.ndarray:
+  """Right-pads rows with PAD_ID (0) to [len(rows), longest]."""
+  out = np.zeros((len(rows), max(1, max(len(r) for r in rows))), np.int32)
+  for i, row in enumerate(rows):
+    out[i, : len(row)] = row
+  return out
+
+
+def _int_array(x: Any, name: str) -> np.ndarray:
+  x = np.asarray(x)
+  if x.ndim != 2 or not np.issubdtype(x.dtype, np.integer):
+    raise ValueError(f'{name} must be integer token ids of shape [B, T]; got {x.dtype}{x.shape}')
+  return x.astype(np.int32)

@@ -1,0 +1,2 @@
+"""The model: one attention core, masks, positions, layers, the three families, objectives and
+KV-cache decoding."""

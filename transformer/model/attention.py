@@ -1,0 +1,361 @@
+"""Attention core: `dot_product_attention` (one registry of implementations) and
+`MultiHeadAttention` (self and cross, with a KV cache).
+
+Every attention in sparrow calls `dot_product_attention` with tensors laid out `[B, T, N, H]`.
+The masks live in `transformer.model.masks` (`MaskSpec` is re-exported here) and the implementations
+in `transformer.model.attention_paths`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from transformer import config, sharding
+from transformer.model import attention_paths as paths
+from transformer.model import positions as positions_lib
+from transformer.model.masks import NEG, MaskSpec
+
+_DENSE_MAX_ELEMENTS = 1024 * 1024  # auto-select 'xla' while one head's T * S logits fit this
+
+
+# name -> fn(q, k, v, *, mask, scale, alibi_slopes, chunk_size) returning out [B, T, N, H].
+_IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {
+  'xla': paths.xla_attention,
+  'chunked': paths.chunked_attention,
+  'pallas': paths.pallas_attention,
+  'cudnn': paths.cudnn_attention,
+}
+
+
+def register_implementation(name: str, fn: Callable[..., Array]) -> None:
+  """Registers (or replaces) an implementation selectable by `implementation=name`.
+
+  `fn(q, k, v, *, mask, scale, alibi_slopes, chunk_size)` must return out `[B, T, N, H]`
+  in q.dtype, with exactly 0 on fully masked query rows; see `dot_product_attention`.
+  """
+  _IMPLEMENTATIONS[name] = fn
+  if name not in config.ATTENTION_IMPLEMENTATIONS:  # so that a config can choose it too
+    config.ATTENTION_IMPLEMENTATIONS.append(name)
+
+
+def select_implementation(T: int, S: int, *, return_probs: bool = False) -> str:
+  """Automatic choice: 'xla' when return_probs or T * S <= 1024 * 1024, else 'chunked'.
+
+  Dense logits are fastest while one head's [T, S] float32 block stays at most 4 MiB; longer
+  sequences use the memory-efficient 'chunked' path. Never picks 'pallas' or 'cudnn'.
+  """
+  return 'xla' if return_probs or T * S <= _DENSE_MAX_ELEMENTS else 'chunked'
+
+
+def _check_inputs(q, k, v, mask, alibi_slopes, chunk_size):
+  for name, x in (('q', q), ('k', k), ('v', v)):
+    if x.ndim != 4:
+      raise ValueError(f'{name} must have rank 4 [B, length, heads, head_dim]; got {x.shape}')
+  B, T, N, H = q.shape
+  if k.shape != v.shape:
+    raise ValueError(f'k and v must have the same shape [B, S, K, H]; got {k.shape} and {v.shape}')
+  if k.shape[0] != B or k.shape[3] != H:
+    raise ValueError(f'q {q.shape} and k/v {k.shape} must agree in batch (0) and head_dim (3)')
+  S, K = k.shape[1], k.shape[2]
+  if N % K:
+    raise ValueError(f'num_kv_heads={K} does not divide num_heads={N}; choose a divisor of {N}')
+  if not isinstance(mask, MaskSpec):
+    raise ValueError(f'mask must be a MaskSpec or None; got {type(mask).__name__}')
+  if (mask.q_segment_ids is None) != (mask.kv_segment_ids is None):
+    raise ValueError(
+      'MaskSpec needs both q_segment_ids and kv_segment_ids, or neither; '
+      'for self-attention pass the same ids twice'
+    )
+  if mask.q_segment_ids is not None:
+    for name, ids, want in (('q', mask.q_segment_ids, (B, T)), ('kv', mask.kv_segment_ids, (B, S))):
+      if tuple(ids.shape) != want:
+        raise ValueError(f'{name}_segment_ids must have shape {list(want)}; got {list(ids.shape)}')
+  if alibi_slopes is not None and tuple(alibi_slopes.shape) != (N,):
+    raise ValueError(f'alibi_slopes must have shape [{N}]; got {list(alibi_slopes.shape)}')
+  if not isinstance(chunk_size, int) or chunk_size < 1:
+    raise ValueError(f'chunk_size={chunk_size!r} must be a positive int')
+
+
+def dot_product_attention(
+  q: Array,
+  k: Array,
+  v: Array,
+  *,
+  mask: MaskSpec | None = MaskSpec(),
+  scale: float | None = None,
+  implementation: str | None = None,
+  return_probs: bool = False,
+  alibi_slopes: Array | None = None,
+  chunk_size: int = 128,
+  dropout_rate: float = 0.0,
+  dropout_rng: Array | None = None,
+) -> Array | tuple[Array, Array]:
+  """Multi-head (and grouped-query) scaled dot-product attention.
+
+  Query head n reads kv head n // (N // K). Logits, softmax and logsumexp run in float32;
+  fully masked query rows return exactly 0 (and 0 gradient).
+
+  Args:
+    q: queries `[B, T, N, H]`.
+    k: keys `[B, S, K, H]`, with K dividing N.
+    v: values `[B, S, K, H]`.
+    mask: which keys each query sees; None means all of them.
+    scale: logit multiplier; None means 1 / sqrt(H), 1.0 means no scaling.
+    implementation: one of 'xla', 'chunked', 'pallas', 'cudnn' (or a registered name);
+      None chooses with `select_implementation`.
+    return_probs: also return the attention probabilities (only 'xla').
+    alibi_slopes: optional `[N]` slopes; adds -slope[n] * |i - j| to the logits of head n.
+    chunk_size: keys per block for 'chunked'.
+    dropout_rate: dropout on the attention probabilities (needs 'xla' and `dropout_rng`).
+    dropout_rng: PRNG key for that dropout.
+
+  Returns:
+    out `[B, T, N, H]` in q.dtype; with return_probs, (out, probs float32[B, N, T, S]).
+  """
+  mask = MaskSpec() if mask is None else mask
+  _check_inputs(q, k, v, mask, alibi_slopes, chunk_size)
+  T, S = q.shape[1], k.shape[1]
+  if implementation is None:
+    implementation = select_implementation(T, S, return_probs=return_probs)
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(
+      f'implementation={implementation!r} is not one of '
+      f'{sorted(_IMPLEMENTATIONS)} (or None to choose automatically)'
+    )
+  if return_probs and implementation != 'xla':
+    raise ValueError(
+      f"return_probs=True needs implementation='xla' (or None); got {implementation!r}"
+    )
+  if dropout_rate > 0 and (implementation != 'xla' or dropout_rng is None):
+    raise ValueError(
+      f"dropout_rate={dropout_rate} on attention probabilities needs implementation='xla' and a "
+      f'dropout_rng; got implementation={implementation!r}'
+    )
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+  kwargs = dict(mask=mask, scale=scale, alibi_slopes=alibi_slopes, chunk_size=chunk_size)
+  if return_probs or dropout_rate > 0:
+    dropout = (dropout_rate, dropout_rng) if dropout_rate > 0 else None
+    return paths.xla_attention(q, k, v, return_probs=return_probs, dropout=dropout, **kwargs)
+  return _IMPLEMENTATIONS[implementation](q, k, v, **kwargs)
+
+
+# KV cache for decoding ---------------------------------------------------------------------
+class CacheMode(NamedTuple):
+  """How `MultiHeadAttention` uses its KV cache (the flax collection 'cache') while decoding.
+
+  'prefill' runs a whole prompt through the configured implementation and writes its keys and
+  values into a fresh cache: `length` slots for self attention, the encoder's S keys for cross
+  attention. 'step' runs one token per row: self attention writes its key/value at the row's
+  position (positions double as cache slots) and attends to slots <= that position; cross
+  attention reuses the encoder's cached keys/values. Each cache leaf is `[B, L, K, H]` (a scanned
+  stack prepends a layer axis).
+  """
+
+  phase: str  # 'prefill' | 'step'
+  length: int  # L: self-attention slots = longest prompt + tokens to generate
+
+
+def _attend_one_step(q, k, v, visible, *, scale, alibi_slopes=None, q_pos=None) -> Array:
+  """One query per row against cached keys: dense float32 logits [B, K, G, L] are cheap here.
+
+  Kept apart from `dot_product_attention` because the mask and the ALiBi bias depend on each row's
+  own position, which the top-left aligned `MaskSpec` cannot express.
+
+  Args:
+    q: `[B, 1, N, H]`; k, v: `[B, L, K, H]`; visible: bool `[B or 1, L]`.
+    alibi_slopes: optional `[N]`, with q_pos `[B]` the query positions (keys sit at 0..L-1).
+  Returns:
+    `[B, 1, N, H]` in q.dtype; a row that sees no key gives 0.
+  """
+  B, _, N, H = q.shape
+  L, K = k.shape[1], k.shape[2]
+  f32 = jnp.float32
+  qg = q.reshape(B, K, N // K, H)  # [B, K, G, H]
+  logits = jnp.einsum('bkgh,blkh->bkgl', qg, k, preferred_element_type=f32) * scale
+  if alibi_slopes is not None:
+    dist = jnp.abs(q_pos[:, None] - jnp.arange(L)[None]).astype(f32)  # [B, L]
+    slopes = alibi_slopes.astype(f32).reshape(K, N // K)
+    logits = logits - slopes[None, :, :, None] * dist[:, None, None, :]
+  visible = visible[:, None, None, :]  # [B or 1, 1, 1, L]
+  probs = jax.nn.softmax(jnp.where(visible, logits, NEG), axis=-1)
+  probs = jnp.where(visible, probs, 0.0)  # [B, K, G, L]
+  out = jnp.einsum('bkgl,blkh->bkgh', probs.astype(v.dtype), v, preferred_element_type=f32)
+  return out.reshape(B, 1, N, H).astype(q.dtype)  # [B, 1, N, H]
+
+
+class MultiHeadAttention(nn.Module):
+  """Self or cross attention: q/k/v/out projections around `dot_product_attention`.
+
+  Positions that act on q and k (RoPE) or on the logits (ALiBi) are applied here, for self
+  attention only; absolute positions are added to the embeddings by the model.
+  """
+
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  use_bias: bool = True
+  kernel_init: Callable = nn.initializers.xavier_uniform()
+  out_kernel_init: Callable = nn.initializers.xavier_uniform()
+  dropout_rate: float = 0.0
+  scale: float | None = None  # None = 1/sqrt(head_dim); 1.0 = unscaled
+  implementation: str | None = None
+  chunk_size: int = 128
+  rope: tuple | None = None  # (theta, scaling, factor, original_max_length) for RoPE; None = off
+  alibi: bool = False
+
+  @nn.compact
+  def __call__(
+    self,
+    inputs_q: Array,
+    inputs_kv: Array | None = None,
+    *,
+    mask: MaskSpec | None = None,
+    positions: Array | None = None,
+    deterministic: bool = True,
+    return_probs: bool = False,
+    cache_mode: CacheMode | None = None,
+  ):
+    """Attends from `inputs_q` [B, T, D] to `inputs_kv` [B, S, D] (None = self attention).
+
+    Args:
+      positions: [B, T] integer positions for RoPE/ALiBi in self attention; None = arange(T).
+        In the cache's 'step' phase they are required ([B, 1]) and are also the cache slots.
+      return_probs: also return the attention probabilities [B, N, T, S] (the 'xla' path).
+      cache_mode: decoding with a KV cache (see `CacheMode`); needs mutable=['cache'].
+    Returns:
+      [B, T, D], or ([B, T, D], [B, N, T, S]) with return_probs.
+    """
+    self_attention = inputs_kv is None
+    inputs_kv = inputs_q if self_attention else inputs_kv
+    if cache_mode is not None and cache_mode.phase == 'step' and self_attention:
+      if positions is None:
+        raise ValueError("CacheMode step needs positions [B, 1]: the slot of each row's token")
+    features = inputs_q.shape[-1]
+
+    def dense(heads: int, heads_axis: str, name: str) -> nn.DenseGeneral:
+      return nn.DenseGeneral(
+        (heads, self.head_dim),
+        axis=-1,
+        use_bias=self.use_bias,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        kernel_init=nn.with_logical_partitioning(self.kernel_init, ('embed', heads_axis, 'kv')),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (heads_axis, 'kv')),
+        name=name,
+      )
+
+    constrain = lambda x, heads_axis: sharding.constrain(x, ('batch', 'length', heads_axis, 'kv'))
+    q = constrain(dense(self.num_heads, 'heads', 'query')(inputs_q), 'heads')  # [B, T, N, H]
+    k = constrain(
+      dense(self.num_kv_heads, 'kv_heads', 'key')(inputs_kv), 'kv_heads'
+    )  # [B, S, K, H]
+    v = constrain(dense(self.num_kv_heads, 'kv_heads', 'value')(inputs_kv), 'kv_heads')
+
+    alibi_slopes = None
+    if self_attention and (self.rope is not None or self.alibi):
+      if positions is None:
+        positions = jnp.arange(inputs_q.shape[1])[None]  # [1, T]
+      if self.rope is not None:
+        theta, scaling, factor, original_max_length = self.rope
+        inv_freq, mscale = positions_lib.rope_frequencies(
+          self.head_dim,
+          theta=theta,
+          scaling=scaling,
+          factor=factor,
+          original_max_length=original_max_length,
+        )
+        q = positions_lib.apply_rope(q, positions, inv_freq, mscale)
+        k = positions_lib.apply_rope(k, positions, inv_freq, mscale)
+      if self.alibi:
+        alibi_slopes = positions_lib.alibi_slopes(self.num_heads)
+
+    if cache_mode is not None:  # decoding: fill the cache, or add one token to it
+      k, v = self._update_cache(cache_mode, k, v, self_attention, mask, positions, return_probs)
+    dropout = self.dropout_rate > 0 and not deterministic
+    if cache_mode is not None and cache_mode.phase == 'step':
+      out = self._attend_cache(q, k, v, self_attention, mask, positions, alibi_slopes)
+    else:
+      out = dot_product_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        scale=self.scale,
+        implementation='xla' if (dropout or return_probs) else self.implementation,
+        return_probs=return_probs,
+        alibi_slopes=alibi_slopes,
+        chunk_size=self.chunk_size,
+        dropout_rate=self.dropout_rate if dropout else 0.0,
+        dropout_rng=self.make_rng('dropout') if dropout else None,
+      )  # [B, T, N, H]
+    out, probs = out if return_probs else (out, None)
+    out = constrain(out, 'heads')
+    y = nn.DenseGeneral(
+      features,
+      axis=(-2, -1),
+      use_bias=self.use_bias,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      kernel_init=nn.with_logical_partitioning(self.out_kernel_init, ('heads', 'kv', 'embed')),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
+      name='out',
+    )(out)  # [B, T, D]
+    return (y, probs) if return_probs else y
+
+  # KV cache ----------------------------------------------------------------------------------
+  def _update_cache(self, mode, k, v, self_attention, mask, positions, return_probs):
+    """Writes k/v [B, T, K, H] into the 'cache' collection; returns the keys/values to attend to.
+
+    prefill: the prompt's own k/v (self attention stores them in slots 0..T-1 of L).
+    step: self attention writes its one token at slot positions[b] and returns the whole cache
+    [B, L, K, H]; cross attention returns the encoder's k/v cached at prefill.
+    """
+    if mode.phase not in ('prefill', 'step'):
+      raise ValueError(f"CacheMode.phase={mode.phase!r} must be 'prefill' or 'step'")
+    if return_probs:
+      raise ValueError('return_probs=True is not available while decoding with a KV cache')
+    if self_attention and (mask is None or not mask.causal):
+      raise ValueError('a KV cache needs causal self attention; pass a MaskSpec with causal=True')
+    B, T, K, H = k.shape
+    if mode.phase == 'prefill':
+      if self_attention and T > mode.length:
+        raise ValueError(f'a prompt of {T} tokens does not fit a cache of length={mode.length}')
+      L = mode.length if self_attention else T
+      pad = [(0, 0), (0, L - T), (0, 0), (0, 0)]
+      for name, x in (('cached_key', k), ('cached_value', v)):  # [B, L, K, H], 0 past the prompt
+        self.variable('cache', name, jnp.zeros, (B, L, K, H), x.dtype).value = jnp.pad(x, pad)
+      return k, v
+    if not self.has_variable('cache', 'cached_key'):
+      raise ValueError("CacheMode 'step' needs the cache that a 'prefill' call filled")
+    cached_k = self.variable('cache', 'cached_key')
+    cached_v = self.variable('cache', 'cached_value')
+    if not self_attention:  # the encoder's keys/values, computed once at prefill
+      return cached_k.value, cached_v.value
+    if T != 1:
+      raise ValueError(f'CacheMode step takes one token per row; got {T}')
+    rows, slots = jnp.arange(B), jnp.broadcast_to(positions, (B, 1))[:, 0]  # [B], [B]
+    cached_k.value = cached_k.value.at[rows, slots].set(k[:, 0])  # [B, L, K, H]
+    cached_v.value = cached_v.value.at[rows, slots].set(v[:, 0])
+    return cached_k.value, cached_v.value
+
+  def _attend_cache(self, q, k, v, self_attention, mask, positions, alibi_slopes):
+    """'step' attention of q [B, 1, N, H] over cached k/v [B, L, K, H]."""
+    scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+    if not self_attention:  # the cross mask is top-left aligned already: [B or 1, S]
+      visible = (MaskSpec() if mask is None else mask).dense(1, k.shape[1])[:, 0, 0]
+      return _attend_one_step(q, k, v, visible, scale=scale)
+    q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
+    slots = jnp.arange(k.shape[1])[None]  # [1, L]
+    visible = slots <= q_pos[:, None]  # [B, L]: causal; later slots are not written yet
+    if mask.window is not None:
+      visible &= slots >= q_pos[:, None] - mask.window[0]
+    return _attend_one_step(q, k, v, visible, scale=scale, alibi_slopes=alibi_slopes, q_pos=q_pos)

@@ -1,0 +1,208 @@
+"""The implementations behind `dot_product_attention`: 'xla' (dense reference), 'chunked'
+(flash attention in pure JAX), 'cudnn' and 'pallas' (our kernel in kernels/).
+
+Each takes q `[B, T, N, H]`, k/v `[B, S, K, H]` and keywords (mask, scale, alibi_slopes,
+chunk_size) and returns out `[B, T, N, H]`, exactly 0 on fully masked query rows.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from transformer.model.masks import NEG, MaskSpec, alibi_bias
+from transformer.model.masks import visible as visible_keys
+
+
+def xla_attention(
+  q, k, v, *, mask, scale, alibi_slopes, chunk_size=None, return_probs=False, dropout=None
+):
+  """Reference: dense logits and mask. Returns out, or (out, probs) if return_probs.
+
+  `dropout=(rate, rng)` drops attention probabilities (the returned probs are before dropout).
+  """
+  del chunk_size  # unused: everything is materialised
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+  f32 = jnp.float32
+  logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=f32) * scale
+  if alibi_slopes is not None:
+    logits = logits + alibi_bias(alibi_slopes, K, jnp.arange(T), jnp.arange(S))
+  visible = mask.dense(T, S)[:, :, None]  # [B or 1, 1, 1, T, S]
+  logits = jnp.where(visible, logits, NEG)  # [B, K, G, T, S]
+  probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
+  weights = probs
+  if dropout is not None:
+    rate, rng = dropout
+    keep = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
+    weights = jnp.where(keep, probs / (1.0 - rate), 0.0)
+  out = jnp.einsum('bkgts,bskh->btkgh', weights.astype(v.dtype), v, preferred_element_type=f32)
+  out = out.reshape(B, T, N, H).astype(q.dtype)  # [B, T, N, H]
+  return (out, probs.reshape(B, N, T, S)) if return_probs else out
+
+
+class _ChunkConfig(NamedTuple):
+  causal: bool
+  window: tuple[int, int] | None
+  scale: float
+  chunk: int  # C, keys per block
+  kv_len: int  # S before padding to a multiple of C
+
+
+def _key_blocks(k, v, kv_seg, C):
+  """Scan inputs: ((k, v, kv_seg) as [nC, B, C, ...], zero-padded to nC * C keys; starts [nC])."""
+
+  def split(x):  # [B, S, ...] -> [nC, B, C, ...]
+    x = jnp.pad(x, [(0, 0), (0, -x.shape[1] % C)] + [(0, 0)] * (x.ndim - 2))  # [B, nC * C, ...]
+    return jnp.moveaxis(x.reshape(x.shape[0], -1, C, *x.shape[2:]), 1, 0)
+
+  blocks = jax.tree.map(split, (k, v, kv_seg))  # kv_seg may be None
+  return blocks, jnp.arange(blocks[0].shape[0]) * C
+
+
+def _chunk_logits(cfg, qg, k_c, start, q_seg, kv_seg_c, slopes):
+  """Scaled, biased, masked logits of one key block: (float32[B, K, G, T, C], visible)."""
+  T, K, C = qg.shape[1], qg.shape[2], k_c.shape[1]
+  q_pos, k_pos = jnp.arange(T), start + jnp.arange(C)
+  s = jnp.einsum('btkgh,bckh->bkgtc', qg, k_c, preferred_element_type=jnp.float32) * cfg.scale
+  if slopes is not None:
+    s = s + alibi_bias(slopes, K, q_pos, k_pos)
+  visible = visible_keys(cfg.causal, cfg.window, q_pos, k_pos, q_seg, kv_seg_c, cfg.kv_len)
+  visible = visible[:, :, None]  # [B or 1, 1, 1, T, C]
+  return jnp.where(visible, s, NEG), visible
+
+
+def _flash_forward(q, k, v, q_seg, kv_seg, slopes, cfg):
+  """Online softmax over key blocks. Returns out [B, T, N, H] and lse float32[B, K, G, T]."""
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+
+  def step(carry, x):
+    m, denom, acc = carry  # running max, softmax denominator, unnormalised output
+    (k_c, v_c, seg_c), start = x
+    s, visible = _chunk_logits(cfg, qg, k_c, start, q_seg, seg_c, slopes)  # [B, K, G, T, C]
+    m_new = jnp.maximum(m, s.max(-1))  # [B, K, G, T]
+    p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)  # [B, K, G, T, C]
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum('bkgtc,bckh->bkgth', p.astype(v.dtype), v_c, preferred_element_type=jnp.float32)
+    return (m_new, denom * corr + p.sum(-1), acc * corr[..., None] + pv), None
+
+  zeros = jnp.zeros((B, K, N // K, T), jnp.float32)  # [B, K, G, T]
+  init = (jnp.full_like(zeros, NEG), zeros, jnp.zeros((*zeros.shape, H), jnp.float32))
+  (m, denom, acc), _ = jax.lax.scan(step, init, _key_blocks(k, v, kv_seg, cfg.chunk))
+  seen = denom > 0  # False on fully masked rows, whose output is exactly 0
+  l_safe = jnp.where(seen, denom, 1.0)
+  out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)  # [B, K, G, T, H]
+  out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)  # [B, T, N, H]
+  lse = jnp.where(seen, m + jnp.log(l_safe), 0.0)  # [B, K, G, T]
+  return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_seg, kv_seg, slopes, cfg):
+  return _flash_forward(q, k, v, q_seg, kv_seg, slopes, cfg)[0]
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, slopes, cfg):
+  out, lse = _flash_forward(q, k, v, q_seg, kv_seg, slopes, cfg)
+  return out, (q, k, v, q_seg, kv_seg, slopes, out, lse)
+
+
+def _flash_bwd(cfg, res, dout):
+  """Recomputes each key block's probabilities from lse; dq accumulates, dk/dv per block."""
+  q, k, v, q_seg, kv_seg, slopes, out, lse = res
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+  dog = dout.reshape(qg.shape)  # [B, T, K, G, H]
+  f32 = jnp.float32
+  D = jnp.einsum('btkgh,btkgh->bkgt', dog.astype(f32), out.reshape(qg.shape).astype(f32))
+
+  def step(carry, x):
+    dq, dslopes = carry
+    (k_c, v_c, seg_c), start = x
+    s, visible = _chunk_logits(cfg, qg, k_c, start, q_seg, seg_c, slopes)  # [B, K, G, T, C]
+    p = jnp.where(visible, jnp.exp(s - lse[..., None]), 0.0)  # softmax probs of this block
+    dv_c = jnp.einsum('bkgtc,btkgh->bckh', p.astype(v.dtype), dog, preferred_element_type=f32)
+    dp = jnp.einsum('btkgh,bckh->bkgtc', dog, v_c, preferred_element_type=f32)
+    ds = p * (dp - D[..., None])  # d logits, [B, K, G, T, C]
+    ds_in = ds.astype(q.dtype)
+    dq = dq + jnp.einsum('bkgtc,bckh->btkgh', ds_in, k_c, preferred_element_type=f32)
+    dk_c = jnp.einsum('bkgtc,btkgh->bckh', ds_in, qg, preferred_element_type=f32)
+    if slopes is not None:  # d bias / d slope = -|i - j|
+      k_pos = start + jnp.arange(k_c.shape[1])
+      dist = jnp.abs(jnp.arange(T)[:, None] - k_pos[None, :]).astype(f32)  # [T, C]
+      dslopes = dslopes - jnp.einsum('bkgtc,tc->kg', ds, dist)
+    return (dq, dslopes), (dk_c * cfg.scale, dv_c)
+
+  init = (jnp.zeros(qg.shape, f32), None if slopes is None else jnp.zeros((K, N // K), f32))
+  (dq, dslopes), (dk, dv) = jax.lax.scan(step, init, _key_blocks(k, v, kv_seg, cfg.chunk))
+  dq = (dq * cfg.scale).reshape(B, T, N, H).astype(q.dtype)
+  dk = jnp.moveaxis(dk, 0, 1).reshape(B, -1, K, H)[:, :S].astype(k.dtype)  # [B, S, K, H]
+  dv = jnp.moveaxis(dv, 0, 1).reshape(B, -1, K, H)[:, :S].astype(v.dtype)  # [B, S, K, H]
+  dslopes = None if slopes is None else dslopes.reshape(N).astype(slopes.dtype)
+  return dq, dk, dv, None, None, dslopes
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def chunked_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=128):
+  """Flash-attention style in pure JAX: memory O(T * chunk_size), exact custom gradient."""
+  S = k.shape[1]
+  cfg = _ChunkConfig(mask.causal, mask.window, float(scale), min(chunk_size, S), S)
+  return _flash(q, k, v, mask.q_segment_ids, mask.kv_segment_ids, alibi_slopes, cfg)
+
+
+def cudnn_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
+  """cuDNN fused attention through `jax.nn.dot_product_attention` (NVIDIA GPUs only)."""
+  del chunk_size
+  if jax.default_backend() != 'gpu':
+    raise ValueError(
+      f"implementation='cudnn' needs an NVIDIA GPU, but the backend is "
+      f"'{jax.default_backend()}'; use 'xla' or 'chunked' (or None to choose)"
+    )
+  T, S = q.shape[1], k.shape[1]
+  window = None if mask.window is None else (mask.window[0], 0 if mask.causal else mask.window[1])
+  segments = None  # the dense segment mask [B, 1, T, S], which cuDNN folds into its bias
+  if mask.q_segment_ids is not None:
+    segments = MaskSpec(q_segment_ids=mask.q_segment_ids, kv_segment_ids=mask.kv_segment_ids)
+    segments = segments.dense(T, S)
+  bias = None
+  if alibi_slopes is not None:
+    bias = alibi_bias(alibi_slopes, q.shape[2], jnp.arange(T), jnp.arange(S))  # [N, 1, T, S]
+    bias = bias.reshape(1, -1, T, S).astype(q.dtype)  # [1, N, T, S]
+  cudnn = functools.partial(jax.nn.dot_product_attention, implementation='cudnn')
+  out = cudnn(q, k, v, bias, segments, scale=scale, is_causal=mask.causal, local_window_size=window)
+  any_visible = mask.dense(T, S).any(-1)[:, 0, :, None, None]  # [B or 1, T, 1, 1]
+  return jnp.where(any_visible, out, 0).astype(q.dtype)  # fully masked rows -> exactly 0
+
+
+def pallas_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
+  """Our Pallas flash-attention kernel (kernels/): Triton on GPU, Mosaic on TPU.
+
+  On any other backend it runs in the Pallas interpreter: exact but slow, for tests only.
+  """
+  from kernels import flash_attention
+
+  del chunk_size  # the kernel picks its own tiles (kernels.BlockSizes)
+  if alibi_slopes is not None:
+    raise ValueError(
+      "alibi_slopes are not supported by implementation='pallas'; use 'xla' or 'chunked'"
+    )
+  return flash_attention(
+    q,
+    k,
+    v,
+    causal=mask.causal,
+    q_segment_ids=mask.q_segment_ids,
+    kv_segment_ids=mask.kv_segment_ids,
+    window=mask.window,
+    scale=float(scale),
+    interpret=jax.default_backend() not in ('gpu', 'tpu'),
+  )

@@ -1,0 +1,525 @@
+"""Decoding over a KV cache: greedy, temperature / top-k / top-p sampling and beam search.
+
+`translate` (EncoderDecoder) and `generate` (CausalLM) each jit one prefill of the prompt and a
+`lax.while_loop` of single-token steps that stops once every row is done. `greedy_uncached_*`
+rerun the decoder over the whole prefix at every step: slow, simple references for the tests.
+
+Prompts are right-padded and stay so in the cache: row b's token i sits in slot (and position)
+`start[b] + i`, so each row writes its own slot and sees slots <= its position. Beam search keeps
+`[B * W]` cache rows (example-major) and gathers them by parent beam after every step.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from transformer.data import BOS_ID, EOS_ID, PAD_ID
+from transformer.model.attention import CacheMode
+from transformer.model.models import BidirectionalLM, CausalLM, EncoderDecoder
+
+Array = jax.Array
+_NEG_INF = -1.0e9  # score of an impossible hypothesis: finite, so sums never become NaN
+
+# step(tokens [R], positions [R], cache) -> (logits float32[R, V], cache)
+StepFn = Callable[[Array, Array, Any], tuple[Array, Any]]
+
+
+class _Options(NamedTuple):
+  """Static decoding options: one compile per distinct value."""
+
+  length: int  # tokens to generate per row, eos included
+  beam_size: int = 1
+  sample: bool = False  # temperature > 0
+  eos_id: int = EOS_ID  # the token that ends a row (imported HF models have their own)
+
+
+class _Knobs(NamedTuple):
+  """Traced decoding options: sweeping them never recompiles."""
+
+  temperature: float = 0.0
+  top_k: int = 0  # 0 = no top-k filter
+  top_p: float = 1.0  # 1 = no nucleus filter
+  alpha: float = 0.6  # GNMT length penalty of beam search
+
+
+# Public API -----------------------------------------------------------------------------------
+def translate(
+  model: EncoderDecoder,
+  params: Any,
+  inputs: Array,
+  *,
+  max_length: int,
+  beam_size: int = 1,
+  alpha: float = 0.6,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  rng: Array | None = None,
+  eos_id: int = EOS_ID,
+) -> Array:
+  """Translates source tokens with an EncoderDecoder; the decoder starts from BOS_ID.
+
+  Args:
+    inputs: source tokens `[B, S]` (0 = padding).
+    max_length: tokens to generate, eos included.
+    beam_size: > 1 runs beam search (GNMT length penalty with `alpha`) and returns the best beam.
+    temperature: 0 = greedy; > 0 samples from softmax(logits / temperature), after keeping the
+      `top_k` most likely tokens (0 = all) and the smallest set of mass >= `top_p` (nucleus).
+    rng: PRNG key, needed when sampling.
+    eos_id: the token that ends a row (sparrow's EOS_ID; a Hugging Face model's own).
+  Returns:
+    int32 `[B, max_length]`; after eos every token is PAD_ID.
+  """
+  opts, knobs = _options(
+    model, 'translate', max_length, beam_size, alpha, temperature, top_k, top_p, rng
+  )
+  opts = opts._replace(eos_id=int(eos_id))
+  _check_tokens(inputs, 'inputs')
+  _check_learned_positions(model, max_length)
+  if beam_size > 1:
+    return _beam_search(model, params, inputs, knobs, opts)[0][:, 0]
+  return _sample(model, params, inputs, rng, knobs, opts)
+
+
+def generate(
+  model: CausalLM,
+  params: Any,
+  prompt: Array,
+  *,
+  max_new_tokens: int,
+  beam_size: int = 1,
+  alpha: float = 0.6,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  rng: Array | None = None,
+  eos_id: int = EOS_ID,
+) -> Array:
+  """Continues right-padded CausalLM prompts (each starting with BOS_ID).
+
+  Args:
+    prompt: `[B, P]` tokens, right-padded with PAD_ID (0); rows may differ in length.
+    max_new_tokens: tokens to generate, eos included.
+    beam_size, alpha, temperature, top_k, top_p, rng, eos_id: as in `translate`.
+  Returns:
+    int32 `[B, max_new_tokens]`; after eos every token is PAD_ID.
+  """
+  opts, knobs = _options(
+    model, 'generate', max_new_tokens, beam_size, alpha, temperature, top_k, top_p, rng
+  )
+  opts = opts._replace(eos_id=int(eos_id))
+  _check_tokens(prompt, 'prompt')
+  _check_learned_positions(model, prompt.shape[1] + max_new_tokens - 1)
+  if beam_size > 1:
+    return _beam_search(model, params, prompt, knobs, opts)[0][:, 0]
+  return _sample(model, params, prompt, rng, knobs, opts)
+
+
+def beam_search(
+  model: EncoderDecoder | CausalLM,
+  params: Any,
+  tokens: Array,
+  *,
+  length: int,
+  beam_size: int = 4,
+  alpha: float = 0.6,
+) -> tuple[Array, Array]:
+  """All `beam_size` finished hypotheses with their scores, best first.
+
+  A hypothesis of n tokens (eos included) with summed log-probability s scores
+  s / ((5 + n) / 6) ** alpha (GNMT, Wu et al. 2016). At each step the 2W best continuations are
+  ranked by s; those among the first W that end in eos, or reach `length`, finish; the W best
+  without eos stay alive. An example stops once W hypotheses have finished, so beam_size=1 is
+  exactly greedy.
+
+  Args:
+    tokens: EncoderDecoder source tokens `[B, S]`, or right-padded CausalLM prompts `[B, P]`.
+    length: tokens to generate, eos included.
+  Returns:
+    (sequences int32 `[B, W, length]` with PAD_ID after eos, scores float32 `[B, W]`).
+  """
+  name = 'translate' if isinstance(model, EncoderDecoder) else 'generate'
+  opts, knobs = _options(model, name, length, beam_size, alpha, 0.0, 0, 1.0, None)
+  _check_tokens(tokens, 'tokens')
+  extra = 0 if isinstance(model, EncoderDecoder) else tokens.shape[1] - 1
+  _check_learned_positions(model, length + extra)
+  return _beam_search(model, params, tokens, knobs, opts)
+
+
+def greedy_translate(model: Any, params: Any, inputs: Array, max_length: int) -> Array:
+  """EncoderDecoder greedy decoding over the KV cache: `translate` with its defaults."""
+  return translate(model, params, inputs, max_length=max_length)
+
+
+def greedy_continue(model: Any, params: Any, prompt: Array, max_new_tokens: int) -> Array:
+  """CausalLM greedy continuation over the KV cache: `generate` with its defaults."""
+  return generate(model, params, prompt, max_new_tokens=max_new_tokens)
+
+
+# Argument checks ------------------------------------------------------------------------------
+def _options(model, name, length, beam_size, alpha, temperature, top_k, top_p, rng):
+  """Validates the arguments of `translate`/`generate`; raises one ValueError on the first."""
+  length_name = 'max_length' if name == 'translate' else 'max_new_tokens'
+  if isinstance(model, BidirectionalLM):
+    raise ValueError(
+      'a BidirectionalLM cannot generate text (it has no causal decoder); '
+      'use an EncoderDecoder with translate or a CausalLM with generate'
+    )
+  want, other = (EncoderDecoder, 'generate') if name == 'translate' else (CausalLM, 'translate')
+  if not isinstance(model, want):
+    raise ValueError(
+      f'{name} needs {"an" if want is EncoderDecoder else "a"} {want.__name__} model, got '
+      f'{type(model).__name__}; use decode.{other} for it'
+    )
+  if not _is_int(length) or length < 1:
+    raise ValueError(f'{length_name}={length!r} must be a positive int')
+  if not _is_int(beam_size) or beam_size < 1:
+    raise ValueError(f'beam_size={beam_size!r} must be an int >= 1 (1 = greedy or sampling)')
+  if alpha < 0:
+    raise ValueError(f'alpha={alpha} must be >= 0 (the GNMT length penalty; 0 = none)')
+  if temperature < 0:
+    raise ValueError(f'temperature={temperature} must be >= 0 (0 = greedy, > 0 = sampling)')
+  if not _is_int(top_k) or top_k < 0:
+    raise ValueError(f'top_k={top_k!r} must be an int >= 0 (0 = no top-k filter)')
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f'top_p={top_p} must be in (0, 1] (1 = no nucleus filter)')
+  if beam_size > 1 and temperature > 0:
+    raise ValueError(
+      f'beam_size={beam_size} searches deterministically; set temperature=0 (got {temperature}) '
+      'or beam_size=1 to sample'
+    )
+  if temperature == 0 and (top_k or top_p < 1.0):
+    raise ValueError(
+      f'top_k={top_k} and top_p={top_p} filter sampling, which needs temperature > 0 '
+      '(temperature=0 is greedy)'
+    )
+  if temperature > 0 and rng is None:
+    raise ValueError(f'temperature={temperature} samples and needs rng=jax.random.PRNGKey(seed)')
+  opts = _Options(int(length), int(beam_size), sample=temperature > 0)
+  return opts, _Knobs(float(temperature), int(top_k), float(top_p), float(alpha))
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_tokens(tokens, name: str) -> None:
+  if getattr(tokens, 'ndim', None) != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    shape = getattr(tokens, 'shape', None)
+    raise ValueError(f'{name} must be integer tokens [B, length]; got shape {shape}')
+
+
+def _check_learned_positions(model, slots: int) -> None:
+  cfg = model.cfg
+  if cfg.position == 'learned' and slots > cfg.max_length:
+    raise ValueError(
+      f'decoding needs {slots} positions but learned positions stop at max_length='
+      f'{cfg.max_length}; generate fewer tokens or use a shorter prompt'
+    )
+
+
+# Prefill and single-token steps -----------------------------------------------------------------
+def prefill(
+  model: Any, params: Any, tokens: Array, length: int, rows_per_example: int = 1
+) -> tuple[Array, Any, StepFn, Array]:
+  """Runs the prompt through the model in one call, filling a fresh KV cache.
+
+  Args:
+    tokens: EncoderDecoder source tokens `[B, S]` (the decoder prompt is BOS), or right-padded
+      CausalLM prompts `[B, P]`.
+    length: tokens to generate; sizes the self-attention cache.
+    rows_per_example: `step` runs on `B * rows_per_example` rows, example-major (beams).
+  Returns:
+    (logits float32 `[B, V]` of generated token 0, cache, step, start int32 `[B]`):
+    `step(tokens [R], positions [R], cache) -> (logits float32 [R, V], cache)` feeds one token
+    per row, and generated token i of row b goes back in at position `start[b] + i`.
+    Call it under `jax.jit`, as `translate` and `generate` do.
+  """
+  variables = {'params': params}
+  repeat = lambda x: jnp.repeat(x, rows_per_example, axis=0)
+  if isinstance(model, EncoderDecoder):
+    segments = (tokens != PAD_ID).astype(jnp.int32)  # [B, S]
+    encoded = model.apply(variables, tokens, inputs_segments=segments, method=model.encode)
+    bos = jnp.full((tokens.shape[0], 1), BOS_ID, jnp.int32)  # [B, 1]
+    logits, cache = model.apply(
+      variables,
+      encoded,
+      segments,
+      bos,
+      targets_segments=jnp.ones_like(bos),
+      cache_mode=CacheMode('prefill', length),
+      method=model.decode,
+      mutable=['cache'],
+    )  # [B, 1, V]
+    encoded, segments = repeat(encoded), repeat(segments)  # [R, S, D], [R, S]
+
+    def step(token, position, cache):
+      token = token[:, None]  # [R, 1]
+      logits, cache = model.apply(
+        {'params': params, 'cache': cache},
+        encoded,  # unused: cross attention reads the keys/values cached at prefill
+        segments,
+        token,
+        targets_segments=jnp.ones_like(token),
+        targets_positions=position[:, None],
+        cache_mode=CacheMode('step', length),
+        method=model.decode,
+        mutable=['cache'],
+      )
+      return logits[:, 0].astype(jnp.float32), cache.get('cache', {})
+
+    start = jnp.ones((tokens.shape[0],), jnp.int32)  # slot 0 holds BOS
+    return logits[:, 0].astype(jnp.float32), cache.get('cache', {}), step, start
+
+  lengths = jnp.sum(tokens != PAD_ID, axis=1).astype(jnp.int32)  # [B]
+  cache_length = tokens.shape[1] + length - 1  # the last token is never fed back
+  logits, cache = model.apply(
+    variables, tokens, cache_mode=CacheMode('prefill', cache_length), mutable=['cache']
+  )  # [B, P, V]
+  last = jnp.maximum(lengths - 1, 0)[:, None, None]  # an empty row reads position 0
+  first = jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32)  # [B, V]
+
+  def step(token, position, cache):
+    token = token[:, None]  # [R, 1]
+    logits, cache = model.apply(
+      {'params': params, 'cache': cache},
+      token,
+      segments=jnp.ones_like(token),
+      positions=position[:, None],
+      cache_mode=CacheMode('step', cache_length),
+      mutable=['cache'],
+    )
+    return logits[:, 0].astype(jnp.float32), cache.get('cache', {})
+
+  return first, cache.get('cache', {}), step, lengths
+
+
+def _batch_axis(x: Array) -> int:
+  """Cache leaves are [B, L, K, H], with a leading layer axis under scan_layers."""
+  return x.ndim - 4
+
+
+def _gather_rows(cache: Any, rows: Array) -> Any:
+  """Reorders self-attention cache rows; cross-attention rows are equal within an example."""
+
+  def gather(path, x):
+    if 'cross_attention' in jax.tree_util.keystr(path):
+      return x
+    return jnp.take(x, rows, axis=_batch_axis(x))
+
+  return jax.tree_util.tree_map_with_path(gather, cache)
+
+
+# Greedy and sampling ----------------------------------------------------------------------------
+def filter_logits(
+  logits: Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> Array:
+  """The logits that sampling draws from: divided by temperature, filtered to -inf.
+
+  Keeps the top_k most likely tokens (0 = all), then of those the most likely ones until their
+  renormalised mass reaches top_p (the token that crosses top_p is kept; ties are all kept).
+
+  Args:
+    logits: float32 `[R, V]`; temperature > 0; top_k, top_p may be traced.
+  Returns:
+    float32 `[R, V]`.
+  """
+  logits = logits / temperature
+  V = logits.shape[-1]
+  ordered = -jnp.sort(-logits, axis=-1)  # [R, V], descending
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+  keep = jnp.arange(V) < k  # [V], in sorted order
+  probs = jax.nn.softmax(jnp.where(keep, ordered, -jnp.inf), axis=-1)
+  before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely kept tokens
+  keep = keep & ((before < top_p) | (top_p >= 1.0))  # [R, V]
+  cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)  # [R, 1]
+  return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+
+def _choose(logits: Array, rng: Array | None, knobs: _Knobs, sample: bool) -> Array:
+  """Next token [R] from logits float32[R, V]: argmax, or a sample of `filter_logits`."""
+  if not sample:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = filter_logits(logits, knobs.temperature, knobs.top_k, knobs.top_p)
+  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+
+
+def _next_logits(i, first, step, token, position, cache):
+  """Logits of token i: the prefill's for i = 0, else a step that feeds token i - 1 back.
+
+  With this `lax.cond` the loop starts at token 0, so the search logic is traced only once.
+  """
+  feed = lambda cache: step(token, position, cache)
+  return lax.cond(i == 0, lambda cache: (first, cache), feed, cache)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _sample(model, params, tokens, rng, knobs: _Knobs, opts: _Options) -> Array:
+  """Greedy or sampled decoding: int32 [B, length]."""
+  first, cache, step, start = prefill(model, params, tokens, opts.length)
+  B = tokens.shape[0]
+
+  def cond(state):
+    i, _, _, done, _ = state
+    return (i < opts.length) & ~jnp.all(done)
+
+  def body(state):
+    i, out, token, done, cache = state
+    logits, cache = _next_logits(i, first, step, token, start + i - 1, cache)  # [B, V]
+    key = None if rng is None else jax.random.fold_in(rng, i)
+    token = jnp.where(done, PAD_ID, _choose(logits, key, knobs, opts.sample))  # [B]
+    out = lax.dynamic_update_slice(out, token[:, None], (0, i))
+    return i + 1, out, token, done | (token == opts.eos_id), cache
+
+  out = jnp.full((B, opts.length), PAD_ID, jnp.int32)
+  state = (jnp.int32(0), out, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), cache)
+  return lax.while_loop(cond, body, state)[1]
+
+
+# Beam search ------------------------------------------------------------------------------------
+class _Beams(NamedTuple):
+  alive: Array  # int32[B, W, length] tokens of the live hypotheses, PAD_ID past the last one
+  alive_logp: Array  # float32[B, W] summed log-probabilities
+  finished: Array  # int32[B, W, length] the best finished hypotheses
+  scores: Array  # float32[B, W] their length-penalised scores, best first
+  num_finished: Array  # int32[B] hypotheses finished so far (the example is done at W)
+
+
+def length_penalty(length: Array | int, alpha: float) -> Array:
+  """GNMT length penalty ((5 + length) / 6) ** alpha; length counts eos."""
+  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+
+def _expand(beams: _Beams, logp: Array, i: Array, length: int, alpha: Array, eos_id: int):
+  """Extends every live beam by token i. logp: float32[B, W, V] of that token.
+
+  Returns the new beams, and for each new live beam its parent beam [B, W] and token [B, W].
+  """
+  B, W, V = logp.shape
+  scores = (beams.alive_logp[:, :, None] + logp).reshape(B, W * V)
+  top, index = lax.top_k(scores, 2 * W)  # [B, 2W], ranked by summed log-probability
+  parent, token = index // V, (index % V).astype(jnp.int32)
+  seqs = jnp.take_along_axis(beams.alive, parent[:, :, None], axis=1)  # [B, 2W, length]
+  seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, i))
+  eos = token == eos_id
+
+  # Candidates ranked among the first W finish when they end in eos or reach the length.
+  ends = (eos | (i == length - 1)) & (jnp.arange(2 * W) < W)
+  ends &= (beams.num_finished < W)[:, None]  # a done example takes no more
+  new_scores = jnp.where(ends, top / length_penalty(i + 1, alpha), _NEG_INF)
+  pool_scores = jnp.concatenate([beams.scores, new_scores], axis=1)  # [B, 3W]
+  pool = jnp.concatenate([beams.finished, seqs], axis=1)  # [B, 3W, length]
+  scores, keep = lax.top_k(pool_scores, W)
+  finished = jnp.take_along_axis(pool, keep[:, :, None], axis=1)
+
+  # The W best candidates without eos stay alive (2W candidates hold at most W eos).
+  alive_logp, keep = lax.top_k(jnp.where(eos, _NEG_INF, top), W)  # [B, W]
+  beams = _Beams(
+    jnp.take_along_axis(seqs, keep[:, :, None], axis=1),
+    alive_logp,
+    finished,
+    scores,
+    beams.num_finished + ends.sum(axis=1, dtype=jnp.int32),
+  )
+  return beams, jnp.take_along_axis(parent, keep, 1), jnp.take_along_axis(token, keep, 1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _beam_search(model, params, tokens, knobs: _Knobs, opts: _Options) -> tuple[Array, Array]:
+  """(sequences int32[B, W, length], scores float32[B, W]), best first."""
+  W, length = opts.beam_size, opts.length
+  first, cache, step, start = prefill(model, params, tokens, length, W)
+  B, V = first.shape
+  start = jnp.repeat(start, W)  # [B * W]
+  empty = jnp.full((B, W, length), PAD_ID, jnp.int32)
+  alive_logp = jnp.full((B, W), _NEG_INF).at[:, 0].set(0.0)  # W copies of one empty hypothesis
+  beams = _Beams(empty, alive_logp, empty, jnp.full((B, W), _NEG_INF), jnp.zeros((B,), jnp.int32))
+  first = jnp.repeat(first, W, axis=0)  # [B * W, V]
+  cache = jax.tree.map(lambda x: jnp.repeat(x, W, axis=_batch_axis(x)), cache)  # [B * W] rows
+
+  def cond(state):
+    i, beams, _, _ = state
+    return (i < length) & jnp.any(beams.num_finished < W)
+
+  def body(state):
+    i, beams, token, cache = state
+    logits, cache = _next_logits(i, first, step, token, start + i - 1, cache)  # [B * W, V]
+    logp = jax.nn.log_softmax(logits).reshape(B, W, V)
+    beams, parent, token = _expand(beams, logp, i, length, knobs.alpha, opts.eos_id)
+    rows = (jnp.arange(B)[:, None] * W + parent).reshape(-1)  # [B * W] parent rows
+    return i + 1, beams, token.reshape(-1), _gather_rows(cache, rows)
+
+  state = (jnp.int32(0), beams, jnp.zeros((B * W,), jnp.int32), cache)
+  _, beams, _, _ = lax.while_loop(cond, body, state)
+  return beams.finished, beams.scores
+
+
+# Uncached references ----------------------------------------------------------------------------
+def greedy_uncached_translate(model: Any, params: Any, inputs: Array, max_length: int) -> Array:
+  """EncoderDecoder greedy decoding that reruns the decoder on the whole prefix at every step.
+
+  Args:
+    inputs: source tokens [B, S] (0 = padding).
+    max_length: tokens to generate, eos included.
+  Returns:
+    [B, max_length] generated tokens; after eos everything is PAD_ID.
+  """
+  variables = {'params': params}
+  segments = (inputs != PAD_ID).astype(jnp.int32)
+  encoded = model.apply(variables, inputs, inputs_segments=segments, method=model.encode)
+  batch = inputs.shape[0]
+  buffer = jnp.full((batch, max_length + 1), PAD_ID, jnp.int32).at[:, 0].set(BOS_ID)
+
+  def step(i, state):
+    buffer, done = state
+    logits = model.apply(
+      variables,
+      encoded,
+      segments,
+      buffer[:, :-1],
+      targets_segments=jnp.ones_like(buffer[:, :-1]),
+      method=model.decode,
+    )  # [B, L, V]
+    token = jnp.argmax(logits[:, i], axis=-1).astype(jnp.int32)  # [B]
+    token = jnp.where(done, PAD_ID, token)
+    buffer = buffer.at[:, i + 1].set(token)
+    return buffer, done | (token == EOS_ID)
+
+  buffer, _ = lax.fori_loop(0, max_length, step, (buffer, jnp.zeros((batch,), bool)))
+  return buffer[:, 1:]
+
+
+def greedy_uncached_continue(model: Any, params: Any, prompt: Array, max_new_tokens: int) -> Array:
+  """CausalLM greedy continuation of right-padded prompts, rerunning the whole buffer each step.
+
+  Args:
+    prompt: [B, P] tokens starting with bos, right-padded with 0.
+  Returns:
+    [B, max_new_tokens] generated tokens; after eos everything is PAD_ID.
+  """
+  variables = {'params': params}
+  batch, prompt_len = prompt.shape
+  lengths = jnp.sum(prompt != PAD_ID, axis=1)  # [B]
+  total = prompt_len + max_new_tokens
+  buffer = jnp.zeros((batch, total), jnp.int32).at[:, :prompt_len].set(prompt)
+  rows = jnp.arange(batch)
+
+  def step(i, state):
+    buffer, done = state
+    position = lengths + i  # where the next token goes, per row
+    segments = (jnp.arange(total)[None] < position[:, None]).astype(jnp.int32)
+    logits = model.apply(variables, buffer, segments=segments)  # [B, total, V]
+    token = jnp.argmax(logits[rows, position - 1], axis=-1).astype(jnp.int32)
+    token = jnp.where(done, PAD_ID, token)
+    buffer = buffer.at[rows, position].set(token)
+    return buffer, done | (token == EOS_ID)
+
+  buffer, _ = lax.fori_loop(0, max_new_tokens, step, (buffer, jnp.zeros((batch,), bool)))
+  return jax.vmap(lambda row, n: lax.dynamic_slice(row, (n,), (max_new_tokens,)))(buffer, lengths)

@@ -1,0 +1,331 @@
+"""Building blocks: embeddings, norms, feed-forward and the one residual block every family uses."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from transformer import sharding
+from transformer.config import ModelConfig
+from transformer.model import positions as positions_lib
+from transformer.model.attention import CacheMode, MaskSpec, MultiHeadAttention
+
+Array = jax.Array
+
+
+# Initialisation ------------------------------------------------------------------------------
+def kernel_init(cfg: ModelConfig) -> Callable:
+  """The weight initialiser of every projection: Xavier uniform (paper) or normal(init_std)."""
+  if cfg.init_distribution == 'normal':
+    return nn.initializers.normal(cfg.init_std)
+  return nn.initializers.xavier_uniform()
+
+
+def residual_out_init(cfg: ModelConfig, num_layers: int) -> Callable:
+  """Init of projections that write into the residual stream (attention out, second FFN layer).
+
+  The 'scaled' scheme shrinks them by 1/sqrt(2 * num_layers), so that each residual branch starts
+  near zero and the stack near the identity (GPT-2, T5-style); 'plain' leaves them alone.
+  """
+  base = kernel_init(cfg)
+  if cfg.init == 'plain':
+    return base
+  factor = 1.0 / math.sqrt(2 * num_layers)
+
+  def init(key, shape, dtype=jnp.float32):
+    return base(key, shape, dtype) * jnp.asarray(factor, dtype)
+
+  return init
+
+
+def embedding_init(cfg: ModelConfig) -> Callable:
+  """Token embeddings: std d_model^-0.5 when they are scaled up by sqrt(d_model), else init_std."""
+  std = cfg.d_model**-0.5 if cfg.scale_embeddings else cfg.init_std
+  return nn.initializers.normal(std)
+
+
+# Norms ---------------------------------------------------------------------------------------
+class Norm(nn.Module):
+  """LayerNorm or RMSNorm with statistics in float32 whatever the compute dtype."""
+
+  kind: str = 'layernorm'
+  eps: float = 1e-6
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    features = x.shape[-1]
+    x32 = x.astype(jnp.float32)
+    if self.kind == 'layernorm':
+      x32 = x32 - x32.mean(-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
+    ones = nn.with_logical_partitioning(nn.initializers.ones, ('embed',))
+    y = y * self.param('scale', ones, (features,), self.param_dtype)
+    if self.kind == 'layernorm':
+      zeros = nn.with_logical_partitioning(nn.initializers.zeros, ('embed',))
+      y = y + self.param('bias', zeros, (features,), self.param_dtype)
+    return y.astype(self.dtype)
+
+
+def make_norm(cfg: ModelConfig, name: str | None = None) -> Norm:
+  return Norm(cfg.norm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
+
+
+# Embeddings ----------------------------------------------------------------------------------
+class Embed(nn.Module):
+  """Token embedding table; `attend` reuses it as the tied output projection."""
+
+  vocab_size: int
+  features: int
+  scale: bool = True  # multiply by sqrt(features), as in the paper
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  init: Callable = nn.initializers.normal(1.0)
+
+  def setup(self):
+    self.embedding = self.param(
+      'embedding',
+      nn.with_logical_partitioning(self.init, ('vocab', 'embed')),
+      (self.vocab_size, self.features),
+      self.param_dtype,
+    )
+
+  def __call__(self, tokens: Array) -> Array:
+    # FSDP: gather the table's d_model shards first, so the lookup's rows stay batch-sharded.
+    table = sharding.constrain(self.embedding, ('vocab', None))
+    x = jnp.take(table, tokens, axis=0).astype(self.dtype)  # [B, T] -> [B, T, D]
+    x = sharding.constrain(x, ('batch', 'length', 'embed'))
+    return x * jnp.asarray(math.sqrt(self.features), self.dtype) if self.scale else x
+
+  def attend(self, x: Array) -> Array:
+    """Logits against every embedding: [B, T, D] -> [B, T, V]."""
+    logits = jnp.einsum('btd,vd->btv', x, self.embedding.astype(self.dtype))
+    return sharding.constrain(logits, ('batch', 'length', 'vocab'))
+
+
+def make_embed(cfg: ModelConfig, name: str | None = None) -> Embed:
+  return Embed(
+    cfg.vocab_size,
+    cfg.d_model,
+    scale=cfg.scale_embeddings,
+    dtype=cfg.compute_dtype,
+    param_dtype=cfg.params_dtype,
+    init=embedding_init(cfg),
+    name=name,
+  )
+
+
+class AddPositions(nn.Module):
+  """Adds absolute positions (sinusoidal or learned) to embeddings; other schemes pass through."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: Array, positions: Array | None) -> Array:
+    cfg = self.cfg
+    if positions is None:
+      positions = jnp.arange(x.shape[1])[None]  # [1, T]
+    if cfg.position == 'sinusoidal':
+      return x + positions_lib.sinusoidal(positions, cfg.d_model).astype(x.dtype)
+    if cfg.position == 'learned':
+      table = positions_lib.LearnedPositions(
+        cfg.max_length,
+        cfg.d_model,
+        embedding_init=nn.with_logical_partitioning(
+          nn.initializers.normal(cfg.init_std), (None, 'embed')
+        ),
+        param_dtype=cfg.params_dtype,
+        name='positions',
+      )
+      return x + table(positions).astype(x.dtype)
+    return x
+
+
+# Feed-forward --------------------------------------------------------------------------------
+ACTIVATIONS = {
+  'relu': nn.relu,
+  'gelu': lambda x: nn.gelu(x, approximate=False),
+  'gelu_tanh': lambda x: nn.gelu(x, approximate=True),
+}
+
+
+class FeedForward(nn.Module):
+  """Position-wise MLP: D -> d_ff -> D with ReLU, GELU (exact or tanh) or SwiGLU."""
+
+  cfg: ModelConfig
+  out_init: Callable = nn.initializers.xavier_uniform()
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool) -> Array:
+    cfg = self.cfg
+
+    def dense(features, name, axes, init=kernel_init(cfg)):
+      return nn.Dense(
+        features,
+        use_bias=cfg.use_bias,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.params_dtype,
+        kernel_init=nn.with_logical_partitioning(init, axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
+        name=name,
+      )
+
+    up = ('embed', 'mlp')
+    if cfg.activation == 'swiglu':
+      h = nn.silu(dense(cfg.d_ff, 'gate', up)(x)) * dense(cfg.d_ff, 'wi', up)(x)  # [B, T, F]
+    else:
+      h = ACTIVATIONS[cfg.activation](dense(cfg.d_ff, 'wi', up)(x))  # [B, T, F]
+    h = sharding.constrain(h, ('batch', 'length', 'mlp'))
+    h = nn.Dropout(cfg.ffn_dropout_rate)(h, deterministic=deterministic)
+    return dense(cfg.d_model, 'wo', ('mlp', 'embed'), self.out_init)(h)  # [B, T, D]
+
+
+# The residual block --------------------------------------------------------------------------
+class Block(nn.Module):
+  """One Transformer layer: self attention, optional cross attention, feed-forward.
+
+  Each sub-layer is `x + dropout(f(norm(x)))` with pre-LN, or `norm(x + dropout(f(x)))` with
+  post-LN (the paper). `scanned=True` returns `(x, None)` for `nn.scan`. With `cache_mode`, the
+  attentions decode with a KV cache (see `attention.CacheMode`).
+  """
+
+  cfg: ModelConfig
+  num_layers: int  # depth of the stack, for the scaled init
+  cross_attention: bool = False
+  deterministic: bool = True
+  scanned: bool = False
+  cache_mode: CacheMode | None = None
+
+  @nn.compact
+  def __call__(
+    self,
+    x: Array,
+    encoded: Array | None,
+    self_mask: MaskSpec,
+    cross_mask: MaskSpec | None,
+    positions: Array | None,
+  ):
+    """x: [B, T, D]; encoded: [B, S, D] for cross attention. Returns [B, T, D]."""
+    cfg = self.cfg
+    out_init = residual_out_init(cfg, self.num_layers)
+    drop = nn.Dropout(cfg.dropout_rate)
+
+    def sublayer(x, fn, name):
+      if cfg.norm_placement == 'pre':
+        return x + drop(fn(make_norm(cfg, f'{name}_norm')(x)), deterministic=self.deterministic)
+      y = x + drop(fn(x), deterministic=self.deterministic)
+      return make_norm(cfg, f'{name}_norm')(y)
+
+    def attention(name, rope_alibi):
+      rope = None
+      if rope_alibi and cfg.position == 'rope':
+        rope = (
+          cfg.rope_theta,
+          cfg.rope_scaling,
+          cfg.rope_scaling_factor,
+          cfg.rope_original_max_length or cfg.max_length,
+        )
+      return MultiHeadAttention(
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.kv_heads,
+        head_dim=cfg.head_size,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.params_dtype,
+        use_bias=cfg.use_bias,
+        kernel_init=kernel_init(cfg),
+        out_kernel_init=out_init,
+        dropout_rate=cfg.attention_dropout_rate,
+        scale=None if cfg.attention_scale else 1.0,
+        implementation=cfg.attention_impl,
+        chunk_size=cfg.attention_chunk_size,
+        rope=rope,
+        alibi=rope_alibi and cfg.position == 'alibi',
+        name=name,
+      )
+
+    self_attn = attention('self_attention', rope_alibi=True)
+    x = sublayer(
+      x,
+      lambda h: self_attn(
+        h,
+        mask=self_mask,
+        positions=positions,
+        deterministic=self.deterministic,
+        cache_mode=self.cache_mode,
+      ),
+      'self_attention',
+    )
+    if self.cross_attention:
+      cross_attn = attention('cross_attention', rope_alibi=False)
+      x = sublayer(
+        x,
+        lambda h: cross_attn(
+          h, encoded, mask=cross_mask, deterministic=self.deterministic, cache_mode=self.cache_mode
+        ),
+        'cross_attention',
+      )
+    ffn = FeedForward(cfg, out_init, name='mlp')
+    x = sublayer(x, lambda h: ffn(h, self.deterministic), 'mlp')
+    x = sharding.constrain(x, ('batch', 'length', 'embed'))
+    return (x, None) if self.scanned else x
+
+
+_REMAT_POLICIES = {
+  'full': None,  # save nothing, recompute the whole block
+  'save_matmuls': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Stack(nn.Module):
+  """`num_layers` blocks, optionally rematerialised and/or scanned, plus the pre-LN final norm."""
+
+  cfg: ModelConfig
+  num_layers: int
+  cross_attention: bool = False
+
+  @nn.compact
+  def __call__(
+    self,
+    x,
+    encoded,
+    self_mask,
+    cross_mask,
+    positions,
+    deterministic: bool,
+    cache_mode: CacheMode | None = None,
+  ):
+    cfg = self.cfg
+    block = Block
+    if cfg.remat != 'none':
+      block = nn.remat(block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    kwargs = dict(
+      cfg=cfg,
+      num_layers=self.num_layers,
+      cross_attention=self.cross_attention,
+      deterministic=deterministic,
+      cache_mode=cache_mode,
+    )
+    if cfg.scan_layers and self.num_layers:
+      scanned = nn.scan(
+        block,
+        variable_axes={'params': 0, 'cache': 0},  # each layer its own params and KV cache
+        split_rngs={'params': True, 'dropout': True},
+        in_axes=(nn.broadcast,) * 4,
+        length=self.num_layers,
+        metadata_params={nn.PARTITION_NAME: 'layers'},  # stacked params: [layers, ...]
+      )
+      x, _ = scanned(**kwargs, scanned=True, name='layers')(
+        x, encoded, self_mask, cross_mask, positions
+      )
+    else:
+      for i in range(self.num_layers):
+        x = block(**kwargs, name=f'layer_{i}')(x, encoded, self_mask, cross_mask, positions)
+    if cfg.norm_placement == 'pre':
+      x = make_norm(cfg, 'final_norm')(x)
+    return x

@@ -1,0 +1,1 @@
+"""Research tooling: sweeps and their runner, results, reports, verdicts, measures, inspection."""

@@ -1,0 +1,152 @@
+"""A sweep's results: each run's curve and final numbers, and `results.jsonl`, one line per run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+
+import ml_collections
+import numpy as np
+
+from transformer.config import ModelConfig
+from transformer.model import models
+from transformer.training import checkpoint
+
+RESULTS = 'results.jsonl'
+SWEEP_JSON = 'sweep.json'
+
+
+def config_dict(config: ml_collections.ConfigDict) -> dict:
+  """The config as JSON-normalised data (tuples become lists), as results.jsonl stores it."""
+  return json.loads(config.to_json_best_effort())
+
+
+def read_curve(workdir: str) -> dict[str, list[dict]]:
+  """{'train': [...], 'eval': [...]} from the run's metrics.jsonl (resumes included, once each)."""
+  curve = {'train': [], 'eval': []}
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    return curve
+  with open(path) as f:
+    for line in f:
+      try:
+        entry = json.loads(line)
+      except ValueError:
+        continue
+      kind = entry.pop('kind', None)
+      if kind in curve:
+        curve[kind].append(entry)
+  return curve
+
+
+def final_metrics(curve: Mapping[str, list[dict]]) -> dict[str, float]:
+  """The run's numbers from its curve.
+
+  train.loss / train.nll: mean of the last 10% of logged training losses (label-smoothed) and
+  cross-entropies (log of the logged perplexity); train.loss_final: the last one;
+  train.loss_rise: the largest rise of the loss above its lowest value so far (a spike; inf
+  when a loss was not finite).
+  eval.*: the last evaluation (loss and perplexity without label smoothing).
+  """
+  out: dict[str, float] = {}
+  train = [h for h in curve.get('train', []) if 'loss' in h]
+  if train:
+    losses = np.array([h['loss'] for h in train], np.float64)
+    tail = max(1, len(losses) // 10)
+    out['train.loss'] = float(np.mean(losses[-tail:]))
+    out['train.loss_final'] = float(losses[-1])
+    if all('perplexity' in h for h in train):
+      nll = np.log(np.maximum([h['perplexity'] for h in train], 1.0))
+      out['train.nll'] = float(np.mean(nll[-tail:]))
+    finite = np.all(np.isfinite(losses))
+    out['train.loss_rise'] = float(np.max(losses - np.minimum.accumulate(losses)))
+    out['train.loss_rise'] = out['train.loss_rise'] if finite else math.inf
+  evals = curve.get('eval', [])
+  if evals:
+    for key, value in evals[-1].items():
+      if key != 'step' and isinstance(value, int | float) and not isinstance(value, bool):
+        out[f'eval.{key}'] = float(value)
+  return out
+
+
+def model_numbers(config: ml_collections.ConfigDict, workdir: str | None) -> dict[str, float]:
+  """Parameters (all, and without embedding tables) and training FLOPs per token."""
+  import jax
+
+  model = dict(config.model, attention_impl=None, remat='none')  # the params do not depend on these
+  saved = checkpoint.read_run_config(workdir) if workdir else None
+  if saved is not None:
+    model['vocab_size'] = saved['model']['vocab_size']
+  cfg = ModelConfig.from_config(model)
+  data = config.data
+  seq_len = data.max_target_length if cfg.family == 'encoder_decoder' else data.max_length
+  shapes = models.param_shapes(cfg)
+  embedding = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+    if 'embedding' in jax.tree_util.keystr(path):
+      embedding += math.prod(leaf.shape)
+  params = models.count_params(cfg)
+  return {
+    'params': float(params),
+    'params_non_embedding': float(params - embedding),
+    'flops_per_token': models.flops_per_token(cfg, seq_len)['train'],
+  }
+
+
+def write_results(workdir: str) -> list[dict]:
+  """Collects every finished run's result.json into workdir/results.jsonl, in sweep order."""
+  with open(os.path.join(workdir, SWEEP_JSON)) as f:
+    meta = json.load(f)
+  order = list(meta['variants']) + list(meta.get('eval_variants') or {})
+  results = []
+  for variant in order:
+    directory = os.path.join(workdir, variant)
+    if not os.path.isdir(directory):
+      continue
+    seeds = sorted(int(n[5:]) for n in os.listdir(directory) if re.fullmatch(r'seed_\d+', n))
+    for seed in seeds:
+      path = os.path.join(run_dir(workdir, variant, seed), 'result.json')
+      if os.path.exists(path):
+        with open(path) as f:
+          results.append(json.load(f))
+  text = ''.join(json.dumps(r) + '\n' for r in results)
+  tmp = os.path.join(workdir, f'.{RESULTS}.tmp-{os.getpid()}')
+  with open(tmp, 'w') as f:
+    f.write(text)
+  os.replace(tmp, os.path.join(workdir, RESULTS))
+  return results
+
+
+def load_results(workdir: str) -> tuple[dict, list[dict]]:
+  """(sweep.json metadata, results.jsonl lines) of a sweep workdir; one ValueError if missing."""
+  path = os.path.join(workdir, RESULTS)
+  if not os.path.exists(path) or not os.path.exists(os.path.join(workdir, SWEEP_JSON)):
+    raise ValueError(
+      f'no {RESULTS} in {workdir!r}: nothing to report. Run a sweep there first: python -m '
+      f'experiments.sweep --sweep=configs/sweeps/<name>.py --workdir={workdir}'
+    )
+  with open(os.path.join(workdir, SWEEP_JSON)) as f:
+    meta = json.load(f)
+  with open(path) as f:
+    results = [json.loads(line) for line in f if line.strip()]
+  if not results:
+    raise ValueError(f'{path} has no finished runs yet; run the sweep to completion first')
+  return meta, results
+
+
+def metric_table(results: Sequence[Mapping]) -> dict[str, dict[str, list[float]]]:
+  """variant -> metric -> values over seeds (seed order), as `research.verdicts` reads them."""
+  table: dict[str, dict[str, list[float]]] = {}
+  for r in sorted(results, key=lambda r: r['seed']):
+    row = table.setdefault(r['variant'], {})
+    for key, value in r['metrics'].items():
+      row.setdefault(key, []).append(value)
+  return table
+
+
+# One run -------------------------------------------------------------------------------------
+def run_dir(workdir: str, variant: str, seed: int) -> str:
+  return os.path.join(workdir, variant, f'seed_{seed}')

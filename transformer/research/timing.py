@@ -1,0 +1,76 @@
+"""Timing on any backend: synchronised medians, the dense-matmul FLOP/s that MFU is measured
+against, and the cost of one attention configuration. The benchmarks and the sweeps share these."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from transformer.model.attention import MaskSpec, dot_product_attention
+
+NUM_HEADS = 8  # the attention benchmarks' heads
+
+
+def median_seconds(fn: Callable, args: tuple, repeats: int) -> float:
+  """Median wall time of `fn(*args)` until its outputs are ready, after one warm-up call."""
+  import jax
+  import numpy as np
+
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def matmul_flops_per_sec(n: int, dtype=None, repeats: int = 10) -> float:
+  """Median FLOP/s of a jitted dense [n, n] @ [n, n] matmul (float32 unless `dtype`)."""
+  import jax
+  import jax.numpy as jnp
+
+  a, b = (jax.random.normal(jax.random.PRNGKey(i), (n, n), dtype or jnp.float32) for i in (0, 1))
+  return 2 * n**3 / median_seconds(jax.jit(jnp.matmul), (a, b), repeats)
+
+
+def skip_reason(implementation: str, backend: str) -> str | None:
+  """Why `implementation` is not timed on `backend` ('cpu', 'gpu', 'tpu'), or None to time it."""
+  import jax
+
+  if implementation == 'pallas' and backend not in ('gpu', 'tpu'):
+    return f'skipped: on {backend} Pallas runs only in its interpreter (too slow to time)'
+  if implementation == 'cudnn':
+    version = getattr(jax.devices()[0].client, 'platform_version', '').lower()
+    if backend != 'gpu' or 'cuda' not in version:
+      return f'skipped: cudnn needs an NVIDIA GPU (backend is {backend})'
+  return None
+
+
+def attention_flops(B: int, N: int, T: int, S: int, H: int, causal: bool) -> tuple[float, float]:
+  """(forward, forward + backward) FLOPs, FlashAttention convention: 4BNTSH, x3.5, causal / 2."""
+  forward = 4.0 * B * N * T * S * H * (0.5 if causal else 1.0)
+  return forward, 3.5 * forward
+
+
+def measure(implementation: str, B: int, T: int, H: int, causal: bool, dtype, repeats: int) -> dict:
+  """Times and compiled temp memory of one configuration: forward, and forward + backward."""
+  import jax
+
+  def attend(q, k, v):
+    mask = MaskSpec(causal=causal)
+    return dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+
+  def forward_backward(q, k, v, cot):
+    out, pullback = jax.vjp(attend, q, k, v)
+    return out, pullback(cot)  # (dq, dk, dv), each [B, T, N, H]
+
+  keys = jax.random.split(jax.random.PRNGKey(T * 1000 + H), 4)
+  q, k, v, cot = (jax.random.normal(key, (B, T, NUM_HEADS, H), dtype) for key in keys)
+  row = {}
+  for name, fn, args in (('fwd', attend, (q, k, v)), ('fwdbwd', forward_backward, (q, k, v, cot))):
+    compiled = jax.jit(fn).lower(*args).compile()
+    memory = compiled.memory_analysis()
+    row[f'{name}_temp_mib'] = None if memory is None else memory.temp_size_in_bytes / 2**20
+    row[f'{name}_ms'] = 1e3 * median_seconds(compiled, args, repeats)
+  return row

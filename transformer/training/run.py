@@ -1,0 +1,219 @@
+"""`Run`: a model, its jitted steps, its data and its evaluation: what train and eval share."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from transformer import data, sharding
+from transformer.config import ModelConfig
+from transformer.model import decode, models, objectives
+from transformer.training import optim, steps
+from transformer.training.state import TrainState, create_state, optim_config, resolve_model_config
+
+Array = jax.Array
+
+
+class Run:
+  """A model, its jitted steps and its data: what training and evaluation share."""
+
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    workdir: str | None,
+    devices: list | None = None,
+    *,
+    with_data: bool = True,
+  ):
+    """`devices` (default: all of them) are what `config.mesh.shape` lays out.
+
+    `with_data=False` skips the data task (benchmarks): the model keeps config.model.vocab_size.
+    """
+    self.config = config
+    self.partitioner = sharding.Partitioner.from_config(config.get('mesh'), devices)
+    self.task = None
+    if with_data:
+      _check_batch_sizes(config.data, self.partitioner)
+      self.task = data.build(
+        config.data,
+        family=config.model.family,
+        workdir=workdir,
+        seed=config.seed,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+      )
+      self.model_cfg = resolve_model_config(config, self.task.tokenizer)
+    else:
+      self.model_cfg = ModelConfig.from_config(config.model)
+    self.model = models.build(self.model_cfg)
+    self.family = self.model_cfg.family
+    ocfg = optim_config(config, self.model_cfg)
+    self.schedule = optim.make_schedule(ocfg)
+    self.tx = optim.make_optimizer(ocfg)
+    accum = config.train.grad_accum_steps
+    rows = config.data.batch_size // jax.process_count()
+    if accum < 1 or rows % accum:
+      raise ValueError(
+        f'train.grad_accum_steps={accum} must be >= 1 and divide the per-process batch of {rows}'
+      )
+    # Shardings from the parameters' logical axes; the state is created directly on them.
+    new_state = functools.partial(
+      create_state, self.model, self.model_cfg, self.tx, config.seed, config.train.loss_scale
+    )
+    p = self.partitioner
+    boxed = jax.eval_shape(functools.partial(new_state, boxed=True))
+    self.state_shardings = p.tree_shardings(boxed)
+    self.abstract_state = sharding.with_shardings(jax.eval_shape(new_state), self.state_shardings)
+    self.param_shardings = self.state_shardings.params
+    # Outside the mesh context: flax would constrain DenseGeneral's flat init shapes.
+    self._init_state = jax.jit(new_state, out_shardings=self.state_shardings)
+    batch, rep = p.batch_sharding(), p.replicated
+    self.train_step = p.jit(
+      functools.partial(
+        steps.train_step,
+        model=self.model,
+        family=self.family,
+        tx=self.tx,
+        schedule=self.schedule,
+        label_smoothing=config.train.label_smoothing,
+        accum_steps=accum,
+        dynamic_scale=self.model_cfg.dtype == 'float16',
+        scale_period=config.train.loss_scale_period,
+      ),
+      in_shardings=(self.state_shardings, batch, rep),
+      out_shardings=(self.state_shardings, rep),
+      donate_argnums=(0,),
+    )
+    self.eval_step = p.jit(
+      functools.partial(steps.eval_step, model=self.model, family=self.family),
+      in_shardings=(self.param_shardings, batch),
+      out_shardings=rep,
+    )
+    max_len = config.train.max_decode_length
+    self._translate = p.jit(
+      lambda params, inputs: decode.greedy_translate(self.model, params, inputs, max_len),
+      in_shardings=(self.param_shardings, rep),
+      out_shardings=rep,
+    )
+    self._continue = p.jit(
+      lambda params, prompt: decode.greedy_continue(self.model, params, prompt, max_len),
+      in_shardings=(self.param_shardings, rep),
+      out_shardings=rep,
+    )
+    self.token_nll = p.jit(
+      functools.partial(steps.token_nll, self.model),
+      in_shardings=(self.param_shardings, rep, rep),
+      out_shardings=rep,
+    )
+
+  def init_state(self) -> TrainState:
+    """A fresh TrainState, each array created directly on its devices (never whole on one)."""
+    return self._init_state()
+
+  def place(self, batch: dict[str, np.ndarray]) -> dict[str, Array]:
+    """This process's rows of a batch -> global arrays sharded over the mesh."""
+    return self.partitioner.place_batch(batch)
+
+  def replicate(self, x: Any) -> Array:
+    """A host value that every process holds identically -> an array on every device."""
+    return self.partitioner.replicate(x)
+
+  # Evaluation ------------------------------------------------------------------------------------
+  def evaluate(self, params, num_decode: int | None = None) -> tuple[dict, list[tuple]]:
+    """Loss/accuracy/perplexity over the eval set, plus BLEU/exact match for translation.
+
+    Returns (metrics, samples) where samples are (source, reference, output) strings.
+    """
+    totals: dict[str, float] = {}
+    for batch in self.task.eval_batches():
+      sums = jax.device_get(self.eval_step(params, self.place(batch)))
+      for k, v in sums.items():
+        totals[k] = totals.get(k, 0.0) + float(v)
+    metrics = objectives.summarize(totals)
+    metrics.pop('nll')
+    tcfg = self.config.train
+    num_decode = tcfg.eval_decode_examples if num_decode is None else num_decode
+    samples = []
+    if num_decode and self.family in ('encoder_decoder', 'causal_lm'):
+      samples = self.generate(params, self.task.eval_examples(num_decode))
+      if self.family == 'encoder_decoder':
+        metrics.update(translation_metrics([s[2] for s in samples], [s[1] for s in samples]))
+    return metrics, samples
+
+  def generate(self, params, examples: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
+    """Greedy outputs for (source, reference) pairs: translations, or LM continuations."""
+    tok = self.task.tokenizer
+    dcfg = self.config.data
+    outputs = []
+    for start in range(0, len(examples), dcfg.eval_batch_size):
+      chunk = examples[start : start + dcfg.eval_batch_size]
+      if self.family == 'encoder_decoder':
+        ids = [tok.encode(src)[: dcfg.max_source_length - 1] + [data.EOS_ID] for src, _ in chunk]
+        inputs = _pad(ids, dcfg.max_source_length, num_rows=dcfg.eval_batch_size)
+        out = self._translate(params, self.replicate(inputs))
+      else:
+        ids = [[data.BOS_ID] + tok.encode(src)[: dcfg.max_length // 2] for src, _ in chunk]
+        prompt = _pad(ids, dcfg.max_length // 2 + 1, num_rows=dcfg.eval_batch_size)
+        out = self._continue(params, self.replicate(prompt))
+      for (src, ref), row in zip(chunk, np.asarray(out)):
+        outputs.append((src, ref, tok.decode(row.tolist())))
+    return outputs
+
+  def score(self, params, texts: list[str]) -> list[tuple[float, int]]:
+    """CausalLM: summed negative log-likelihood (nats) and token count of each text (+ eos)."""
+    if self.family != 'causal_lm':
+      raise ValueError(f'scoring texts needs family=causal_lm, not {self.family!r}')
+    tok, length = self.task.tokenizer, self.config.data.max_length
+    results = []
+    for start in range(0, len(texts), self.config.data.eval_batch_size):
+      ids = [
+        tok.encode(t)[: length - 1] for t in texts[start : start + self.config.data.eval_batch_size]
+      ]
+      rows = self.config.data.eval_batch_size
+      inputs = _pad([[data.BOS_ID] + row for row in ids], length, rows)
+      targets = _pad([row + [data.EOS_ID] for row in ids], length, rows)
+      nll = self.token_nll(params, self.replicate(inputs), self.replicate(targets))
+      weights = (inputs != data.PAD_ID).astype(np.float32)
+      for row_nll, row_w in zip(np.asarray(nll)[: len(ids)], weights[: len(ids)]):
+        results.append((float((row_nll * row_w).sum()), int(row_w.sum())))
+    return results
+
+
+def _check_batch_sizes(data_cfg: Any, partitioner: sharding.Partitioner) -> None:
+  """Global batch sizes must split evenly over processes and over the mesh's batch axes."""
+  parts = partitioner.axis_size(partitioner.spec(('batch',))[0])
+  for key in ('batch_size', 'eval_batch_size'):
+    rows = data_cfg[key]
+    for divisor, what in ((jax.process_count(), 'processes'), (parts, 'mesh batch shards')):
+      if rows % divisor:
+        raise ValueError(
+          f'data.{key}={rows} does not divide over {divisor} {what} '
+          f'(mesh {dict(partitioner.mesh.shape)}); use a multiple of {divisor}'
+        )
+
+
+def _pad(rows: list[list[int]], length: int, num_rows: int | None = None) -> np.ndarray:
+  """Right-pads token rows to [num_rows, length]: one shape per call site, so one compile."""
+  out = np.zeros((max(num_rows or 0, len(rows)), length), np.int32)
+  out[len(rows) :, 0] = data.BOS_ID  # filler rows: a lone bos, never an all-padding row
+  for i, row in enumerate(rows):
+    out[i, : len(row)] = row
+  return out
+
+
+def translation_metrics(hypotheses: list[str], references: list[str]) -> dict[str, Any]:
+  """Corpus BLEU (sacrebleu, on detokenised text) with its signature, and exact match."""
+  import sacrebleu
+
+  bleu = sacrebleu.BLEU()
+  score = bleu.corpus_score(hypotheses, [references])
+  exact = np.mean([h.strip() == r.strip() for h, r in zip(hypotheses, references)])
+  return {
+    'bleu': score.score,
+    'exact_match': float(exact),
+    'bleu_signature': str(bleu.get_signature()),
+  }

@@ -1,0 +1,82 @@
+"""The training state and what builds it: `TrainState`, `create_state`, a run's model config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from transformer.config import ModelConfig
+from transformer.model import models
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a step changes. `loss_scale`/`good_steps` drive float16 dynamic loss scaling."""
+
+  step: Array  # int32 []
+  params: Any
+  opt_state: Any
+  loss_scale: Array  # float32 []; 1 unless float16
+  good_steps: Array  # int32 []: finite steps since the scale last changed
+
+
+def model_inputs(family: str, batch: dict[str, Array]) -> dict[str, Array]:
+  """The model's keyword arguments for a data batch of `family` (see transformer.data)."""
+  if family == 'encoder_decoder':
+    keys = ['inputs', 'decoder_inputs', 'inputs_segments', 'targets_segments']
+    keys += ['inputs_positions', 'targets_positions']
+  elif family == 'causal_lm':
+    keys = ['inputs', 'segments', 'positions']
+  else:
+    keys = ['inputs', 'token_types', 'segments', 'positions']
+  return {k: batch[k] for k in keys}
+
+
+def optim_config(config: ml_collections.ConfigDict, model_cfg: ModelConfig) -> Any:
+  """The optimizer ConfigDict plus the run length and model width that schedules need."""
+  cfg = ml_collections.ConfigDict(config.optim.to_dict())
+  cfg.total_steps = config.train.steps
+  cfg.d_model = model_cfg.d_model
+  return cfg
+
+
+def resolve_model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
+  """The model of the experiment, with the vocabulary taken from the tokenizer.
+
+  The vocabulary is rounded up to a multiple of `config.data.vocab_multiple` (so that tensor
+  parallelism can split it); the extra rows are never targets.
+  """
+  multiple = config.data.get('vocab_multiple', 1)
+  if not isinstance(multiple, int) or multiple < 1:
+    raise ValueError(f'data.vocab_multiple={multiple!r} must be a positive int')
+  with config.unlocked():
+    config.model.vocab_size = -(-tokenizer.vocab_size // multiple) * multiple
+  return ModelConfig.from_config(config.model)
+
+
+def create_state(
+  model, model_cfg, tx, seed: int, loss_scale: float, *, boxed: bool = False
+) -> TrainState:
+  """A fresh TrainState; `boxed` keeps the parameters' logical axis names (for shardings)."""
+  params = models.init_params(model, jax.random.PRNGKey(seed), boxed=True)
+  # The moments inherit the parameters' logical axes.
+  state = state_from_params(params, tx, loss_scale if model_cfg.dtype == 'float16' else 1.0)
+  return state if boxed else nn.meta.unbox(state)
+
+
+def state_from_params(params: Any, tx: Any, loss_scale: float = 1.0) -> TrainState:
+  """Step 0 at `params` (trained elsewhere, or fresh), with fresh optimizer moments."""
+  return TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    opt_state=tx.init(params),
+    loss_scale=jnp.asarray(loss_scale, jnp.float32),
+    good_steps=jnp.zeros((), jnp.int32),
+  )

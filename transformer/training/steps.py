@@ -1,0 +1,126 @@
+"""The pure, jitted steps: `train_step(state, batch, rng) -> (state, metrics)` and `eval_step`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from transformer.model import objectives
+from transformer.training.state import TrainState, model_inputs
+
+Array = jax.Array
+
+
+def _micro_batches(batch: dict[str, Array], k: int) -> dict[str, Array]:
+  """[B, ...] -> [k, B/k, ...]: the gradient-accumulation split."""
+  return jax.tree_util.tree_map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
+
+
+def train_step(
+  state: TrainState,
+  batch: dict[str, Array],
+  rng: Array,
+  *,
+  model: Any,
+  family: str,
+  tx: optax.GradientTransformation,
+  schedule: optax.Schedule,
+  label_smoothing: float,
+  accum_steps: int = 1,
+  dynamic_scale: bool = False,
+  scale_period: int = 2000,
+) -> tuple[TrainState, dict[str, Array]]:
+  """One optimizer step over `accum_steps` micro-batches; returns the new state and metrics.
+
+  The gradient is that of the summed loss divided by the total weight of the whole batch, so k
+  micro-batches give exactly the update of one batch k times larger.
+  """
+  dropout_rng = jax.random.fold_in(rng, state.step)
+
+  def micro_step(params, micro, micro_rng):
+    def loss_fn(p):
+      logits = model.apply(
+        {'params': p},
+        **model_inputs(family, micro),
+        deterministic=False,
+        rngs={'dropout': micro_rng},
+      )
+      sums = objectives.compute_metrics(
+        logits, micro['targets'], micro['weights'], label_smoothing, accuracy=False
+      )
+      # Normalise by a static size so fp16 gradients stay in range; undone below.
+      return sums['loss'] * state.loss_scale / micro['weights'].size, sums
+
+    grads, sums = jax.grad(loss_fn, has_aux=True)(params)
+    grads = jax.tree_util.tree_map(lambda g: g * (micro['weights'].size / state.loss_scale), grads)
+    return grads, sums
+
+  if accum_steps == 1:
+    grads, sums = micro_step(state.params, batch, dropout_rng)
+  else:
+    micros = _micro_batches(batch, accum_steps)
+
+    def body(carry, xs):
+      micro, index = xs
+      g, s = micro_step(state.params, micro, jax.random.fold_in(dropout_rng, index))
+      return jax.tree_util.tree_map(jnp.add, carry, (g, s)), None
+
+    zeros = jax.tree_util.tree_map(
+      jnp.zeros_like, jax.eval_shape(micro_step, state.params, batch_slice(micros), dropout_rng)
+    )
+    (grads, sums), _ = jax.lax.scan(body, zeros, (micros, jnp.arange(accum_steps)))
+
+  denominator = jnp.maximum(sums['denominator'], 1.0)
+  grads = jax.tree_util.tree_map(lambda g: g / denominator, grads)  # gradient of the mean loss
+  grad_norm = optax.global_norm(grads)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+
+  loss_scale, good_steps = state.loss_scale, state.good_steps
+  # A non-finite step changes neither the parameters nor the optimizer state; the step counter
+  # still advances. The loop's train.nonfinite policy decides what follows (skip, halt, rollback).
+  finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums['loss'])
+  keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
+  params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+  if dynamic_scale:  # float16: halve the scale after a non-finite step; double it after good ones
+    grow = good_steps + 1 >= scale_period
+    loss_scale = jnp.where(finite, jnp.where(grow, loss_scale * 2, loss_scale), loss_scale / 2)
+    loss_scale = jnp.clip(loss_scale, 1.0, 2.0**24)
+    good_steps = jnp.where(finite & ~grow, good_steps + 1, 0)
+
+  metrics = {k: v for k, v in sums.items()}
+  metrics.update(
+    grad_norm=grad_norm,
+    learning_rate=schedule(state.step),
+    loss_scale=state.loss_scale,
+    skipped=(~finite).astype(jnp.float32),
+  )
+  new_state = state.replace(
+    step=state.step + 1,
+    params=params,
+    opt_state=opt_state,
+    loss_scale=loss_scale,
+    good_steps=good_steps,
+  )
+  return new_state, metrics
+
+
+def batch_slice(micros: dict[str, Array]) -> dict[str, Array]:
+  """The first micro-batch of a [k, B/k, ...] split."""
+  return jax.tree_util.tree_map(lambda x: x[0], micros)
+
+
+def eval_step(params: Any, batch: dict[str, Array], *, model: Any, family: str) -> dict:
+  """Summed loss, nll, correct and denominator over one eval batch (no label smoothing)."""
+  logits = model.apply({'params': params}, **model_inputs(family, batch), deterministic=True)
+  return objectives.compute_metrics(logits, batch['targets'], batch['weights'])
+
+
+def token_nll(model, params, inputs, targets):
+  """Per-token negative log-likelihood [B, T] of `targets` given `inputs`."""
+  logits = model.apply({'params': params}, inputs).astype(jnp.float32)  # [B, T, V]
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T]

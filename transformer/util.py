@@ -1,0 +1,51 @@
+"""Small helpers that every room shares: one-line error text, JSON that never fails, atomic file
+writes and a headless pyplot."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+  """The first non-blank line of an error's message (its type name if it has none), cut short."""
+  lines = [line for line in str(error).strip().splitlines() if line.strip()]
+  text = lines[0] if lines else type(error).__name__
+  return text if len(text) <= limit else text[: limit - 3] + '...'
+
+
+def jsonable(x: Any) -> Any:
+  """`x` as plain JSON data: what is not JSON (arrays, paths, dtypes) becomes its str()."""
+  return json.loads(json.dumps(x, default=str))
+
+
+def write_atomic(path: str, text: str) -> None:
+  """Writes a temp file in the same directory, then renames it over `path`: never half a file."""
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.', prefix=f'.{os.path.basename(path)}.')
+  try:
+    with os.fdopen(fd, 'w') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def write_json(path: str, value: Any) -> None:
+  """`value` as indented JSON at `path`, atomically."""
+  write_atomic(path, json.dumps(value, indent=1, default=str))
+
+
+def pyplot():
+  """matplotlib.pyplot on the headless Agg backend (plots are files, never windows)."""
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  return plt
