@@ -335,12 +335,6 @@ def test_a_registered_implementation_can_be_chosen_from_a_config(monkeypatch):
   assert config_lib.ModelConfig(attention_impl='mine').attention_impl == 'mine'
 
 
-def test_the_config_lists_every_built_in_implementation():
-  from transformer import config as config_lib
-
-  assert sorted(attention._IMPLEMENTATIONS) == sorted(config_lib.ATTENTION_IMPLEMENTATIONS[1:])
-
-
 def _ones(*shape):
   return jnp.ones(shape, jnp.float32)
 

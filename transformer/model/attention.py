@@ -34,6 +34,11 @@ _IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {
 }
 
 
+def registered() -> list[str]:
+  """The names `implementation=` accepts (besides None, which picks one for the shapes)."""
+  return sorted(_IMPLEMENTATIONS)
+
+
 def register_implementation(name: str, fn: Callable[..., Array]) -> None:
   """Registers (or replaces) an implementation selectable by `implementation=name`.
 

@@ -276,7 +276,7 @@ class Block(nn.Module):
     return (x, None) if self.scanned else x
 
 
-_REMAT_POLICIES = {
+REMAT_POLICIES = {
   'full': None,  # save nothing, recompute the whole block
   'save_matmuls': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
@@ -303,7 +303,7 @@ class Stack(nn.Module):
     cfg = self.cfg
     block = Block
     if cfg.remat != 'none':
-      block = nn.remat(block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+      block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
     kwargs = dict(
       cfg=cfg,
       num_layers=self.num_layers,
