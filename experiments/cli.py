@@ -8,8 +8,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 _DEBUG = flags.DEFINE_bool('debug', False, 'Show full tracebacks instead of one-line errors.')
-# Errors that a user's input causes; anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, NotADirectoryError)
+# Errors that a user's input or machine causes (ConnectionError: a dataset that could not be
+# downloaded); anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, ConnectionError)
 
 
 def define_config(default: str = 'configs/default.py') -> flags.FlagHolder:

@@ -2,6 +2,7 @@
 
 import functools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -30,6 +31,25 @@ def test_each_family_trains_evaluates_and_checkpoints(family, tmp_path, tiny_con
   assert {'checkpoints', 'config.json', 'git_revision.txt', 'tensorboard', 'tokenizer'} <= names
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '4']
   assert os.listdir(tmp_path / 'tensorboard')  # event files
+
+
+def test_a_run_shorter_than_its_warmup_trains_with_one_warning(tmp_path, tiny_config, caplog):
+  # gpt_tiny's schedule (warmup_cosine, 100 warmup steps, peak 3e-3) in a 1-step run: it once
+  # stopped with 'total_steps=1 must exceed warmup_steps=100'.
+  config = tiny_config('causal_lm', steps=1, checkpoint_every=1, eval_every=1)
+  config.optim.schedule, config.optim.warmup_steps, config.optim.learning_rate = (
+    'warmup_cosine',
+    100,
+    3e-3,
+  )
+  with caplog.at_level(logging.WARNING):
+    result = train_and_evaluate(config, str(tmp_path))
+  warnings = [r.getMessage() for r in caplog.records if 'warmup_steps=' in r.getMessage()]
+  assert len(warnings) == 1 and 'warmup_steps=100' in warnings[0] and 'total_steps=1' in warnings[0]
+  assert result['step'] == 1 and np.isfinite(result['eval']['loss'])
+  (first,) = result['train']
+  assert first['learning_rate'] == pytest.approx(3e-3)  # the one update is at the peak, not at 0
+  assert np.isfinite(first['loss']) and first['grad_norm'] > 0
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """Tests for transformer/optim.py: schedules against their formulas, the decay mask, clipping."""
 
+import logging
 import math
 
 import jax
@@ -103,7 +104,7 @@ def test_schedules_jit():
   [
     (dict(schedule='noam'), "'noam'.*'rsqrt'"),
     (dict(warmup_steps=-1), 'warmup_steps=-1'),
-    (dict(total_steps=10), 'total_steps=10 must exceed warmup_steps=10'),
+    (dict(total_steps=0), r'total_steps=0 must be >= 1 \(the run length, train.steps\)'),
     (dict(schedule='cosine_restarts', restart_period=0), 'restart_period=0'),
     (dict(end_learning_rate_factor=1.5), 'end_learning_rate_factor=1.5'),
     (dict(learning_rate=-1.0), 'learning_rate=-1.0'),
@@ -112,6 +113,63 @@ def test_schedules_jit():
 def test_bad_schedule_config_raises(overrides, match):
   with pytest.raises(ValueError, match=match):
     optim.make_schedule(_config(**overrides))
+
+
+# A warmup as long as the run, or longer, is cut to the run -----------------------------------
+def _warnings(caplog):
+  return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize('total', [1, 2, 7, 50])
+@pytest.mark.parametrize('name', optim.SCHEDULES)
+def test_a_warmup_longer_than_the_run_is_cut_to_it(name, total, caplog):
+  cfg = _config(schedule=name, warmup_steps=100, total_steps=total, restart_period=3)
+  with caplog.at_level(logging.WARNING):
+    schedule = optim.make_schedule(cfg)
+  (warning,) = _warnings(caplog)
+  assert f'warmup_steps=100 is not shorter than the run (total_steps={total}' in warning
+  assert f'cut to {total - 1} steps' in warning
+  # Reference: a straight ramp to the configured peak, reached by the run's last update (step
+  # total - 1); rsqrt's step 0 is the paper's step 1, and its peak is that of warmup_steps=100.
+  steps = np.arange(total, dtype=np.float64)
+  if name == 'rsqrt':
+    top = 2e-3 * (64 * 100) ** -0.5
+    want = top * np.minimum(np.maximum(steps, 1) / max(total - 1, 1), 1)
+  else:
+    want = 2e-3 * (steps / (total - 1) if total > 1 else np.ones(1))
+  got = np.array([_lr(schedule, s) for s in range(total)])
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
+  assert got[-1] == pytest.approx(want.max(), rel=1e-6) and np.all(np.isfinite(got))
+  jitted = jax.jit(schedule)
+  assert float(jitted(jnp.int32(total - 1))) == pytest.approx(want[-1], rel=1e-6)
+
+
+@pytest.mark.parametrize('name', optim.SCHEDULES)
+def test_a_warmup_as_long_as_the_run_is_cut_and_a_shorter_one_is_kept(name, caplog):
+  with caplog.at_level(logging.WARNING):
+    cut = optim.make_schedule(_config(schedule=name, warmup_steps=20, total_steps=20))
+  assert len(_warnings(caplog)) == 1 and 'warmup_steps=20' in _warnings(caplog)[0]
+  peak = 2e-3 * (64 * 20) ** -0.5 if name == 'rsqrt' else 2e-3  # rsqrt: the peak of warmup 20
+  assert _lr(cut, 19) == pytest.approx(peak, rel=1e-6)  # the peak at the last update
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    kept = optim.make_schedule(_config(schedule=name, warmup_steps=19, total_steps=20))
+    if name not in ('warmup_cosine', 'linear'):  # these two need the run length
+      optim.make_schedule(_config(schedule=name, warmup_steps=500, total_steps=None))
+  assert _warnings(caplog) == []
+  if name != 'rsqrt':
+    assert _lr(kept, 19) == pytest.approx(_lr(cut, 19), rel=1e-6)
+
+
+def test_make_optimizer_reuses_the_given_schedule(caplog):
+  cfg = _config(schedule='warmup_cosine', warmup_steps=100, total_steps=5)
+  with caplog.at_level(logging.WARNING):
+    schedule = optim.make_schedule(cfg)
+    tx = optim.make_optimizer(cfg, schedule)
+  assert len(_warnings(caplog)) == 1  # one warning for the run, not one per builder
+  params = {'w': jnp.ones((3,))}
+  updates, _ = tx.update({'w': jnp.ones((3,))}, tx.init(params), params)
+  assert np.all(np.asarray(updates['w']) == 0)  # step 0 of a linear warmup: lr 0
 
 
 def _params():

@@ -127,6 +127,40 @@ def _import_tfds():
   return tfds
 
 
+class DownloadFailed(ConnectionError):
+  """A TFDS dataset could not be downloaded (no network, or its host is unreachable)."""
+
+
+def _network_failure(error: BaseException) -> BaseException | None:
+  """The network error in `error`'s chain of causes (requests, urllib, sockets, TFDS), if any."""
+  import socket
+  import urllib.error
+
+  import requests
+  from tensorflow_datasets.core.download import util as download_util
+
+  kinds = (
+    requests.exceptions.RequestException,  # ConnectionError, Timeout, RetryError, ...
+    urllib.error.URLError,
+    socket.gaierror,  # the host name does not resolve
+    socket.timeout,
+    ConnectionError,
+    download_util.DownloadError,  # TFDS: an HTTP status other than 200
+  )
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, kinds):
+      return error
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip()
+  return text.splitlines()[0] if text else '(no message)'
+
+
 def tfds_features(name: str, data_dir: str | None) -> list[str]:
   """The top-level feature names of a TFDS dataset; ValueError for an unknown name."""
   tfds = _import_tfds()
@@ -145,15 +179,30 @@ def tfds_examples(
   """Decoded strings of the `keys` features of a TFDS split, in the split's stored order.
 
   Yields a string for one key and a tuple for several. The dataset is downloaded and prepared
-  under data_dir on first use (as `tfds.load` does). An example that is not valid UTF-8 is a
-  ValueError naming it, or with bad_lines='skip' is left out (one warning gives the count).
+  under data_dir on first use (as `tfds.load` does); a download that fails for want of network
+  is one `DownloadFailed` naming the dataset and `config.data.tfds_data_dir`. An example that is
+  not valid UTF-8 is a ValueError naming it, or with bad_lines='skip' is left out (one warning
+  gives the count).
   """
   tfds = _import_tfds()
   features = tfds_features(name, data_dir)
   missing = [k for k in keys if k not in features]
   if missing:
     raise ValueError(f'{name!r} has no feature(s) {missing}; its features are {features}')
-  dataset = tfds.load(name, split=split, data_dir=data_dir or None, shuffle_files=False)
+  builder = tfds.builder(name, data_dir=data_dir or None)
+  try:
+    builder.download_and_prepare()  # a no-op once the dataset is prepared under data_dir
+  except Exception as error:
+    cause = _network_failure(error)
+    if cause is None:
+      raise
+    raise DownloadFailed(
+      f'could not download TFDS dataset {name!r} ({type(cause).__name__}: '
+      f'{_first_line(cause)}); with no network, prepare it where there is one (tfds.builder('
+      f'{name!r}, data_dir=DIR).download_and_prepare()), copy DIR here and pass '
+      f'--config.data.tfds_data_dir=DIR (now {data_dir or "the TFDS default"!r})'
+    ) from error
+  dataset = builder.as_dataset(split=split, shuffle_files=False)
   skipped = 0
   for index, example in enumerate(tfds.as_numpy(dataset)):
     try:

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from absl import logging
 
 SCHEDULES = ('rsqrt', 'warmup_cosine', 'cosine_restarts', 'constant', 'linear')
 OPTIMIZERS = ('adam', 'adamw')
@@ -34,6 +35,26 @@ def _cosine(fraction: jax.Array, peak: float, end: float) -> jax.Array:
   return end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * fraction))
 
 
+def fit_warmup(warmup_steps: int, total_steps: int | None) -> int:
+  """The warmup cut to the run, with one warning line naming both numbers when it is cut.
+
+  The updates of a run are steps 0 .. total_steps - 1, and a warmup peaks at step ==
+  warmup_steps, so a warmup of total_steps or more is cut to total_steps - 1: the learning rate
+  ramps up over the whole run and its last update is at the peak (a 1-step run: the peak at
+  once). `total_steps=None` (a schedule with no run length) cuts nothing.
+  """
+  if total_steps is None or warmup_steps < total_steps:
+    return warmup_steps
+  logging.warning(
+    'warmup_steps=%d is not shorter than the run (total_steps=%d, train.steps): the warmup is '
+    'cut to %d steps, so the learning rate ramps up over the whole run and peaks at its last step',
+    warmup_steps,
+    total_steps,
+    total_steps - 1,
+  )
+  return total_steps - 1
+
+
 def make_schedule(cfg: Any) -> optax.Schedule:
   """Learning rate as a function of the optimizer step (0 for the first update).
 
@@ -46,7 +67,10 @@ def make_schedule(cfg: Any) -> optax.Schedule:
                        each cycle restarting at peak (SGDR).
     'constant':        peak, after a linear warmup when warmup_steps > 0.
     'linear':          linear warmup, then a straight line from peak to end at total_steps.
-  After total_steps, 'warmup_cosine' and 'linear' stay at end.
+  After total_steps, 'warmup_cosine' and 'linear' stay at end. A warmup as long as the run
+  (cfg.total_steps, when given) or longer is cut to the run by `fit_warmup`, which warns: the
+  learning rate ramps up over the whole run to the peak the config states (for 'rsqrt',
+  lr * (d_model * warmup_steps)^-0.5), reached at the last step.
   """
   name = _get(cfg, 'schedule', 'rsqrt')
   peak = float(cfg.learning_rate)
@@ -60,12 +84,23 @@ def make_schedule(cfg: Any) -> optax.Schedule:
     raise ValueError(f'warmup_steps={warmup} must be >= 0')
   if not 0.0 <= end_factor <= 1.0:
     raise ValueError(f'end_learning_rate_factor={end_factor} must be in [0, 1]')
+  total, configured = _get(cfg, 'total_steps'), warmup
+  if total is not None:
+    total = int(total)
+    if total < 1:
+      raise ValueError(f'total_steps={total} must be >= 1 (the run length, train.steps)')
+    warmup = fit_warmup(warmup, total)
   end = peak * end_factor
 
   if name == 'rsqrt':
     d_model = int(cfg.d_model)
     if d_model <= 0:
       raise ValueError(f'd_model={d_model} must be > 0 for the rsqrt schedule')
+    if warmup < configured:  # cut: the configured peak at the last step
+      top = peak * (d_model * configured) ** -0.5
+      return lambda step: (
+        top * jnp.minimum(jnp.maximum(jnp.asarray(step, jnp.float32), 1.0) / max(warmup, 1), 1.0)
+      )
 
     def rsqrt(step):
       s = jnp.maximum(jnp.asarray(step, jnp.float32), 1.0)  # the paper counts steps from 1
@@ -89,9 +124,8 @@ def make_schedule(cfg: Any) -> optax.Schedule:
 
     return restarts
 
-  total = int(cfg.total_steps)  # 'warmup_cosine' and 'linear' decay until total_steps
-  if total <= warmup:
-    raise ValueError(f'total_steps={total} must exceed warmup_steps={warmup} for schedule={name}')
+  if total is None:  # 'warmup_cosine' and 'linear' decay until total_steps
+    raise ValueError(f'schedule={name} needs total_steps (the run length)')
 
   def decay(step):
     step = jnp.asarray(step, jnp.float32)
@@ -120,12 +154,15 @@ def decay_mask(params: Any) -> Any:
   )
 
 
-def make_optimizer(cfg: Any) -> optax.GradientTransformation:
+def make_optimizer(
+  cfg: Any, schedule: optax.Schedule | None = None
+) -> optax.GradientTransformation:
   """clip_by_global_norm (if clip_norm) -> Adam or AdamW (decay masked by `decay_mask`).
 
   Config fields: optimizer, b1, b2, eps (paper: 0.9, 0.98, 1e-9), weight_decay, clip_norm
-  (0 or None = no clipping), plus the schedule fields of `make_schedule`. AdamW follows optax:
-  the decay is multiplied by the scheduled learning rate.
+  (0 or None = no clipping), plus the schedule fields of `make_schedule`, unless `schedule` (the
+  one `make_schedule(cfg)` gave) is passed. AdamW follows optax: the decay is multiplied by the
+  scheduled learning rate.
   """
   name = _get(cfg, 'optimizer', 'adam')
   if name not in OPTIMIZERS:
@@ -139,7 +176,7 @@ def make_optimizer(cfg: Any) -> optax.GradientTransformation:
   if clip_norm < 0:
     raise ValueError(f'clip_norm={clip_norm} must be >= 0 (0 = no clipping)')
 
-  schedule = make_schedule(cfg)
+  schedule = make_schedule(cfg) if schedule is None else schedule
   adam_args = dict(b1=float(_get(cfg, 'b1', 0.9)), b2=float(_get(cfg, 'b2', 0.98)))
   adam_args['eps'] = float(_get(cfg, 'eps', 1e-9))
   if name == 'adamw':

@@ -53,7 +53,7 @@ class Run:
     self.family = self.model_cfg.family
     ocfg = optim_config(config, self.model_cfg)
     self.schedule = optim.make_schedule(ocfg)
-    self.tx = optim.make_optimizer(ocfg)
+    self.tx = optim.make_optimizer(ocfg, self.schedule)  # one warmup warning, not two
     accum = config.train.grad_accum_steps
     rows = config.data.batch_size // jax.process_count()
     if accum < 1 or rows % accum:
