@@ -375,3 +375,101 @@ def test_cfg_round_trips_through_hf_config(hf_models):
     _, cfg, _, _ = hf.convert_in_memory(directory)
     back = hf.model_fields(_arch(name), hf.hf_config(_arch(name), cfg))
     assert ModelConfig.from_config({**cfg.to_dict(), **back}) == cfg, name
+
+
+# transformer.load on a Hugging Face folder ---------------------------------------------------------
+def _hf_hidden(model, ids, mask, **kwargs) -> np.ndarray:
+  with torch.no_grad():
+    out = model(
+      input_ids=torch.tensor(ids),
+      attention_mask=torch.tensor(mask),
+      output_hidden_states=True,
+      **{k: torch.tensor(v) for k, v in kwargs.items()},
+    )
+  return np.stack([h.numpy() for h in out.hidden_states])  # [L + 1, B, T, D]
+
+
+@pytest.mark.parametrize('name', ['llama', 'qwen2'])
+def test_load_folder_hidden_states_match(hf_models, name):
+  import transformer
+
+  model, directory = hf_models[name]
+  m = transformer.load(directory)
+  assert m.cfg.family == 'causal_lm' and m.tokenizer is None
+  ids, mask = _batch(9)
+  real = mask.astype(bool)
+  theirs = _hf_hidden(model, ids, mask)
+  ours = m.hidden_states(ids, mask=mask, layers=True)
+  assert ours.shape == theirs.shape == (3, 3, LENGTH, 48)
+  for layer in range(3):
+    assert _relative_error(ours[layer][real], theirs[layer][real]) <= 1e-4, layer
+  np.testing.assert_array_equal(m.hidden_states(ids, mask=mask), ours[-1])
+
+
+def _save_word_tokenizer(directory: str, specials: dict) -> None:
+  import tokenizers
+
+  words = ['[PAD]', '[UNK]', '[CLS]', '[SEP]'] + [f'w{i}' for i in range(VOCAB - 4)]
+  tok = tokenizers.Tokenizer(
+    tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token='[UNK]')
+  )
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.add_special_tokens(words[:4])
+  tok.post_processor = tokenizers.processors.TemplateProcessing(
+    single='[CLS] $A [SEP]', special_tokens=[('[CLS]', 2), ('[SEP]', 3)]
+  )
+  tok.save(os.path.join(directory, 'tokenizer.json'))
+  with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
+    json.dump(specials, f)
+
+
+def test_bert_model_embed_matches_mean_pooling(bert_model, tmp_path):
+  """embed(): [CLS] text [SEP], the mean of the real tokens' last hidden states, unit norm."""
+  import transformer
+
+  model, directory = bert_model
+  copy_dir = str(tmp_path / 'bert')
+  shutil.copytree(directory, copy_dir)
+  _save_word_tokenizer(copy_dir, {'pad_token': '[PAD]', 'cls_token': '[CLS]'})
+  m = transformer.load(copy_dir)
+  texts = ['w1 w2 w3 w4 w5', 'w7', 'w9 w10 w11']
+  ours = m.embed(texts)
+  ids = [[2] + [int(w[1:]) + 4 for w in t.split()] + [3] for t in texts]
+  tokens = np.zeros((3, 7), np.int64)
+  mask = np.zeros((3, 7), np.int64)
+  for i, row in enumerate(ids):
+    tokens[i, : len(row)], mask[i, : len(row)] = row, 1
+  with torch.no_grad():
+    hidden = model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask))[0].numpy()
+  pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+  want = pooled / np.linalg.norm(pooled, axis=-1, keepdims=True)
+  np.testing.assert_allclose(ours, want, atol=1e-5)
+  cls = m.embed(texts, pooling='cls', normalize=False)
+  np.testing.assert_allclose(cls, hidden[:, 0], rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError, match="pooling='max' is not valid"):
+    m.embed(texts, pooling='max')
+
+
+def test_generate_and_score_text_with_the_models_special_tokens(hf_models, tmp_path):
+  """A folder whose tokenizer_config names no bos/eos: config.json's bos/eos ids are used."""
+  import transformer
+
+  model, directory = hf_models['llama']
+  copy_dir = str(tmp_path / 'llama')
+  shutil.copytree(directory, copy_dir)
+  _save_word_tokenizer(copy_dir, {'unk_token': '[UNK]'})
+  _edit_config(copy_dir, bos_token_id=2, eos_token_id=3)
+  m = transformer.load(copy_dir)
+  assert (m.tokenizer.bos_id, m.tokenizer.eos_id) == (2, 3)
+  prompt = [[2, 5, 6, 7]]  # bos w1 w2 w3
+  with torch.no_grad():
+    theirs = model.generate(
+      torch.tensor(prompt), do_sample=False, max_new_tokens=8, eos_token_id=3, pad_token_id=0
+    )[0, 4:].tolist()
+  theirs = theirs[: theirs.index(3)] if 3 in theirs else theirs
+  want = ' '.join(f'w{t - 4}' for t in theirs if t > 3)
+  assert m.generate('w1 w2 w3', max_new_tokens=8) == [want]
+  scored = m.score('w1 w2 w3')[0]
+  with torch.no_grad():
+    logp = torch.log_softmax(model(torch.tensor([[2, 5, 6, 7]])).logits, -1)[0].numpy()
+  np.testing.assert_allclose(scored['log_probs'], logp[[0, 1, 2, 3], [5, 6, 7, 3]], atol=1e-4)

@@ -140,9 +140,9 @@ class HFTokenizer:
       setattr(self, f'{name}_id', self._tok.token_to_id(token) if isinstance(token, str) else None)
     self._config = config
 
-  def encode(self, text: str) -> list[int]:
-    """Token ids of `text`, without the special tokens its post-processor would add."""
-    return self._tok.encode(text, add_special_tokens=False).ids
+  def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of `text`; `add_special_tokens` adds those of its post-processor ([CLS] ...)."""
+    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
