@@ -377,7 +377,7 @@ def test_cfg_round_trips_through_hf_config(hf_models):
     assert ModelConfig.from_config({**cfg.to_dict(), **back}) == cfg, name
 
 
-# transformer.load on a Hugging Face folder ---------------------------------------------------------
+# transformer.load on a Hugging Face folder ------------------------------------------------------
 def _hf_hidden(model, ids, mask, **kwargs) -> np.ndarray:
   with torch.no_grad():
     out = model(
