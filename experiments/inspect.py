@@ -20,9 +20,9 @@ _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step; default the latest.
 
 
 def main():
-  from transformer.research import inspection
+  from transformer.research import dissect
 
-  print(f'wrote {inspection.inspect_run(_WORKDIR.value, _TEXT.value, _OUT.value, _STEP.value)}')
+  print(f'wrote {dissect.inspect(_WORKDIR.value, _TEXT.value, _OUT.value, _STEP.value)}')
 
 
 if __name__ == '__main__':

@@ -12,6 +12,7 @@ import numpy as np
 from transformer import data, util
 from transformer.config import ModelConfig
 from transformer.model.capture import capture, entropy_by_layer
+from transformer.research.inspection import inspect_run, plot_attention, plot_head_entropy
 
 
 # Measures ------------------------------------------------------------------------------------
@@ -95,8 +96,6 @@ def _tokens(model: Any, text: str) -> list[int]:
 def inspect_model(model: Any, text: str, out: str, *, top: int = 3, max_plots: int = 64) -> str:
   """Writes `out`/inspect.md and its PNGs for `model` (a `transformer.inference.api.Model`) on
   `text`; returns the path of inspect.md. At most `max_plots` attention modules are drawn."""
-  from transformer.research.inspection import plot_attention, plot_head_entropy
-
   if not text:
     raise ValueError('inspect needs --text for an imported model')
   cfg, params = model.cfg, model.params
@@ -156,3 +155,14 @@ def inspect_model(model: Any, text: str, out: str, *, top: int = 3, max_plots: i
   with open(path, 'w') as f:
     f.write('\n'.join(lines) + '\n')
   return path
+
+
+def inspect(workdir: str, text: str | None = None, out: str | None = None, step=None) -> str:
+  """What experiments.inspect runs: `inspect_model` for a Hugging Face folder or a workdir imported
+  from one (default out: DIR/inspect), else `inspection.inspect_run` for a sparrow run."""
+  from transformer.inference import hf
+  from transformer.inference.api import load
+
+  if hf.is_hf_dir(workdir) or os.path.isfile(os.path.join(workdir, hf.HF_CONFIG)):
+    return inspect_model(load(workdir, step), text, out or os.path.join(workdir, 'inspect'))
+  return inspect_run(workdir, text, out, step)

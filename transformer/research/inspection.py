@@ -246,17 +246,8 @@ def inspect_run(workdir: str, text: str | None = None, out: str | None = None, s
   """Attention maps (every layer and head), head entropy, init and activation statistics, and the
   position-encoding plots of a trained run; writes `out`/inspect.md (default workdir/inspect).
 
-  A Hugging Face folder, or a workdir imported from one, gets `dissect.inspect_model` instead:
-  attention maps, head entropy, activation histograms and outliers, and the logit lens.
+  `dissect.inspect` also takes Hugging Face folders and workdirs imported from them.
   """
-  from transformer.inference import hf
-
-  if hf.is_hf_dir(workdir) or os.path.isfile(os.path.join(workdir, hf.HF_CONFIG)):
-    from transformer.inference.api import load
-    from transformer.research import dissect
-
-    model = load(workdir, step)
-    return dissect.inspect_model(model, text, out or os.path.join(workdir, 'inspect'))
   run, state, step = load_run(workdir, step)
   out = out or os.path.join(workdir, 'inspect')
   os.makedirs(out, exist_ok=True)
