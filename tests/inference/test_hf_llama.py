@@ -418,6 +418,7 @@ def _save_word_tokenizer(directory: str, specials: dict) -> None:
   tok.post_processor = tokenizers.processors.TemplateProcessing(
     single='[CLS] $A [SEP]', special_tokens=[('[CLS]', 2), ('[SEP]', 3)]
   )
+  tok.enable_padding(pad_id=0, length=16)  # as some hub files do: encode() must not pad
   tok.save(os.path.join(directory, 'tokenizer.json'))
   with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
     json.dump(specials, f)

@@ -129,6 +129,9 @@ class HFTokenizer:
         f'{directory!r} holds a Hugging Face tokenizer; pip install tokenizers'
       ) from e
     self._tok = tokenizers.Tokenizer.from_file(os.path.join(directory, _JSON))
+    # Padding and truncation are the batcher's job (some hub tokenizer.json files pad to 128).
+    self._tok.no_padding()
+    self._tok.no_truncation()
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     config, path = {}, os.path.join(directory, 'tokenizer_config.json')
     if os.path.exists(path):
