@@ -76,7 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.source_lang = 'en'  # tfds translation: feature used as the source
   d.target_lang = 'de'  # tfds translation: feature used as the target
   d.tfds_text_key = 'text'  # tfds LM datasets: the feature holding the text (lm1b: 'text')
-  d.tokenizer = 'byte'  # byte (261 ids) | sentencepiece (trained on the training split)
+  d.tokenizer = 'byte'  # byte (261 ids) | sentencepiece (trained) | hf (an imported model's own)
   d.vocab_size = 32000  # sentencepiece: target vocabulary size (tiny corpora may give fewer)
   d.vocab_multiple = 1  # the model's vocabulary is the tokenizer's rounded up to a multiple of this
   d.spm_train_lines = 1_000_000  # sentencepiece: trains on the first this many training examples

@@ -474,3 +474,45 @@ def test_generate_and_score_text_with_the_models_special_tokens(hf_models, tmp_p
   with torch.no_grad():
     logp = torch.log_softmax(model(torch.tensor([[2, 5, 6, 7]])).logits, -1)[0].numpy()
   np.testing.assert_allclose(scored['log_probs'], logp[[0, 1, 2, 3], [5, 6, 7, 3]], atol=1e-4)
+
+
+def test_fine_tune_an_imported_model_with_experiments_train(hf_models, tmp_path):
+  """convert_hf, then experiments.train from the step-0 checkpoint with the model's tokenizer,
+  then the export back: the trained weights moved and still load in transformers."""
+  import subprocess
+  import sys
+
+  _, directory = hf_models['qwen2']
+  source = str(tmp_path / 'qwen2')
+  shutil.copytree(directory, source)
+  _save_word_tokenizer(source, {'unk_token': '[UNK]'})
+  workdir = str(tmp_path / 'run')
+  hf.convert(None, source, workdir)
+  flags = [
+    f'--config=configs/workdir.py:{workdir}',
+    f'--workdir={workdir}',
+    '--config.train.steps=2',
+    '--config.train.eval_every=1000',
+    '--config.train.eval_decode_examples=0',
+    '--config.train.log_every=1',
+    '--config.data.num_train_examples=64',
+    '--config.data.num_eval_examples=8',
+    '--config.data.batch_size=4',
+    '--config.data.eval_batch_size=4',
+    '--config.data.max_length=24',
+    '--config.optim.schedule=constant',
+    '--config.optim.learning_rate=0.01',
+  ]
+  result = subprocess.run(
+    [sys.executable, '-m', 'experiments.train', *flags], capture_output=True, text=True, timeout=600
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert '2' in os.listdir(os.path.join(workdir, 'checkpoints'))
+  out = str(tmp_path / 'back')
+  assert hf.convert(None, workdir, out, direction='to_hf')['step'] == 2
+  before = safetensors.numpy.load_file(os.path.join(directory, 'model.safetensors'))
+  after = safetensors.numpy.load_file(os.path.join(out, 'model.safetensors'))
+  assert set(after) == set(before)
+  assert not np.array_equal(after['model.layers.0.mlp.up_proj.weight'],
+                            before['model.layers.0.mlp.up_proj.weight'])  # fmt: skip
+  transformers.Qwen2ForCausalLM.from_pretrained(out)

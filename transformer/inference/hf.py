@@ -243,6 +243,8 @@ def import_hf(
   params = jax.tree_util.tree_map(jnp.asarray, params)
   state = state_from_params(params, _optimizer(config, cfg))
   _check_state(state, abstract)
+  if os.path.isfile(os.path.join(directory, 'tokenizer.json')):
+    config.data.tokenizer = 'hf'  # fine-tuning reads the model's own tokenizer from tokenizer/
   with _staged(workdir) as tmp:
     checkpoint.write_run_metadata(tmp, config)
     with open(os.path.join(tmp, HF_CONFIG), 'w') as f:

@@ -371,11 +371,12 @@ def params_from_hf(
   shapes: Any = None,
   dtype: Any = np.float32,
 ) -> dict:
-  """Sparrow parameters (nested dicts of `dtype` arrays) from the Hugging Face `tensors` of `arch`.
+  """Sparrow parameters (nested dicts of `dtype` jax arrays) from the Hugging Face `tensors`.
 
   Every parameter is filled exactly once and every tensor is used, except the buffers and heads in
   `_IGNORED`; otherwise one ValueError names the tensor, its shape and the expected shape. Tensors
-  are read and converted one rule at a time. `shapes`: the parameters' ShapeDtypeStructs when
+  are read and converted one rule at a time, so the peak memory is the parameters plus about two
+  copies of the largest tensor. `shapes`: the parameters' ShapeDtypeStructs when
   known (default: traced from `cfg`).
   """
   check_arch(arch)
@@ -429,7 +430,7 @@ def params_from_hf(
     for path, value in zip(rule.sparrow, rule.to_sparrow(*arrays)):
       if path in flat:
         raise AssertionError(f'sparrow parameter {"/".join(path)} is mapped twice')
-      flat[path] = np.ascontiguousarray(np.asarray(value, dtype))
+      flat[path] = jnp.asarray(value, dtype)  # on the device; the file's copy is freed now
   missing = sorted(set(targets) - set(flat))
   if missing:
     raise AssertionError(f'no rule fills sparrow parameter {"/".join(missing[0])}')
