@@ -26,17 +26,21 @@ def get_config() -> ml_collections.ConfigDict:
   m.max_length = 512  # longest sequence for learned positions
   m.position = 'sinusoidal'  # sinusoidal | learned | rope | alibi | none
   m.rope_theta = 10000.0  # RoPE base
-  m.rope_scaling = 'none'  # none | linear | ntk | yarn (RoPE context extension)
+  m.rope_scaling = 'none'  # none | linear | ntk | yarn | llama3 (RoPE context extension)
   m.rope_scaling_factor = 1.0  # target context / trained context
   m.rope_original_max_length = ml_collections.FieldReference(
     None, field_type=int
   )  # None = max_length
+  m.rope_low_freq_factor = 1.0  # llama3 scaling: wavelengths > context / this are interpolated
+  m.rope_high_freq_factor = 4.0  # llama3 scaling: wavelengths < context / this are kept
   m.norm = 'layernorm'  # layernorm | rmsnorm
   m.norm_eps = 1e-6  # epsilon inside the norm
   m.norm_placement = 'post'  # post (paper) | pre (adds a final norm)
   m.embedding_norm = False  # a norm right after the embeddings (BERT)
   m.activation = 'relu'  # relu | gelu | gelu_tanh | swiglu
   m.use_bias = True  # biases in attention and feed-forward projections
+  m.qkv_bias = ml_collections.FieldReference(None, field_type=bool)  # q/k/v biases; None = use_bias
+  m.qk_norm = False  # norm over head_dim on queries and keys (Qwen3)
   m.dropout_rate = 0.1  # embeddings and residual branches
   m.attention_dropout_rate = 0.0  # attention probabilities (uses the 'xla' path while training)
   m.ffn_dropout_rate = 0.0  # feed-forward hidden layer
@@ -52,6 +56,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.init_std = 0.02  # std of 'normal' weights and of unscaled embeddings
   m.type_vocab_size = 0  # token types (BERT: 2)
   m.num_classes = 0  # >0: BidirectionalLM classifies sequences instead of MLM
+  m.output_head = True  # False: BidirectionalLM returns hidden states [B, T, D] (HF BertModel)
   m.pad_id = 0  # padding token id (segment ids are derived from it when not given)
   m.dtype = 'float32'  # compute dtype: float32 | bfloat16 | float16
   m.param_dtype = 'float32'  # parameter dtype (keep float32 for mixed precision)
@@ -71,7 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.source_lang = 'en'  # tfds translation: feature used as the source
   d.target_lang = 'de'  # tfds translation: feature used as the target
   d.tfds_text_key = 'text'  # tfds LM datasets: the feature holding the text (lm1b: 'text')
-  d.tokenizer = 'byte'  # byte (261 ids) | sentencepiece (trained on the training split)
+  d.tokenizer = 'byte'  # byte (261 ids) | sentencepiece (trained) | hf (an imported model's own)
   d.vocab_size = 32000  # sentencepiece: target vocabulary size (tiny corpora may give fewer)
   d.vocab_multiple = 1  # the model's vocabulary is the tokenizer's rounded up to a multiple of this
   d.spm_train_lines = 1_000_000  # sentencepiece: trains on the first this many training examples

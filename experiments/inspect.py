@@ -1,24 +1,28 @@
-"""Look inside a trained run: python -m experiments.inspect --workdir=DIR [--text=...] [--out=DIR2]
+"""Look inside a run or a model: python -m experiments.inspect --workdir=DIR [--text=...] [--out=D]
 
 Writes DIR/inspect/inspect.md (or --out) with attention maps per layer and head (through the
 'xla' path on the trained parameters, whatever attention_impl trained it), head entropy, init and
-activation statistics, and plots of the sinusoidal and RoPE encodings.
+activation statistics, and plots of the sinusoidal and RoPE encodings. DIR may also be a Hugging
+Face folder or a workdir imported from one (--text needed): attention maps, head entropy,
+per-layer activation histograms with their outlier dimensions, and the logit lens of causal LMs.
 """
 
 from absl import flags
 
 from experiments import cli
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory to inspect.', required=True)
+_WORKDIR = flags.DEFINE_string(
+  'workdir', None, 'Run directory or Hugging Face folder to inspect.', required=True
+)
 _TEXT = flags.DEFINE_string('text', None, 'Input text; default the first eval example.')
 _OUT = flags.DEFINE_string('out', None, 'Output directory; default DIR/inspect.')
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step; default the latest.')
 
 
 def main():
-  from transformer.research import inspection
+  from transformer.research import dissect
 
-  print(f'wrote {inspection.inspect_run(_WORKDIR.value, _TEXT.value, _OUT.value, _STEP.value)}')
+  print(f'wrote {dissect.inspect(_WORKDIR.value, _TEXT.value, _OUT.value, _STEP.value)}')
 
 
 if __name__ == '__main__':

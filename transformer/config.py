@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 FAMILIES = ('encoder_decoder', 'bidirectional_lm', 'causal_lm')
 POSITIONS = ('sinusoidal', 'learned', 'rope', 'alibi', 'none')
-ROPE_SCALINGS = ('none', 'linear', 'ntk', 'yarn')
+ROPE_SCALINGS = ('none', 'linear', 'ntk', 'yarn', 'llama3')
 NORMS = ('layernorm', 'rmsnorm')
 NORM_PLACEMENTS = ('pre', 'post')
 ACTIVATIONS = ('relu', 'gelu', 'gelu_tanh', 'swiglu')
@@ -49,7 +49,11 @@ class ModelConfig:
   rope_theta: float = 10000.0  # RoPE base
   rope_scaling: str = 'none'  # RoPE context scaling, one of ROPE_SCALINGS
   rope_scaling_factor: float = 1.0  # how much longer than the trained context to reach
-  rope_original_max_length: int | None = None  # trained context for YaRN; None = max_length
+  rope_original_max_length: int | None = None  # trained context (YaRN, llama3); None = max_length
+  rope_low_freq_factor: float = (
+    1.0  # llama3 scaling: wavelengths over context / this are interpolated
+  )
+  rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths under context / this are kept
   norm: str = 'layernorm'  # one of NORMS
   norm_eps: float = 1e-6  # epsilon inside the norm
   norm_placement: str = (
@@ -58,6 +62,8 @@ class ModelConfig:
   embedding_norm: bool = False  # a norm right after the embeddings (BERT)
   activation: str = 'relu'  # one of ACTIVATIONS
   use_bias: bool = True  # biases in the attention and feed-forward projections
+  qkv_bias: bool | None = None  # biases on the query/key/value projections; None = use_bias (Qwen2)
+  qk_norm: bool = False  # a norm (of `norm` kind) over head_dim on queries and keys (Qwen3)
   dropout_rate: float = 0.1  # embeddings and residual branches
   attention_dropout_rate: float = 0.0  # attention probabilities (forces the 'xla' path in training)
   ffn_dropout_rate: float = 0.0  # hidden layer of the feed-forward
@@ -73,6 +79,7 @@ class ModelConfig:
   init_std: float = 0.02  # std of 'normal' weights and of unscaled embeddings
   type_vocab_size: int = 0  # BidirectionalLM token types (BERT: 2)
   num_classes: int = 0  # BidirectionalLM: >0 replaces the MLM head by a classifier
+  output_head: bool = True  # BidirectionalLM: False returns the final hidden states [B, T, D]
   pad_id: int | None = 0  # token id treated as padding when no segment ids are given
   dtype: str = 'float32'  # compute dtype: float32 | bfloat16 | float16
   param_dtype: str = 'float32'  # parameter storage dtype
@@ -163,9 +170,10 @@ def _choice(name: str, value: Any, valid: tuple) -> None:
 
 
 _BOOLS = ('embedding_norm', 'use_bias', 'scale_embeddings', 'share_embeddings', 'tie_output')
-_BOOLS += ('attention_scale', 'scan_layers')
+_BOOLS += ('attention_scale', 'scan_layers', 'qk_norm', 'output_head')
 _FLOATS = ('rope_theta', 'rope_scaling_factor', 'norm_eps', 'init_std', 'dropout_rate')
-_FLOATS += ('attention_dropout_rate', 'ffn_dropout_rate')
+_FLOATS += ('attention_dropout_rate', 'ffn_dropout_rate', 'rope_low_freq_factor')
+_FLOATS += ('rope_high_freq_factor',)
 _INTS = ('type_vocab_size', 'num_classes', 'pad_id')  # pad_id may also be None
 
 
@@ -260,3 +268,14 @@ def _validate(c: ModelConfig) -> None:
     raise ValueError('type_vocab_size is for family=bidirectional_lm only; set it to 0')
   if c.num_classes and c.family != 'bidirectional_lm':
     raise ValueError(f'num_classes={c.num_classes} is for family=bidirectional_lm only')
+  if c.qkv_bias is not None and not isinstance(c.qkv_bias, bool):
+    raise ValueError(f'qkv_bias={c.qkv_bias!r} must be True, False or None (= use_bias)')
+  if not c.output_head and (c.family != 'bidirectional_lm' or c.num_classes):
+    raise ValueError(
+      'output_head=False (hidden states out) is for family=bidirectional_lm with num_classes=0'
+    )
+  if c.rope_scaling == 'llama3' and not 0 < c.rope_low_freq_factor < c.rope_high_freq_factor:
+    raise ValueError(
+      f'rope_low_freq_factor={c.rope_low_freq_factor} and rope_high_freq_factor='
+      f'{c.rope_high_freq_factor} must satisfy 0 < low < high for rope_scaling=llama3'
+    )

@@ -412,8 +412,10 @@ def test_corrupt_and_truncated_files(hf_models, tmp_path):
 
 def test_bad_arch_and_paths(hf_models, tmp_path):
   out = str(tmp_path / 'out')
-  with pytest.raises(ValueError, match="arch='llama' is not supported; choose one of gpt2, bert"):
-    hf.convert('llama', hf_models['gpt2'][1], out)
+  with pytest.raises(
+    ValueError, match="arch='t5' is not supported; choose one of gpt2, bert, llama"
+  ):
+    hf.convert('t5', hf_models['gpt2'][1], out)
   with pytest.raises(ValueError, match="model_type='gpt2' but arch='bert'; use --arch=gpt2"):
     hf.convert('bert', hf_models['gpt2'][1], out)
   with pytest.raises(FileNotFoundError, match='does not exist'):
@@ -484,10 +486,10 @@ def test_failure_midway_leaves_nothing(hf_models, tmp_path, monkeypatch):
 
 
 def test_cli_error_is_one_line(tmp_path):
-  cmd = [sys.executable, '-m', 'experiments.convert_hf', '--arch=llama', '--input=x']
+  cmd = [sys.executable, '-m', 'experiments.convert_hf', '--arch=t5', '--input=x']
   result = subprocess.run(
     cmd + [f'--workdir={tmp_path / "out"}'], capture_output=True, text=True, timeout=120
   )
   assert result.returncode == 2
-  assert result.stderr.strip().splitlines()[-1].startswith("error: arch='llama' is not supported")
+  assert result.stderr.strip().splitlines()[-1].startswith("error: arch='t5' is not supported")
   _untouched(tmp_path / 'out')

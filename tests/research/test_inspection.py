@@ -174,3 +174,67 @@ def test_plots_are_written(tmp_path):
   ]  # fmt: skip
   for path in paths:
     assert os.path.getsize(path) > 1000
+
+
+# Dissecting an imported model ------------------------------------------------------------------
+def test_outlier_dimensions_finds_planted_channels():
+  from transformer.research.dissect import outlier_dimensions
+
+  x = np.random.default_rng(0).normal(size=(2, 9, 40))
+  x[1, 3, 17], x[0, 5, 4] = 80.0, -50.0
+  assert outlier_dimensions(x) == [(17, 80.0), (4, 50.0)]
+  assert outlier_dimensions(np.ones((3, 8))) == []
+
+
+def test_inspect_a_hugging_face_folder(tmp_path):
+  """experiments.inspect on an HF Llama folder: maps, entropy, histograms, the logit lens."""
+  import os
+  import subprocess
+  import sys
+
+  os.environ['HF_HUB_OFFLINE'] = '1'
+  import tokenizers
+  import torch
+  import transformers
+
+  from transformer.inference.api import load
+  from transformer.research import dissect
+
+  config = transformers.LlamaConfig(
+    vocab_size=45, hidden_size=24, num_attention_heads=3, num_key_value_heads=1, head_dim=6,
+    intermediate_size=20, num_hidden_layers=2, max_position_embeddings=32,
+    initializer_range=0.3, tie_word_embeddings=False,
+  )  # fmt: skip
+  torch.manual_seed(0)
+  model = transformers.LlamaForCausalLM(config).eval()
+  with torch.no_grad():
+    model.model.norm.weight.uniform_(0.5, 2.0)  # away from 1: the lens must apply it once
+  folder = str(tmp_path / 'llama')
+  model.save_pretrained(folder, safe_serialization=True)
+  words = {f'w{i}': i for i in range(45)}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token='w0'))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.save(os.path.join(folder, 'tokenizer.json'))
+  out = tmp_path / 'report'
+  cmd = [sys.executable, '-m', 'experiments.inspect', f'--workdir={folder}', f'--out={out}']
+  result = subprocess.run(cmd + ['--text=w3 w9 w1 w4'], capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  report = (out / 'inspect.md').read_text()
+  for section in ('## Attention maps', '## Activations', 'outlier dims', '## Logit lens'):
+    assert section in report
+  names = set(os.listdir(out))
+  assert {'entropy.png', 'activations.png'} <= names
+  assert {f'decoder_stack_layer_{i}_self_attention.png' for i in range(2)} <= names
+  # The lens of the last layer is the model's own prediction.
+  from transformer.model.capture import capture
+
+  m = load(folder)
+  ids = [3, 9, 1, 4]
+  blocks = capture(m.cfg, m.params, {'inputs': np.array([ids])}).blocks
+  lens = dissect.logit_lens(
+    m.cfg, m.params, [blocks[f'decoder/stack/layer_{i}'][0] for i in (0, 1)]
+  )
+  with torch.no_grad():
+    want = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+  np.testing.assert_allclose(lens[-1], want, atol=1e-4)
+  assert report.count('| layer_') == 4  # two activation rows, two lens rows

@@ -26,7 +26,7 @@ from transformer.data.tokenizers import (
 )
 
 TASKS = ('numbers', 'grammar', 'text', 'tsv', 'tfds')
-TOKENIZERS = ('byte', 'sentencepiece')
+TOKENIZERS = ('byte', 'sentencepiece', 'hf')  # hf: an imported model's own, in workdir/tokenizer
 _CHUNK = 4096  # examples tokenised at a time
 _CHARS_PER_TOKEN = 64  # texts are cut to this many characters per allowed token (see max_chars)
 
@@ -154,6 +154,11 @@ def _tokenizer(cfg, train: Iterable, workdir: str | None, process_index: int) ->
       f'{workdir!r} has checkpoints but no tokenizer/ directory, and a newly trained '
       f'{cfg.tokenizer} tokenizer may number its pieces differently from the one their '
       'embeddings were trained with; restore that tokenizer/ or use a new workdir'
+    )
+  if cfg.tokenizer == 'hf':
+    raise ValueError(
+      f"tokenizer='hf' is an imported model's own tokenizer, and {cache!r} holds none; "
+      'import the model with its tokenizer.json (experiments.convert_hf)'
     )
   if cfg.tokenizer == 'byte':
     tokenizer = ByteTokenizer()

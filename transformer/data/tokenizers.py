@@ -129,6 +129,9 @@ class HFTokenizer:
         f'{directory!r} holds a Hugging Face tokenizer; pip install tokenizers'
       ) from e
     self._tok = tokenizers.Tokenizer.from_file(os.path.join(directory, _JSON))
+    # Padding and truncation are the batcher's job (some hub tokenizer.json files pad to 128).
+    self._tok.no_padding()
+    self._tok.no_truncation()
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     config, path = {}, os.path.join(directory, 'tokenizer_config.json')
     if os.path.exists(path):
@@ -140,9 +143,9 @@ class HFTokenizer:
       setattr(self, f'{name}_id', self._tok.token_to_id(token) if isinstance(token, str) else None)
     self._config = config
 
-  def encode(self, text: str) -> list[int]:
-    """Token ids of `text`, without the special tokens its post-processor would add."""
-    return self._tok.encode(text, add_special_tokens=False).ids
+  def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of `text`; `add_special_tokens` adds those of its post-processor ([CLS] ...)."""
+    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]

@@ -1,13 +1,15 @@
-"""One-call reload of a trained run for notebooks: `m = transformer.load('runs/gpt')`.
+"""One-call reload of a trained run or a Hugging Face folder: `m = transformer.load('runs/gpt')`.
 
 `load` reads a workdir (config.json, the latest good checkpoint, tokenizer/) onto whatever devices
-this machine has, whatever mesh trained it, and returns a `Model` that generates, translates,
-fills masks, scores text, returns raw logits and attention maps.
+this machine has, whatever mesh trained it, or converts a Hugging Face model folder in memory, and
+returns a `Model` that generates, translates, fills masks, scores text, embeds sentences, returns
+raw logits, hidden states and attention maps.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import Any
 
@@ -23,24 +25,55 @@ Array = jax.Array
 MASK_TEXT = '[MASK]'  # what fill_mask replaces
 
 
-def load(workdir: str, step: int | None = None) -> Model:
-  """The model, parameters, config and tokenizer of `workdir` (its latest checkpoint by default).
+def load(workdir: str, step: int | None = None, *, param_dtype: str = 'float32') -> Model:
+  """The model, parameters, config and tokenizer of `workdir` (its latest checkpoint by default),
+  or of a Hugging Face model folder (config.json + safetensors), converted in memory.
+
+  `param_dtype` (Hugging Face folders): float32 | bfloat16 | float16 | keep (the file's dtype).
 
   Raises:
     FileNotFoundError: no such workdir, no config.json in it, or no checkpoint.
     ValueError: the checkpoint does not fit the saved config, or it is corrupt.
   """
+  from transformer.inference import hf
+
+  if hf.is_hf_dir(workdir) and not os.path.isdir(os.path.join(workdir, 'checkpoints')):
+    config, cfg, params, directory = hf.convert_in_memory(workdir, param_dtype=param_dtype)
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+    tokenizer = _hf_tokenizer(directory, os.path.join(directory, 'config.json'))
+    return Model(cfg, params, config, tokenizer, 0, workdir)
   from transformer.training.workdir import load_run  # the loop's siblings; keep `import` light
 
   run, state, step = load_run(workdir, step, with_data=False)
   tokenizer_dir = os.path.join(workdir, 'tokenizer')
-  tokenizer = data.load_tokenizer(tokenizer_dir) if os.path.isdir(tokenizer_dir) else None
+  tokenizer = None
+  if os.path.isdir(tokenizer_dir):
+    tokenizer = _hf_tokenizer(tokenizer_dir, os.path.join(workdir, hf.HF_CONFIG))
   return Model(run.model_cfg, state.params, run.config, tokenizer, step, workdir)
 
 
+def _hf_tokenizer(directory: str, hf_config_path: str):
+  """The tokenizer of `directory` (None without one); a Hugging Face one gets the bos/eos ids of
+  the model's config.json where its tokenizer_config.json names none."""
+  if not os.path.isfile(os.path.join(directory, 'tokenizer.json')):
+    return None
+  tokenizer = data.load_tokenizer(directory)
+  if tokenizer.kind != 'hf' or not os.path.isfile(hf_config_path):
+    return tokenizer
+  with open(hf_config_path) as f:
+    hf_config = json.load(f)
+  for name in ('bos', 'eos', 'pad'):
+    value = hf_config.get(f'{name}_token_id')
+    value = value[0] if isinstance(value, list) and value else value
+    if getattr(tokenizer, f'{name}_id', None) is None and isinstance(value, int):
+      setattr(tokenizer, f'{name}_id', value)
+  return tokenizer
+
+
 class Model:
-  """A trained model ready to use: `generate`, `translate`, `fill_mask`, `score`, `logits`,
-  `attention_maps`. Text methods need the run's tokenizer; `logits` takes token ids."""
+  """A trained or imported model ready to use: `generate`, `translate`, `fill_mask`, `score`,
+  `embed`, `logits`, `hidden_states`, `attention_maps`. Text methods need a tokenizer; `logits` and
+  `hidden_states` take token ids."""
 
   def __init__(self, cfg: ModelConfig, params: Any, config, tokenizer, step: int, workdir: str):
     self.cfg, self.params, self.config, self.tokenizer = cfg, params, config, tokenizer
@@ -69,7 +102,7 @@ class Model:
     """Continuations of each prompt (CausalLM): greedy, beam search or sampling."""
     self._need('causal_lm', 'generate')
     bos = _special(self.tokenizer, 'bos_id', data.BOS_ID)
-    ids = [[bos] + self._encode(p) for p in _as_list(prompts)]
+    ids = [([] if bos is None else [bos]) + self._encode(p) for p in _as_list(prompts)]
     out = decode.generate(
       self.module,
       self.params,
@@ -81,7 +114,7 @@ class Model:
       top_k=top_k,
       top_p=top_p,
       rng=jax.random.PRNGKey(seed) if temperature > 0 else None,
-      eos_id=_special(self.tokenizer, 'eos_id', data.EOS_ID),
+      eos_id=_or(_special(self.tokenizer, 'eos_id', data.EOS_ID), -1),
     )
     return self._decode(out)
 
@@ -155,13 +188,20 @@ class Model:
     """
     texts = _as_list(texts)
     ids = [self._encode(t) for t in texts]
-    targets = _pad([row + [data.EOS_ID] for row in ids])
-    decoder_inputs = _pad([[data.BOS_ID] + row for row in ids])
-    if self.cfg.family == 'causal_lm':
-      logits = self.logits(decoder_inputs, mask=decoder_inputs != data.PAD_ID)
+    bos = _special(self.tokenizer, 'bos_id', data.BOS_ID)
+    eos = _special(self.tokenizer, 'eos_id', data.EOS_ID)
+    if self.cfg.family == 'causal_lm':  # without a bos, the first token is context only
+      rows = [([] if bos is None else [bos]) + row + ([] if eos is None else [eos]) for row in ids]
+      decoder_inputs, targets = _pad([r[:-1] for r in rows]), _pad([r[1:] for r in rows])
+      lengths = [len(r) - 1 for r in rows]
+      mask = np.arange(decoder_inputs.shape[1])[None] < np.array(lengths)[:, None]
+      logits = self.logits(decoder_inputs, mask=mask)
     elif self.cfg.family == 'encoder_decoder':
       if sources is None or len(_as_list(sources)) != len(texts):
         raise ValueError('EncoderDecoder.score needs sources=[one source text per text]')
+      targets = _pad([row + [data.EOS_ID] for row in ids])
+      decoder_inputs = _pad([[data.BOS_ID] + row for row in ids])
+      lengths = [len(row) + 1 for row in ids]
       inputs = _pad([self._encode(s) + [data.EOS_ID] for s in _as_list(sources)])
       logits = self.logits(inputs, decoder_tokens=decoder_inputs)
     else:
@@ -171,13 +211,12 @@ class Model:
       )
     logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), -1))
     results = []
-    for i, row in enumerate(ids):
-      n = len(row) + 1
+    for i, n in enumerate(lengths):
       per_token = logp[i, np.arange(n), targets[i, :n]]
       nll = float(-per_token.sum())
       results.append(
         {
-          'tokens': [self.tokenizer.decode([t]) for t in row] + ['</s>'],
+          'tokens': [self.tokenizer.decode([int(t)]) or '</s>' for t in targets[i, :n]],
           'log_probs': per_token.tolist(),
           'nll': nll,
           'perplexity': float(np.exp(nll / n)),
@@ -199,12 +238,7 @@ class Model:
     EncoderDecoder: `tokens` are the source and `decoder_tokens` [B, T'] the decoder inputs
     (padding 0); the logits are the decoder's. BidirectionalLM takes `token_types` [B, T].
     """
-    tokens = _int_array(tokens, 'tokens')
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
-      raise ValueError(
-        f'token ids must be in [0, {self.cfg.vocab_size}); got min {tokens.min()} and '
-        f'max {tokens.max()}'
-      )
+    tokens = self._check_tokens(tokens)
     kwargs = {}
     if mask is not None:
       mask = np.asarray(mask)
@@ -226,6 +260,67 @@ class Model:
         )
       )
     return np.asarray(_apply(self.module, self.params, tokens, **kwargs))
+
+  def hidden_states(
+    self, tokens: Any, mask: Any = None, token_types: Any = None, *, layers: bool = False
+  ) -> np.ndarray:
+    """Final hidden states float32 [B, T, D] (after the final norm where the model has one).
+
+    `layers=True` returns [L + 1, B, T, D]: the embeddings, then each layer's output, the last one
+    after the final norm (Hugging Face's `output_hidden_states`). LM families only.
+    """
+    if self.cfg.family == 'encoder_decoder':
+      raise ValueError('hidden_states needs a causal_lm or bidirectional_lm model')
+    tokens = self._check_tokens(tokens)
+    inputs = {'inputs': tokens}
+    if mask is not None:
+      mask = np.asarray(mask)
+      if mask.shape != tokens.shape:
+        raise ValueError(f'mask shape {mask.shape} must equal tokens shape {tokens.shape}')
+      inputs['segments'] = mask.astype(np.int32)
+    if token_types is not None:
+      if self.cfg.family != 'bidirectional_lm':
+        raise ValueError('token_types are for bidirectional_lm models')
+      inputs['token_types'] = _int_array(token_types, 'token_types')
+    seen = capture.capture(self.cfg, self.params, inputs, with_attention=False)
+    side = 'decoder' if self.cfg.family == 'causal_lm' else 'encoder'
+    final = seen.hidden[f'{side}/stack'].astype(np.float32)
+    if not layers:
+      return final
+    blocks = [seen.blocks[f'{side}/stack/layer_{i}'] for i in range(self.cfg.num_layers)]
+    stacked = [seen.hidden[f'{side}/embedder']] + blocks[:-1] + [final]
+    return np.stack(stacked).astype(np.float32)  # [L + 1, B, T, D]
+
+  def embed(
+    self, texts: str | list[str], *, pooling: str = 'mean', normalize: bool = True
+  ) -> np.ndarray:
+    """Sentence embeddings float32 [len(texts), D] from the final hidden states.
+
+    Texts are tokenised with the tokenizer's special tokens ([CLS] ... [SEP] for BERT) and cut to
+    max_length. pooling='mean' averages over the real tokens (sentence-transformers), 'cls' takes
+    the first token; `normalize` scales each embedding to unit L2 norm.
+    """
+    if pooling not in ('mean', 'cls'):
+      raise ValueError(f"pooling={pooling!r} is not valid; choose 'mean' or 'cls'")
+    rows = []
+    for text in _as_list(texts):
+      if getattr(self.tokenizer, 'kind', None) == 'hf':
+        ids = self.tokenizer.encode(text, add_special_tokens=True)
+      else:
+        ids = [data.BOS_ID] + self._encode(text) + [data.EOS_ID]
+      rows.append(ids[: self.cfg.max_length])
+    tokens = _pad(rows)
+    mask = (np.arange(tokens.shape[1])[None] < np.array([len(r) for r in rows])[:, None]).astype(
+      np.int32
+    )
+    hidden = self.hidden_states(tokens, mask=mask).astype(np.float64)  # [B, T, D]
+    if pooling == 'cls':
+      pooled = hidden[:, 0]
+    else:
+      pooled = (hidden * mask[..., None]).sum(1) / np.maximum(mask.sum(1, keepdims=True), 1)
+    if normalize:
+      pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
+    return pooled.astype(np.float32)  # [B, D]
 
   def attention_maps(self, text: str | Any, *, source: str | None = None) -> dict[str, np.ndarray]:
     """Attention probabilities per layer: {name: float32 [N, T, S]}, through the 'xla' path.
@@ -254,6 +349,15 @@ class Model:
     return {name: np.asarray(m)[0] for name, m in maps.items()}
 
   # Helpers ---------------------------------------------------------------------------------------
+  def _check_tokens(self, tokens: Any) -> np.ndarray:
+    tokens = _int_array(tokens, 'tokens')
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+      raise ValueError(
+        f'token ids must be in [0, {self.cfg.vocab_size}); got min {tokens.min()} and '
+        f'max {tokens.max()}'
+      )
+    return tokens
+
   def _encode(self, text: str) -> list[int]:
     if self.tokenizer is None:
       raise ValueError(
@@ -263,7 +367,7 @@ class Model:
 
   def _decode(self, out: Array) -> list[str]:
     """Texts of generated rows, each cut at its first eos (what follows is padding)."""
-    eos = _special(self.tokenizer, 'eos_id', data.EOS_ID)
+    eos = _or(_special(self.tokenizer, 'eos_id', data.EOS_ID), -1)
     texts = []
     for row in np.asarray(out).tolist():
       texts.append(self.tokenizer.decode(row[: row.index(eos)] if eos in row else row))
@@ -279,10 +383,16 @@ def _apply(module, params, *args, **kwargs):
   return module.apply({'params': params}, *args, **kwargs).astype(jnp.float32)
 
 
-def _special(tokenizer, name: str, default: int) -> int:
-  """A tokenizer's special id (an imported Hugging Face one has its own), else sparrow's."""
+def _special(tokenizer, name: str, default: int) -> int | None:
+  """A tokenizer's special id: a Hugging Face one has its own (None: it has none), else ours."""
   value = getattr(tokenizer, name, None)
-  return default if value is None else int(value)
+  if value is None:
+    return None if getattr(tokenizer, 'kind', None) == 'hf' else default
+  return int(value)
+
+
+def _or(value, default):
+  return default if value is None else value
 
 
 def _as_list(texts) -> list[str]:

@@ -21,6 +21,7 @@ from transformer import config, sharding
 from transformer.model import attention_paths as paths
 from transformer.model import positions as positions_lib
 from transformer.model.masks import NEG, MaskSpec
+from transformer.model.norms import Norm
 
 _DENSE_MAX_ELEMENTS = 1024 * 1024  # auto-select 'xla' while one head's T * S logits fit this
 
@@ -214,8 +215,11 @@ class MultiHeadAttention(nn.Module):
   scale: float | None = None  # None = 1/sqrt(head_dim); 1.0 = unscaled
   implementation: str | None = None
   chunk_size: int = 128
-  rope: tuple | None = None  # (theta, scaling, factor, original_max_length) for RoPE; None = off
+  # RoPE (theta, scaling, factor, original_max_length, low_freq_factor, high_freq_factor); None: off
+  rope: tuple | None = None
   alibi: bool = False
+  qkv_bias: bool | None = None  # biases on query/key/value; None = use_bias (which sets 'out')
+  qk_norm: tuple[str, float] | None = None  # (norm kind, eps) over head_dim of q and k (Qwen3)
 
   @nn.compact
   def __call__(
@@ -246,11 +250,13 @@ class MultiHeadAttention(nn.Module):
         raise ValueError("CacheMode step needs positions [B, 1]: the slot of each row's token")
     features = inputs_q.shape[-1]
 
+    qkv_bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
+
     def dense(heads: int, heads_axis: str, name: str) -> nn.DenseGeneral:
       return nn.DenseGeneral(
         (heads, self.head_dim),
         axis=-1,
-        use_bias=self.use_bias,
+        use_bias=qkv_bias,
         dtype=self.dtype,
         param_dtype=self.param_dtype,
         kernel_init=nn.with_logical_partitioning(self.kernel_init, ('embed', heads_axis, 'kv')),
@@ -264,19 +270,25 @@ class MultiHeadAttention(nn.Module):
       dense(self.num_kv_heads, 'kv_heads', 'key')(inputs_kv), 'kv_heads'
     )  # [B, S, K, H]
     v = constrain(dense(self.num_kv_heads, 'kv_heads', 'value')(inputs_kv), 'kv_heads')
+    if self.qk_norm is not None:  # per head, over H, before RoPE
+      kind, eps = self.qk_norm
+      norm = lambda name: Norm(kind, eps, self.dtype, self.param_dtype, 'kv', name=name)
+      q, k = norm('query_norm')(q), norm('key_norm')(k)
 
     alibi_slopes = None
     if self_attention and (self.rope is not None or self.alibi):
       if positions is None:
         positions = jnp.arange(inputs_q.shape[1])[None]  # [1, T]
       if self.rope is not None:
-        theta, scaling, factor, original_max_length = self.rope
+        theta, scaling, factor, original_max_length, low, high = self.rope
         inv_freq, mscale = positions_lib.rope_frequencies(
           self.head_dim,
           theta=theta,
           scaling=scaling,
           factor=factor,
           original_max_length=original_max_length,
+          low_freq_factor=low,
+          high_freq_factor=high,
         )
         q = positions_lib.apply_rope(q, positions, inv_freq, mscale)
         k = positions_lib.apply_rope(k, positions, inv_freq, mscale)

@@ -14,7 +14,7 @@ import numpy as np
 from transformer.config import ModelConfig
 from transformer.model import models
 from transformer.model.attention import MultiHeadAttention
-from transformer.model.layers import Block
+from transformer.model.layers import Block, Stack
 
 
 # Capturing attention and activations ---------------------------------------------------------
@@ -28,6 +28,9 @@ class Capture:
   visible: dict[str, np.ndarray]  # bool [B or 1, 1, T, S]: which keys each query may see
   attention_inputs: dict[str, np.ndarray]  # the attention's query-side input [B, T, D]
   blocks: dict[str, np.ndarray]  # each block's output, the residual stream [B, T, D]
+  # The embedder's output ('decoder/embedder') and each stack's, after any final norm
+  # ('decoder/stack'): [B, T, D].
+  hidden: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 def inspection_config(cfg: ModelConfig) -> ModelConfig:
@@ -57,18 +60,23 @@ def unscan_params(cfg: ModelConfig, params: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def _capture_fn(cfg: ModelConfig):
-  """A jitted forward pass of `cfg` (an inspection config) that also returns the inside views."""
+def _capture_fn(cfg: ModelConfig, with_attention: bool = True):
+  """A jitted forward pass of `cfg` (an inspection config) that also returns the inside views
+  (without the attention probabilities unless `with_attention`)."""
   model = models.build(cfg)
 
   def run(params, inputs):
-    attention, visible, attention_inputs, blocks = {}, {}, {}, {}
+    attention, visible, attention_inputs, blocks, hidden = {}, {}, {}, {}, {}
 
     def interceptor(next_fun, args, kwargs, context):
       module = context.module
       if context.method_name != '__call__':
         return next_fun(*args, **kwargs)
-      if isinstance(module, MultiHeadAttention) and kwargs.get('cache_mode') is None:
+      if (
+        with_attention
+        and isinstance(module, MultiHeadAttention)
+        and kwargs.get('cache_mode') is None
+      ):
         y, probs = next_fun(*args, **{**kwargs, 'return_probs': True})
         name = '/'.join(module.path)
         attention[name] = probs  # [B, N, T, S]
@@ -81,24 +89,36 @@ def _capture_fn(cfg: ModelConfig):
         y = next_fun(*args, **kwargs)
         blocks['/'.join(module.path)] = y[0] if isinstance(y, tuple) else y
         return y
+      if isinstance(module, (Stack, models.Embedder)):
+        y = next_fun(*args, **kwargs)
+        hidden['/'.join(module.path)] = y
+        return y
       return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(interceptor):
       logits = model.apply({'params': params}, **inputs, deterministic=True)
-    return logits, attention, visible, attention_inputs, blocks
+    return logits, attention, visible, attention_inputs, blocks, hidden
 
   return jax.jit(run)
 
 
-def capture(cfg: ModelConfig, params: Any, inputs: dict[str, Any]) -> Capture:
+def capture(
+  cfg: ModelConfig, params: Any, inputs: dict[str, Any], *, with_attention: bool = True
+) -> Capture:
   """Runs the model on `inputs` (its keyword arguments, e.g. `model_inputs(family, batch)`)
-  through the 'xla' path and returns the logits, every attention map and every block's output."""
+  through the 'xla' path and returns the logits, every attention map (unless not
+  `with_attention`), every block's output and the embedder's and stacks' outputs."""
   inputs = {k: v for k, v in inputs.items() if v is not None}
-  out = _capture_fn(inspection_config(cfg))(unscan_params(cfg, params), inputs)
-  logits, attention, visible, attention_inputs, blocks = jax.device_get(out)
+  out = _capture_fn(inspection_config(cfg), with_attention)(unscan_params(cfg, params), inputs)
+  logits, attention, visible, attention_inputs, blocks, hidden = jax.device_get(out)
   as_np = lambda d: {k: np.asarray(v) for k, v in sorted(d.items())}
   return Capture(
-    np.asarray(logits), as_np(attention), as_np(visible), as_np(attention_inputs), as_np(blocks)
+    np.asarray(logits),
+    as_np(attention),
+    as_np(visible),
+    as_np(attention_inputs),
+    as_np(blocks),
+    as_np(hidden),
   )
 
 

@@ -14,6 +14,7 @@ from transformer import sharding
 from transformer.config import ModelConfig
 from transformer.model import positions as positions_lib
 from transformer.model.attention import CacheMode, MaskSpec, MultiHeadAttention
+from transformer.model.norms import Norm
 
 Array = jax.Array
 
@@ -50,29 +51,6 @@ def embedding_init(cfg: ModelConfig) -> Callable:
 
 
 # Norms ---------------------------------------------------------------------------------------
-class Norm(nn.Module):
-  """LayerNorm or RMSNorm with statistics in float32 whatever the compute dtype."""
-
-  kind: str = 'layernorm'
-  eps: float = 1e-6
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    features = x.shape[-1]
-    x32 = x.astype(jnp.float32)
-    if self.kind == 'layernorm':
-      x32 = x32 - x32.mean(-1, keepdims=True)
-    y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
-    ones = nn.with_logical_partitioning(nn.initializers.ones, ('embed',))
-    y = y * self.param('scale', ones, (features,), self.param_dtype)
-    if self.kind == 'layernorm':
-      zeros = nn.with_logical_partitioning(nn.initializers.zeros, ('embed',))
-      y = y + self.param('bias', zeros, (features,), self.param_dtype)
-    return y.astype(self.dtype)
-
-
 def make_norm(cfg: ModelConfig, name: str | None = None) -> Norm:
   return Norm(cfg.norm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
 
@@ -230,6 +208,8 @@ class Block(nn.Module):
           cfg.rope_scaling,
           cfg.rope_scaling_factor,
           cfg.rope_original_max_length or cfg.max_length,
+          cfg.rope_low_freq_factor,
+          cfg.rope_high_freq_factor,
         )
       return MultiHeadAttention(
         num_heads=cfg.num_heads,
@@ -246,6 +226,8 @@ class Block(nn.Module):
         chunk_size=cfg.attention_chunk_size,
         rope=rope,
         alibi=rope_alibi and cfg.position == 'alibi',
+        qkv_bias=cfg.qkv_bias,
+        qk_norm=(cfg.norm, cfg.norm_eps) if cfg.qk_norm else None,
         name=name,
       )
 

@@ -271,7 +271,8 @@ class CausalLM(nn.Module):
 
 
 class BidirectionalLM(nn.Module):
-  """BERT: tokens [B, T] -> MLM logits [B, T, V], or class logits [B, C] when num_classes > 0."""
+  """BERT: tokens [B, T] -> MLM logits [B, T, V], or class logits [B, C] when num_classes > 0,
+  or the final hidden states [B, T, D] when output_head=False."""
 
   cfg: ModelConfig
 
@@ -289,6 +290,8 @@ class BidirectionalLM(nn.Module):
       token_types=token_types,
       deterministic=deterministic,
     )  # [B, T, D]
+    if not cfg.output_head:  # an encoder without a head (HF BertModel): the hidden states
+      return x
     dense = lambda features, name: nn.Dense(
       features,
       dtype=cfg.compute_dtype,

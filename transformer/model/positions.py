@@ -15,7 +15,7 @@ import numpy as np
 
 Array = jax.Array
 
-ROPE_SCALINGS = ('none', 'linear', 'ntk', 'yarn')
+ROPE_SCALINGS = ('none', 'linear', 'ntk', 'yarn', 'llama3')
 
 
 def sinusoidal(positions: Array, d_model: int) -> Array:
@@ -67,6 +67,8 @@ def rope_frequencies(
   scaling: str = 'none',
   factor: float = 1.0,
   original_max_length: int = 2048,
+  low_freq_factor: float = 1.0,
+  high_freq_factor: float = 4.0,
 ) -> tuple[Array, float]:
   """Inverse frequencies theta^(-2i/H) of RoPE, optionally scaled to reach a longer context.
 
@@ -79,13 +81,18 @@ def rope_frequencies(
               frequency makes over the trained context), frequencies with r < 1 are interpolated,
               those with r > 32 are kept, and a linear ramp in r blends the two in between.
               Attention logits are also scaled by mscale^2 with mscale = 0.1 ln(factor) + 1.
+    'llama3': Llama 3.1's scaling (Hugging Face's rope_type='llama3'): with L =
+              original_max_length, wavelengths above L / low_freq_factor are divided by `factor`,
+              those below L / high_freq_factor are kept, and in between
+              s = (L / wavelength - low) / (high - low) blends them: (1 - s) f / factor + s f.
 
   Args:
     head_dim: even head dimension H.
     theta: RoPE base.
     scaling: one of ROPE_SCALINGS.
     factor: context extension factor, >= 1.
-    original_max_length: the trained context length (used by 'yarn').
+    original_max_length: the trained context length (used by 'yarn' and 'llama3').
+    low_freq_factor, high_freq_factor: the two wavelength bounds of 'llama3' (low < high).
 
   Returns:
     (inv_freq `[H/2]` float32, mscale): mscale is 1.0 except for 'yarn'.
@@ -112,6 +119,18 @@ def rope_frequencies(
     keep = np.clip((turns - beta_slow) / (beta_fast - beta_slow), 0.0, 1.0)  # 1 = keep original
     inv_freq = (1.0 - keep) * inv_freq / factor + keep * inv_freq
     mscale = 0.1 * math.log(factor) + 1.0
+  elif scaling == 'llama3':
+    if not 0 < low_freq_factor < high_freq_factor:
+      raise ValueError(
+        f'llama3 RoPE scaling needs 0 < low_freq_factor < high_freq_factor; got '
+        f'{low_freq_factor} and {high_freq_factor}'
+      )
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original_max_length / wavelength - low_freq_factor) / (
+      high_freq_factor - low_freq_factor
+    )
+    smooth = np.clip(smooth, 0.0, 1.0)  # 0 past L / low (divide by factor), 1 under L / high (keep)
+    inv_freq = (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
   return jnp.asarray(inv_freq, jnp.float32), mscale
 
 

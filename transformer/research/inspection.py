@@ -244,7 +244,10 @@ def _model_inputs(run, params, text: str) -> tuple[dict[str, np.ndarray], list[s
 
 def inspect_run(workdir: str, text: str | None = None, out: str | None = None, step=None) -> str:
   """Attention maps (every layer and head), head entropy, init and activation statistics, and the
-  position-encoding plots of a trained run; writes `out`/inspect.md (default workdir/inspect)."""
+  position-encoding plots of a trained run; writes `out`/inspect.md (default workdir/inspect).
+
+  `dissect.inspect` also takes Hugging Face folders and workdirs imported from them.
+  """
   run, state, step = load_run(workdir, step)
   out = out or os.path.join(workdir, 'inspect')
   os.makedirs(out, exist_ok=True)

@@ -51,13 +51,17 @@ def resolve_model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelC
   """The model of the experiment, with the vocabulary taken from the tokenizer.
 
   The vocabulary is rounded up to a multiple of `config.data.vocab_multiple` (so that tensor
-  parallelism can split it); the extra rows are never targets.
+  parallelism can split it); the extra rows are never targets. An imported Hugging Face model
+  (tokenizer kind 'hf') keeps its own vocabulary when the tokenizer fits in it.
   """
   multiple = config.data.get('vocab_multiple', 1)
   if not isinstance(multiple, int) or multiple < 1:
     raise ValueError(f'data.vocab_multiple={multiple!r} must be a positive int')
   with config.unlocked():
-    config.model.vocab_size = -(-tokenizer.vocab_size // multiple) * multiple
+    if tokenizer.kind == 'hf' and config.model.vocab_size >= tokenizer.vocab_size:
+      pass  # an imported model keeps its own (often padded) embedding table
+    else:
+      config.model.vocab_size = -(-tokenizer.vocab_size // multiple) * multiple
   return ModelConfig.from_config(config.model)
 
 

@@ -1,0 +1,35 @@
+"""LayerNorm and RMSNorm with float32 statistics: the blocks' norms and Qwen3's per-head q/k."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+class Norm(nn.Module):
+  """LayerNorm or RMSNorm with statistics in float32 whatever the compute dtype."""
+
+  kind: str = 'layernorm'
+  eps: float = 1e-6
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  axis_name: str = 'embed'  # logical axis of the normalised features ('kv' for q/k head norms)
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    features = x.shape[-1]
+    x32 = x.astype(jnp.float32)
+    if self.kind == 'layernorm':
+      x32 = x32 - x32.mean(-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
+    ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
+    y = y * self.param('scale', ones, (features,), self.param_dtype)
+    if self.kind == 'layernorm':
+      zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
+      y = y + self.param('bias', zeros, (features,), self.param_dtype)
+    return y.astype(self.dtype)

@@ -1,0 +1,168 @@
+"""Dissecting any model that `transformer.load` opens (a Hugging Face folder or an imported
+workdir): attention maps per layer and head, head entropy, per-layer activation distributions with
+their outlier feature dimensions, and for causal LMs the logit lens."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from transformer import data, util
+from transformer.config import ModelConfig
+from transformer.model.capture import capture, entropy_by_layer
+from transformer.research.inspection import inspect_run, plot_attention, plot_head_entropy
+
+
+# Measures ------------------------------------------------------------------------------------
+def outlier_dimensions(x: np.ndarray, top: int = 4, ratio: float = 6.0) -> list[tuple[int, float]]:
+  """Feature dimensions whose largest |activation| is at least `ratio` times the median one's.
+
+  Args:
+    x: [..., D] activations (e.g. one layer's output over the tokens).
+  Returns:
+    Up to `top` (dimension, max |x|) pairs, largest first: the "massive activations" that
+    Llama-style models carry in a few fixed channels.
+  """
+  peak = np.abs(np.asarray(x, np.float64)).reshape(-1, x.shape[-1]).max(0)  # [D]
+  floor = max(float(np.median(peak)), 1e-12)
+  order = np.argsort(-peak)[:top]
+  return [(int(d), float(peak[d])) for d in order if peak[d] >= ratio * floor]
+
+
+def _norm(cfg: ModelConfig, params: dict, x: np.ndarray) -> np.ndarray:
+  """The model's final norm (pre-LN stacks) on hidden states [..., D], in float64."""
+  if cfg.norm_placement != 'pre':
+    return x
+  p = {k: np.asarray(v, np.float64) for k, v in params['decoder']['stack']['final_norm'].items()}
+  if cfg.norm == 'layernorm':
+    x = x - x.mean(-1, keepdims=True)
+  y = x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * p['scale']
+  return y + p['bias'] if 'bias' in p else y
+
+
+def logit_lens(cfg: ModelConfig, params: dict, layers: list[np.ndarray]) -> np.ndarray:
+  """Each layer's next-token log-probabilities: the final norm and the output head applied to
+  every layer's output [T, D] (a CausalLM). Returns float64 [L, T, V]."""
+  if cfg.family != 'causal_lm':
+    raise ValueError(f'the logit lens needs a causal_lm model; this one is {cfg.family!r}')
+  if cfg.tie_output:
+    unembed = np.asarray(params['embedding']['embedding'], np.float64).T  # [D, V]
+  else:
+    unembed = np.asarray(params['head']['logits']['kernel'], np.float64)  # [D, V]
+  logits = np.stack([_norm(cfg, params, np.asarray(h, np.float64)) @ unembed for h in layers])
+  logits -= logits.max(-1, keepdims=True)
+  return logits - np.log(np.exp(logits).sum(-1, keepdims=True))  # [L, T, V]
+
+
+# Plots ---------------------------------------------------------------------------------------
+def plot_activation_histograms(layers: dict[str, np.ndarray], path: str) -> str:
+  """One histogram (log counts) of every layer's output values, side by side."""
+  plt = util.pyplot()
+  names = list(layers)
+  cols = min(4, len(names))
+  rows = -(-len(names) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 2.2 * rows), squeeze=False)
+  for ax, name in zip(axes.ravel(), names):
+    ax.hist(np.asarray(layers[name], np.float64).ravel(), bins=80, log=True)
+    ax.set_title(name, fontsize=7)
+  for ax in axes.ravel()[len(names) :]:
+    ax.axis('off')
+  fig.tight_layout()
+  return _save(fig, path)
+
+
+def _save(fig, path: str) -> str:
+  fig.savefig(path, dpi=110, bbox_inches='tight')
+  util.pyplot().close(fig)
+  return path
+
+
+# The report ----------------------------------------------------------------------------------
+def _tokens(model: Any, text: str) -> list[int]:
+  tok = model.tokenizer
+  if tok is None:
+    raise ValueError(f'{model.workdir!r} has no tokenizer.json: inspect needs one to read --text')
+  if getattr(tok, 'kind', None) == 'hf':
+    ids = tok.encode(text, add_special_tokens=True)
+  else:
+    ids = (
+      [data.BOS_ID] + tok.encode(text) + ([data.EOS_ID] if model.cfg.family != 'causal_lm' else [])
+    )
+  return ids[: model.cfg.max_length]
+
+
+def inspect_model(model: Any, text: str, out: str, *, top: int = 3, max_plots: int = 64) -> str:
+  """Writes `out`/inspect.md and its PNGs for `model` (a `transformer.inference.api.Model`) on
+  `text`; returns the path of inspect.md. At most `max_plots` attention modules are drawn."""
+  if not text:
+    raise ValueError('inspect needs --text for an imported model')
+  cfg, params = model.cfg, model.params
+  os.makedirs(out, exist_ok=True)
+  ids = _tokens(model, text)
+  labels = [model.tokenizer.decode([i]) or f'<{i}>' for i in ids]
+  inputs = {'inputs': np.array([ids], np.int32), 'segments': np.ones((1, len(ids)), np.int32)}
+  seen = capture(cfg, params, inputs)
+  lines = [f'# Inspection of {model.workdir}', '', f'{model!r}', '', f'Input: `{text}`', '']
+  lines += [f'Tokens ({len(ids)}): ' + ' '.join(f'`{t}`' for t in labels), '']
+  lines += ['## Attention maps (the xla path on the same parameters)', '']
+  lines += ['| module | mean entropy per head (nats) | normalised (0 sharp, 1 uniform) |']
+  lines += ['|---|---|---|']
+  entropies = entropy_by_layer(seen)
+  for name, stats in entropies.items():
+    shown = ', '.join(f'{x:.2f}' for x in stats['entropy'])
+    lines.append(f'| {name} | {shown} | {", ".join(f"{x:.2f}" for x in stats["normalized"])} |')
+  lines += ['', '![head entropy](entropy.png)', '']
+  plot_head_entropy(
+    {n: s['normalized'] for n, s in entropies.items()}, os.path.join(out, 'entropy.png')
+  )
+  for name, probs in list(seen.attention.items())[:max_plots]:
+    file = name.replace('/', '_') + '.png'
+    plot_attention(probs[0], os.path.join(out, file), query_labels=labels, key_labels=labels,
+                   title=name)  # fmt: skip
+    lines += [f'![{name}]({file})', '']
+  side = 'decoder' if cfg.family == 'causal_lm' else 'encoder'
+  layers = {'embeddings': seen.hidden[f'{side}/embedder'][0]}
+  layers |= {f'layer_{i}': seen.blocks[f'{side}/stack/layer_{i}'][0] for i in range(cfg.num_layers)}
+  lines += ['## Activations (the residual stream after each layer)', '']
+  lines += [
+    '| layer | mean | std | max abs | outlier dims (dim: max abs) |',
+    '|---|---|---|---|---|',
+  ]
+  for name, x in layers.items():
+    x64 = np.asarray(x, np.float64)
+    outliers = ', '.join(f'{d}: {v:.3g}' for d, v in outlier_dimensions(x64)) or '-'
+    lines.append(
+      f'| {name} | {x64.mean():.3g} | {x64.std():.3g} | {np.abs(x64).max():.3g} | {outliers} |'
+    )
+  plot_activation_histograms(layers, os.path.join(out, 'activations.png'))
+  lines += ['', '![activation histograms](activations.png)', '']
+  if cfg.family == 'causal_lm':
+    lens = logit_lens(cfg, params, [layers[f'layer_{i}'] for i in range(cfg.num_layers)])
+    lines += ['## Logit lens (each layer through the final norm and the head)', '']
+    lines += [f'Top {top} next-token guesses after the last token `{labels[-1]}`; then the top '
+              'guess at every position.', '']  # fmt: skip
+    lines += ['| layer | last position | every position |', '|---|---|---|']
+    decode = lambda t: model.tokenizer.decode([int(t)]) or f'<{int(t)}>'
+    for i, logp in enumerate(lens):
+      best = np.argsort(-logp[-1])[:top]
+      last = ', '.join(f'`{decode(t)}` {np.exp(logp[-1, t]):.2f}' for t in best)
+      every = ' '.join(f'`{decode(t)}`' for t in logp.argmax(-1))
+      lines.append(f'| layer_{i} | {last} | {every} |')
+    lines.append('')
+  path = os.path.join(out, 'inspect.md')
+  with open(path, 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  return path
+
+
+def inspect(workdir: str, text: str | None = None, out: str | None = None, step=None) -> str:
+  """What experiments.inspect runs: `inspect_model` for a Hugging Face folder or a workdir imported
+  from one (default out: DIR/inspect), else `inspection.inspect_run` for a sparrow run."""
+  from transformer.inference import hf
+  from transformer.inference.api import load
+
+  if hf.is_hf_dir(workdir) or os.path.isfile(os.path.join(workdir, hf.HF_CONFIG)):
+    return inspect_model(load(workdir, step), text, out or os.path.join(workdir, 'inspect'))
+  return inspect_run(workdir, text, out, step)
