@@ -104,8 +104,10 @@ def run_child() -> NoReturn:
   text = stderr.all_text()
   if code < 0 and _LOST.search(text):  # aborted by the coordination service: a peer is gone
     process = peers.lost_process(text)
-    if process is None and run.get('process') != 0 and re.search('Socket closed', text):
-      process = 0  # the coordination service, which runs in process 0, is gone
+    if process is None and run.get('process', 0) != 0:
+      # The service names a process it declares dead; an abort naming none means the service
+      # itself, which runs in process 0, is gone.
+      process = 0
     peers.exit_now(f'lost peer: {peers.message(process, run.get("checkpoints"))}', 75)
   # A preempted or peer-lost child says what it has to in one line; the rest is shutdown noise.
   stderr.release(re.compile(r'(preempted|lost peer): ') if code == 75 else None)

@@ -88,6 +88,10 @@ def test_the_coordination_service_abort_becomes_one_line_and_status_75(tmp_path)
     f'lost peer: process 1 was lost; the last good checkpoint is 40 in {tmp_path}; rerun the '
     'same command on every host to resume\n'
   )
+  proc = _supervise('coordinator_gone', tmp_path)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 75, err
+  assert err.startswith('lost peer: process 0 (the coordinator) was lost; the last good '), err
 
 
 @pytest.mark.parametrize('to_group', [False, True])
