@@ -7,6 +7,7 @@ The timeouts are `transformer.sharding`'s; docs/reliability.md ("Lost peer proce
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -80,17 +81,26 @@ def start_beating(process_index: int) -> None:
     return
   _BEATING.append(process_index)
 
+  stop = threading.Event()
+
   def beat():
     count = 0
-    while True:
+    while not stop.is_set():
       count += 1
       try:
         client.key_value_set(f'sparrow_beat/{process_index}', str(count), allow_overwrite=True)
       except Exception:  # the service is gone: the survivors' problem, not this thread's
         return
-      time.sleep(BEAT_SECONDS)
+      stop.wait(BEAT_SECONDS)
 
-  threading.Thread(target=beat, name='sparrow-beat', daemon=True).start()
+  thread = threading.Thread(target=beat, name='sparrow-beat', daemon=True)
+  thread.start()
+
+  def stop_beating():  # at exit, before jax.distributed's own shutdown (registered earlier)
+    stop.set()
+    thread.join(timeout=5)
+
+  atexit.register(stop_beating)
 
 
 _BEATING: list[int] = []
