@@ -28,6 +28,7 @@ def run(main: Callable[[], None]) -> None:
 
   A run stopped by SIGTERM/SIGINT after its checkpoint prints `preempted: ...` and exits with
   status `transformer.training.faults.EXIT_PREEMPTED` (75): rerun the same command to resume.
+  One that lost a peer process prints `lost peer: ...` and exits with 75 too.
   """
 
   def wrapped(argv):
@@ -35,10 +36,12 @@ def run(main: Callable[[], None]) -> None:
       raise app.UsageError(f'unexpected arguments: {argv[1:]}')
     os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
     logging.set_verbosity(logging.WARNING)  # progress goes to stdout; keep absl INFO out of it
-    from transformer.training import faults  # after flag parsing: keeps --help fast
+    from transformer.training import faults, peers  # after flag parsing: keeps --help fast
 
     try:
       main()
+    except peers.PeerLost as lost:  # at once: a normal exit would wait for the lost peer
+      peers.exit_now(f'lost peer: {lost}', faults.EXIT_PREEMPTED)
     except faults.Preempted as stop:
       print(f'preempted: {stop}', file=sys.stderr, flush=True)
       sys.exit(faults.EXIT_PREEMPTED)

@@ -383,3 +383,290 @@ def test_fuzz_checkpoint_files(saved_workdir, tmp_path):
   finally:
     absl_logger.setLevel(level)
   assert outcomes['step 2 corrupt'] >= 20 and outcomes['step 2 intact'] >= 5, outcomes
+
+
+# (e) What a user hands to a trained model ------------------------------------------------------
+_FAMILIES = ('causal_lm', 'encoder_decoder', 'bidirectional_lm')
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory, tiny_config):
+  """family -> (workdir, Model) of a 2-step training run of the tiny config."""
+  import transformer
+  from transformer.training.loop import train_and_evaluate
+
+  out = {}
+  for family in _FAMILIES:
+    workdir = str(tmp_path_factory.mktemp(family))
+    config = tiny_config(family, steps=2, eval_every=2, checkpoint_every=2)
+    config.train.eval_decode_examples = 0
+    train_and_evaluate(config, workdir)
+    out[family] = (workdir, transformer.load(workdir))
+  return out
+
+
+_IDS = [  # token arrays: (description, value); the tiny vocabulary is 261 (bytes + 5 specials)
+  ('ok', [[2, 40, 41, 42]]),
+  ('ok two rows', [[2, 40, 41, 0], [2, 50, 0, 0]]),
+  ('negative', [[2, -1, 41]]),
+  ('vocab size', [[2, 261, 41]]),
+  ('2**40', np.array([[2, 2**40]], np.int64)),
+  ('2**32 + 40 (wraps to 40 in int32)', np.array([[2, 2**32 + 40]], np.int64)),
+  ('float', [[2.0, 40.0]]),
+  ('float nan', [[2.0, float('nan')]]),
+  ('bool', [[True, False]]),
+  ('strings', [['a', 'b']]),
+  ('1-D', [2, 40, 41]),
+  ('3-D', [[[2, 40]]]),
+  ('scalar', 7),
+  ('empty rows', np.zeros((0, 4), np.int32)),
+  ('empty columns', np.zeros((1, 0), np.int32)),
+  ('ragged', [[2, 40], [2]]),
+  ('None', None),
+  ('uint8', np.array([[2, 40]], np.uint8)),
+  ('too long', np.full((1, 600), 40, np.int32)),
+]
+_TEXTS = [
+  ('ok', 'the cat'),
+  ('ok list', ['the cat', 'a dog sat']),
+  ('empty string', ''),
+  ('empty list', []),
+  ('int', 7),
+  ('None', None),
+  ('list with an int', ['a', 3]),
+  ('nested list', [['a']]),
+  ('bytes', b'the cat'),
+  ('unicode', 'caf\u00e9 \u2603 \U0001f600'),
+  ('control characters', '\x00\x01\n\t'),
+  ('huge', 'word ' * 20_000),
+  ('many rows', ['a'] * 300),
+]
+_NUMBERS = [0, 1, 3, -1, -5, 2.5, float('nan'), float('inf'), -float('inf'), None, '3', True, 10**9]
+_PROBABILITIES = [1.0, 0.5, 0.0, -0.1, 1.5, float('nan'), None, '0.5']
+
+
+def _ndim(x) -> int:
+  try:
+    return np.ndim(x)
+  except ValueError:  # ragged
+    return -1
+
+
+def _rand(rng, options):
+  return options[int(rng.integers(len(options)))]
+
+
+def _check_ids(model, ids):
+  """logits of valid ids: float32 [B, T, V], finite, and equal to a second, 1-row call."""
+  out = model.logits(ids)
+  tokens = np.asarray(ids)
+  assert out.shape == tokens.shape + (model.cfg.vocab_size,) and out.dtype == np.float32
+  assert np.isfinite(out).all()
+  return 'ok'
+
+
+def _check_texts(texts, out):
+  texts = [texts] if isinstance(texts, str) else texts
+  assert isinstance(out, list) and len(out) == len(texts), out
+  return out
+
+
+def _model_cases(trained, count: int, seed: int):
+  """(description, thunk) cases over Model.generate/translate/score/fill_mask/logits."""
+  rng = np.random.default_rng(seed)
+  gpt, ed, bert = (trained[f][1] for f in _FAMILIES)
+  for index in range(count):
+    kind = _rand(rng, ['logits', 'generate', 'translate', 'score', 'fill_mask'])
+    name, text = _rand(rng, _TEXTS)
+    if kind == 'logits':
+      model = _rand(rng, [gpt, bert, ed])
+      name, ids = _rand(rng, _IDS)
+      extra = {'decoder_tokens': [[2, 40]]} if model is ed else {}
+      if rng.random() < 0.3:
+        mask_name = _rand(rng, ['ones', 'wrong shape', 'halves', 'twos'])
+        shape = np.shape(ids) if _ndim(ids) == 2 else (1, 1)
+        extra['mask'] = {
+          'ones': np.ones(shape, int),
+          'wrong shape': [[1]],
+          'halves': np.full(shape, 0.5),
+          'twos': np.full(shape, 2),
+        }[mask_name]
+        name += f', mask {mask_name}'
+
+      def case(model=model, ids=ids, extra=extra):
+        if _ndim(ids) == 2 and np.asarray(ids).dtype.kind == 'i' and 'mask' not in extra:
+          if model is not ed and np.size(ids):
+            return _check_ids(model, ids)
+        out = model.logits(ids, **extra)
+        assert np.isfinite(out).all() and out.shape[-1] == model.cfg.vocab_size
+        return 'ok'
+
+      yield f'{index} {model.cfg.family}.logits({name}, {sorted(extra)})', case
+    elif kind in ('generate', 'translate'):
+      model = gpt if kind == 'generate' else ed
+      knobs = {}
+      for knob, values in [
+        ('temperature', _NUMBERS),
+        ('top_k', _NUMBERS + [261, 10_000]),
+        ('top_p', _PROBABILITIES),
+        ('beam_size', _NUMBERS + [262, 300, 10**6]),
+        ('alpha', _NUMBERS),
+        ('seed', _NUMBERS + [2**70]),
+      ]:
+        if rng.random() < 0.15:
+          knobs[knob] = _rand(rng, values)
+      length = 'max_new_tokens' if kind == 'generate' else 'max_length'
+      if rng.random() < 0.5:
+        knobs[length] = _rand(rng, _NUMBERS + [32, 500])
+      if knobs.get('temperature', 0) == 0 and knobs.get('beam_size', 1) == 1:
+        knobs.setdefault(length, 3)  # greedy cases that pass the checks stay short
+
+      def case(model=model, kind=kind, text=text, knobs=knobs):
+        out = _check_texts(text, getattr(model, kind)(text, **knobs))
+        assert all(isinstance(o, str) for o in out), out
+        return 'ok'
+
+      yield f'{index} {kind}({name}, {knobs})', case
+    elif kind == 'score':
+      model = _rand(rng, [gpt, ed, bert])
+      sources = _rand(rng, [None, text, ['x'], 5]) if model is ed else None
+
+      def case(model=model, text=text, sources=sources):
+        out = _check_texts(text, model.score(text, sources=sources))
+        for row in out:
+          assert len(row['tokens']) == len(row['log_probs']) and max(row['log_probs']) <= 0
+          np.testing.assert_allclose(row['nll'], -sum(row['log_probs']), rtol=1e-5)
+          np.testing.assert_allclose(
+            row['perplexity'], np.exp(row['nll'] / len(row['tokens'])), rtol=1e-5
+          )
+        return 'ok'
+
+      yield f'{index} {model.cfg.family}.score({name}, sources={sources!r:.40})', case
+    else:
+      model = _rand(rng, [bert, bert, gpt])
+      masked = _rand(rng, [text, 'the [MASK] sat', '[MASK]', '[MASK][MASK] x [MASK]', '[mask]'])
+      top_k = _rand(rng, [1, 1, 3, 0, -1, 261, 262, 2.5, None])
+
+      def case(model=model, masked=masked, top_k=top_k):
+        out = _check_texts(masked, model.fill_mask(masked, top_k=top_k))
+        for row, given in zip(out, [masked] if isinstance(masked, str) else masked):
+          assert len(row['candidates']) == given.count('[MASK]') and '[MASK]' not in row['text']
+          for pairs in row['candidates']:
+            probs = [p for _, p in pairs]
+            assert len(pairs) == top_k and probs == sorted(probs, reverse=True)
+            assert all(0 <= p <= 1 for p in probs)
+        return 'ok'
+
+      yield f'{index} {model.cfg.family}.fill_mask({masked!r:.40}, top_k={top_k!r})', case
+
+
+def test_fuzz_model_calls(trained):
+  """160 random calls of a trained model's methods with bad and good arguments (with the 44
+  damaged workdirs below, 204 cases)."""
+  outcomes = _run_cases(list(_model_cases(trained, 160, seed=18)), lambda case: case(), seconds=30)
+  assert outcomes['ok'] >= 20 and outcomes['ValueError'] >= 60, outcomes
+
+
+def _damage_workdir(source: str, target: str, how: str) -> None:
+  shutil.copytree(source, target)
+  config, tokenizer = os.path.join(target, 'config.json'), os.path.join(target, 'tokenizer')
+  text = open(config).read()
+  edits = {
+    'config truncated': lambda: open(config, 'w').write(text[: len(text) // 2]),
+    'config empty': lambda: open(config, 'w').write(''),
+    'config not json': lambda: open(config, 'w').write('model = {}'),
+    'config a list': lambda: open(config, 'w').write('[1, 2]'),
+    'config without model': lambda: open(config, 'w').write('{"data": {}}'),
+    'config model a string': lambda: open(config, 'w').write('{"model": "gpt"}'),
+    'config bad d_model': lambda: open(config, 'w').write(
+      text.replace('"d_model": 32', '"d_model": "x"')
+    ),
+    'config bad family': lambda: open(config, 'w').write(
+      text.replace('"family": "', '"family": "x')
+    ),
+    'config bad vocab': lambda: open(config, 'w').write(
+      text.replace('"vocab_size": 261', '"vocab_size": -3')
+    ),
+    'config other vocab': lambda: open(config, 'w').write(
+      text.replace('"vocab_size": 261', '"vocab_size": 300')
+    ),
+    'config binary': lambda: open(config, 'wb').write(os.urandom(200)),
+    'config a directory': lambda: (os.remove(config), os.mkdir(config)),
+    'tokenizer json truncated': lambda: _rewrite(tokenizer, lambda t: t[: len(t) // 2]),
+    'tokenizer json empty': lambda: _rewrite(tokenizer, lambda t: ''),
+    'tokenizer kind unknown': lambda: _rewrite(tokenizer, lambda t: t.replace('"byte"', '"zip"')),
+    'tokenizer without kind': lambda: _rewrite(tokenizer, lambda t: '{"vocab_size": 261}'),
+    'tokenizer a list': lambda: _rewrite(tokenizer, lambda t: '[]'),
+    'tokenizer sentencepiece without model': lambda: _rewrite(
+      tokenizer, lambda t: '{"kind": "sentencepiece", "model_file": "nope.model"}'
+    ),
+    'tokenizer dir removed': lambda: shutil.rmtree(tokenizer),
+    'tokenizer json removed': lambda: [
+      os.remove(os.path.join(tokenizer, n)) for n in os.listdir(tokenizer)
+    ],
+    'checkpoints removed': lambda: shutil.rmtree(os.path.join(target, 'checkpoints')),
+    'not a directory': lambda: (shutil.rmtree(target), open(target, 'w').write('x')),
+  }
+  edits[how]()
+
+
+def _rewrite(tokenizer_dir: str, change) -> None:
+  for name in os.listdir(tokenizer_dir):
+    if name.endswith('.json'):
+      path = os.path.join(tokenizer_dir, name)
+      text = open(path).read()
+      open(path, 'w').write(change(text))
+
+
+_DAMAGE = [
+  'config truncated',
+  'config empty',
+  'config not json',
+  'config a list',
+  'config without model',
+  'config model a string',
+  'config bad d_model',
+  'config bad family',
+  'config bad vocab',
+  'config other vocab',
+  'config binary',
+  'config a directory',
+  'tokenizer json truncated',
+  'tokenizer json empty',
+  'tokenizer kind unknown',
+  'tokenizer without kind',
+  'tokenizer a list',
+  'tokenizer sentencepiece without model',
+  'tokenizer dir removed',
+  'tokenizer json removed',
+  'checkpoints removed',
+  'not a directory',
+]
+
+
+def test_fuzz_load_of_damaged_workdirs(trained, tmp_path):
+  """transformer.load of a trained workdir with a damaged config.json, tokenizer or checkpoint
+  directory: one clear error naming the workdir, or (tokenizer/ gone) a model that gives logits."""
+  import transformer
+
+  def check(case):
+    family, how = case
+    target = str(tmp_path / f'{family}_{how.replace(" ", "_")}')
+    _damage_workdir(trained[family][0], target, how)
+    try:
+      model = transformer.load(target)
+    except DOCUMENTED_ERRORS as error:
+      assert target in str(error) or 'config.json' in str(error), error
+      raise
+    model.logits(
+      np.array([[2, 40, 41]], np.int32),
+      **({'decoder_tokens': np.array([[2, 40]], np.int32)} if family == 'encoder_decoder' else {}),
+    )
+    return 'loaded'
+
+  cases = []  # each damage in two of the three families, in turn
+  for index, how in enumerate(_DAMAGE):
+    for family in (_FAMILIES[index % 3], _FAMILIES[(index + 1) % 3]):
+      cases.append((f'{family} {how}', (family, how)))
+  outcomes = _run_cases(cases, check)
+  assert sum(outcomes.values()) == len(cases) == 44 and outcomes['loaded'] >= 2, outcomes

@@ -264,6 +264,18 @@ def bytes_per_device(tree: Any) -> int:
 
 
 # Multi-host -----------------------------------------------------------------------------------
+# Seconds without a heartbeat before the coordination service declares a process dead and stops
+# every other one. Heartbeats come from a C++ thread of each process, not from Python, so long
+# compiles, checkpoint saves and evaluations never delay them (one holding the GIL does not
+# either); only a dead, frozen or cut-off process misses them. See docs/reliability.md.
+HEARTBEAT_TIMEOUT_SECONDS = 30
+# How long every process waits for all of them to join at start-up: the hosts of a large job
+# start minutes apart (image pulls, scheduling), so this one stays at JAX's default.
+INITIALIZATION_TIMEOUT_SECONDS = 300
+# How long a finished process waits at exit for the others to finish too.
+SHUTDOWN_TIMEOUT_SECONDS = 60
+
+
 def initialize_distributed(
   coordinator_address: str | None = None,
   num_processes: int | None = None,
@@ -274,7 +286,8 @@ def initialize_distributed(
   Explicit arguments (from --coordinator_address/--num_processes/--process_id) win. Otherwise a
   multi-host environment is detected: SLURM with more than one task, or a Cloud TPU pod slice;
   `jax.distributed.initialize()` then reads everything from the environment. A single machine
-  does nothing. Must run before anything touches a device.
+  does nothing. Must run before anything touches a device. A process that stops sending
+  heartbeats for HEARTBEAT_TIMEOUT_SECONDS is declared dead (docs/reliability.md).
   """
   explicit = [coordinator_address, num_processes, process_id]
   if any(v is not None for v in explicit):
@@ -286,15 +299,22 @@ def initialize_distributed(
     if not 0 <= process_id < num_processes:
       raise ValueError(f'--process_id={process_id} must be in [0, {num_processes})')
     _cpu_collectives()
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, **_TIMEOUTS)
     return True
   slurm = int(os.environ.get('SLURM_NTASKS', '1')) > 1
   tpu_pod = len(os.environ.get('TPU_WORKER_HOSTNAMES', '').split(',')) > 1
   if slurm or tpu_pod:
     _cpu_collectives()
-    jax.distributed.initialize()
+    jax.distributed.initialize(**_TIMEOUTS)
     return True
   return False
+
+
+_TIMEOUTS = {
+  'initialization_timeout': INITIALIZATION_TIMEOUT_SECONDS,
+  'heartbeat_timeout_seconds': HEARTBEAT_TIMEOUT_SECONDS,
+  'shutdown_timeout_seconds': SHUTDOWN_TIMEOUT_SECONDS,
+}
 
 
 def _cpu_collectives() -> None:

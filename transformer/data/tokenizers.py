@@ -202,15 +202,26 @@ def load_tokenizer(directory: str) -> Tokenizer:
   path = os.path.join(directory, _JSON)
   if not os.path.exists(path):
     raise FileNotFoundError(f'no tokenizer in {directory!r}: {path!r} does not exist')
-  with open(path) as f:
-    meta = json.load(f)
+  try:
+    with open(path, 'rb') as f:
+      meta = json.loads(f.read().decode())
+  except (OSError, ValueError) as e:  # ValueError: not UTF-8 or not JSON
+    raise ValueError(f'the tokenizer file {path!r} is unreadable: {e}; restore or remove it') from e
+  if not isinstance(meta, dict):
+    raise ValueError(f'the tokenizer file {path!r} must hold a JSON object; got {meta!r:.80}')
   if 'kind' not in meta and 'model' in meta:  # a Hugging Face tokenizer.json (inference.hf)
     return HFTokenizer(directory)
+  if 'kind' not in meta:
+    raise ValueError(f'the tokenizer file {path!r} has no "kind"; valid: byte, sentencepiece, hf')
   if meta['kind'] == 'byte':
     return ByteTokenizer()
   if meta['kind'] == 'sentencepiece':
-    with open(os.path.join(directory, meta['model_file']), 'rb') as f:
-      return SentencePieceTokenizer(f.read(), meta.get('requested_vocab_size'))
+    model_file = os.path.join(directory, str(meta.get('model_file')))
+    try:
+      with open(model_file, 'rb') as f:
+        return SentencePieceTokenizer(f.read(), meta.get('requested_vocab_size'))
+    except (OSError, RuntimeError) as e:  # RuntimeError: SentencePiece cannot parse it
+      raise ValueError(f'the SentencePiece model {model_file!r} is unreadable: {e}') from e
   raise ValueError(
     f'unknown tokenizer kind={meta["kind"]!r} in {path!r}; valid: byte, sentencepiece, hf'
   )

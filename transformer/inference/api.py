@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import numbers
 import os
 from typing import Any
 
@@ -23,6 +24,9 @@ from transformer.model import capture, decode, models
 
 Array = jax.Array
 MASK_TEXT = '[MASK]'  # what fill_mask replaces
+# Rows longer than this many times max_length are refused (learned positions stop at max_length):
+# attention costs length^2, so a huge input would exhaust memory instead of giving an answer.
+LENGTH_FACTOR = 16
 
 
 def load(workdir: str, step: int | None = None, *, param_dtype: str = 'float32') -> Model:
@@ -101,8 +105,11 @@ class Model:
   ) -> list[str]:
     """Continuations of each prompt (CausalLM): greedy, beam search or sampling."""
     self._need('causal_lm', 'generate')
+    self._check_knobs(beam_size, seed)
     bos = _special(self.tokenizer, 'bos_id', data.BOS_ID)
-    ids = [([] if bos is None else [bos]) + self._encode(p) for p in _as_list(prompts)]
+    ids = [([] if bos is None else [bos]) + self._encode(p) for p in _as_list(prompts, 'prompts')]
+    if _is_int(max_new_tokens):
+      self._check_length(max(map(len, ids)) + max_new_tokens - 1, 'prompt + max_new_tokens')
     out = decode.generate(
       self.module,
       self.params,
@@ -113,7 +120,7 @@ class Model:
       temperature=temperature,
       top_k=top_k,
       top_p=top_p,
-      rng=jax.random.PRNGKey(seed) if temperature > 0 else None,
+      rng=_rng(seed, temperature),
       eos_id=_or(_special(self.tokenizer, 'eos_id', data.EOS_ID), -1),
     )
     return self._decode(out)
@@ -132,8 +139,13 @@ class Model:
   ) -> list[str]:
     """Translations of each source (EncoderDecoder); beam 4, alpha 0.6 as in the paper."""
     self._need('encoder_decoder', 'translate')
-    ids = [self._encode(s) + [data.EOS_ID] for s in _as_list(sources)]
-    max_length = max_length or self.config.train.get('max_decode_length', 64)
+    self._check_knobs(beam_size, seed)
+    ids = [self._encode(s) + [data.EOS_ID] for s in _as_list(sources, 'sources')]
+    self._check_length(max(map(len, ids)), 'the longest source')
+    if max_length is None:
+      max_length = self.config.train.get('max_decode_length', 64)
+    if _is_int(max_length):
+      self._check_length(max_length, 'max_length')
     out = decode.translate(
       self.module,
       self.params,
@@ -144,7 +156,7 @@ class Model:
       temperature=temperature,
       top_k=top_k,
       top_p=top_p,
-      rng=jax.random.PRNGKey(seed) if temperature > 0 else None,
+      rng=_rng(seed, temperature),
     )
     return self._decode(out)
 
@@ -155,6 +167,9 @@ class Model:
     'candidates': per mask, the `top_k` (token text, probability) pairs}.
     """
     self._need('bidirectional_lm', 'fill_mask')
+    vocab = self.cfg.vocab_size
+    if not _is_int(top_k) or not 1 <= top_k <= vocab:
+      raise ValueError(f'top_k={top_k!r} must be an int in [1, {vocab}] (the vocabulary size)')
     rows, where = [], []
     for text in _as_list(texts):
       if MASK_TEXT not in text:
@@ -192,13 +207,18 @@ class Model:
     eos = _special(self.tokenizer, 'eos_id', data.EOS_ID)
     if self.cfg.family == 'causal_lm':  # without a bos, the first token is context only
       rows = [([] if bos is None else [bos]) + row + ([] if eos is None else [eos]) for row in ids]
+      self._check_length(max(map(len, rows)) - 1, 'the longest text + eos')
       decoder_inputs, targets = _pad([r[:-1] for r in rows]), _pad([r[1:] for r in rows])
       lengths = [len(r) - 1 for r in rows]
       mask = np.arange(decoder_inputs.shape[1])[None] < np.array(lengths)[:, None]
       logits = self.logits(decoder_inputs, mask=mask)
     elif self.cfg.family == 'encoder_decoder':
-      if sources is None or len(_as_list(sources)) != len(texts):
-        raise ValueError('EncoderDecoder.score needs sources=[one source text per text]')
+      if sources is None or len(_as_list(sources, 'sources')) != len(texts):
+        raise ValueError(
+          f'EncoderDecoder.score needs sources=[one source text per text] ({len(texts)}); '
+          f'got {sources!r:.60}'
+        )
+      self._check_length(max(map(len, ids)) + 1, 'the longest text + eos')
       targets = _pad([row + [data.EOS_ID] for row in ids])
       decoder_inputs = _pad([[data.BOS_ID] + row for row in ids])
       lengths = [len(row) + 1 for row in ids]
@@ -238,27 +258,39 @@ class Model:
     EncoderDecoder: `tokens` are the source and `decoder_tokens` [B, T'] the decoder inputs
     (padding 0); the logits are the decoder's. BidirectionalLM takes `token_types` [B, T].
     """
-    tokens = self._check_tokens(tokens)
+    tokens = self._token_ids(tokens, 'tokens')
     kwargs = {}
     if mask is not None:
-      mask = np.asarray(mask)
+      mask = _array(mask, 'mask')
       if mask.shape != tokens.shape:
         raise ValueError(f'mask shape {mask.shape} must equal tokens shape {tokens.shape}')
+      if mask.dtype.kind not in 'biuf' or not np.isin(mask, (0, 1)).all():
+        raise ValueError(f'mask must hold only 0 (padding) and 1 (token); got {mask.dtype} values')
       kwargs['inputs_segments' if self.cfg.family == 'encoder_decoder' else 'segments'] = (
         mask.astype(np.int32)
       )
     if token_types is not None:
       if self.cfg.family != 'bidirectional_lm':
         raise ValueError('token_types are for bidirectional_lm models')
-      kwargs['token_types'] = _int_array(token_types, 'token_types')
+      types = _int_array(token_types, 'token_types')
+      if types.shape != tokens.shape:
+        raise ValueError(f'token_types shape {types.shape} must equal tokens shape {tokens.shape}')
+      if types.min() < 0 or types.max() >= max(self.cfg.type_vocab_size, 1):
+        raise ValueError(
+          f'token_types must be in [0, {max(self.cfg.type_vocab_size, 1)}) '
+          f'(config type_vocab_size={self.cfg.type_vocab_size})'
+        )
+      kwargs['token_types'] = types
     if self.cfg.family == 'encoder_decoder':
       if decoder_tokens is None:
         raise ValueError('EncoderDecoder.logits needs decoder_tokens=[B, T] decoder inputs')
-      return np.asarray(
-        _apply(
-          self.module, self.params, tokens, _int_array(decoder_tokens, 'decoder_tokens'), **kwargs
+      decoder_tokens = self._token_ids(decoder_tokens, 'decoder_tokens')
+      if decoder_tokens.shape[0] != tokens.shape[0]:
+        raise ValueError(
+          f'decoder_tokens has {decoder_tokens.shape[0]} rows and tokens {tokens.shape[0]}; '
+          'give one decoder row per source row'
         )
-      )
+      return np.asarray(_apply(self.module, self.params, tokens, decoder_tokens, **kwargs))
     return np.asarray(_apply(self.module, self.params, tokens, **kwargs))
 
   def hidden_states(
@@ -271,7 +303,7 @@ class Model:
     """
     if self.cfg.family == 'encoder_decoder':
       raise ValueError('hidden_states needs a causal_lm or bidirectional_lm model')
-    tokens = self._check_tokens(tokens)
+    tokens = self._token_ids(tokens, 'tokens')
     inputs = {'inputs': tokens}
     if mask is not None:
       mask = np.asarray(mask)
@@ -349,15 +381,6 @@ class Model:
     return {name: np.asarray(m)[0] for name, m in maps.items()}
 
   # Helpers ---------------------------------------------------------------------------------------
-  def _check_tokens(self, tokens: Any) -> np.ndarray:
-    tokens = _int_array(tokens, 'tokens')
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
-      raise ValueError(
-        f'token ids must be in [0, {self.cfg.vocab_size}); got min {tokens.min()} and '
-        f'max {tokens.max()}'
-      )
-    return tokens
-
   def _encode(self, text: str) -> list[int]:
     if self.tokenizer is None:
       raise ValueError(
@@ -372,6 +395,41 @@ class Model:
     for row in np.asarray(out).tolist():
       texts.append(self.tokenizer.decode(row[: row.index(eos)] if eos in row else row))
     return texts
+
+  def _token_ids(self, x: Any, name: str) -> np.ndarray:
+    """int32 [B, T] ids, each in [0, vocab_size), B and T >= 1, T within the length limit."""
+    ids = _array(x, name)
+    if ids.ndim != 2 or ids.dtype.kind not in 'iu' or not ids.size:
+      raise ValueError(
+        f'{name} must be integer token ids of shape [B, T] with B, T >= 1; got {ids.dtype}'
+        f'{ids.shape}'
+      )
+    vocab = self.cfg.vocab_size
+    if ids.min() < 0 or ids.max() >= vocab:  # before the cast to int32, which would wrap
+      raise ValueError(
+        f'token ids must be in [0, {vocab}); {name} has min {ids.min()} and max {ids.max()}'
+      )
+    self._check_length(ids.shape[1], f'{name} length')
+    return ids.astype(np.int32)
+
+  def _check_length(self, length: int, what: str) -> None:
+    """Refuses a row longer than learned positions reach, or LENGTH_FACTOR x max_length."""
+    cfg = self.cfg
+    limit = cfg.max_length if cfg.position == 'learned' else LENGTH_FACTOR * cfg.max_length
+    if length > limit:
+      why = (
+        'learned positions stop there'
+        if cfg.position == 'learned'
+        else (f'{LENGTH_FACTOR} x max_length={cfg.max_length}')
+      )
+      raise ValueError(f'{what} is {length} positions; at most {limit} ({why}): shorten it')
+
+  def _check_knobs(self, beam_size: Any, seed: Any) -> None:
+    vocab = self.cfg.vocab_size
+    if _is_int(beam_size) and beam_size > vocab:
+      raise ValueError(f'beam_size={beam_size} must be at most the vocabulary size, {vocab}')
+    if not _is_int(seed) or not -(2**63) <= seed < 2**63:
+      raise ValueError(f'seed={seed!r} must be an int in [-2**63, 2**63)')
 
   def _need(self, family: str, method: str) -> None:
     if self.cfg.family != family:
@@ -395,13 +453,25 @@ def _or(value, default):
   return default if value is None else value
 
 
-def _as_list(texts) -> list[str]:
+def _as_list(texts, name: str = 'texts') -> list[str]:
   if isinstance(texts, str):
     return [texts]
-  texts = list(texts)
-  if not all(isinstance(t, str) for t in texts):
-    raise ValueError('texts must be a string or a list of strings')
-  return texts
+  if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+    raise ValueError(f'{name} must be a string or a list of strings; got {texts!r:.60}')
+  if not texts:
+    raise ValueError(f'{name} is an empty list; give at least one string')
+  return list(texts)
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _array(x: Any, name: str) -> np.ndarray:
+  try:
+    return np.asarray(x)
+  except (ValueError, TypeError) as e:  # ragged rows
+    raise ValueError(f'{name} must be a rectangular array [B, T]; got {x!r:.60} ({e})') from e
 
 
 def _pad(rows: list[list[int]]) -> np.ndarray:
@@ -413,7 +483,13 @@ def _pad(rows: list[list[int]]) -> np.ndarray:
 
 
 def _int_array(x: Any, name: str) -> np.ndarray:
-  x = np.asarray(x)
+  x = _array(x, name)
   if x.ndim != 2 or not np.issubdtype(x.dtype, np.integer):
     raise ValueError(f'{name} must be integer token ids of shape [B, T]; got {x.dtype}{x.shape}')
   return x.astype(np.int32)
+
+
+def _rng(seed: int, temperature: Any) -> Array | None:
+  """The sampling key; None when not sampling (decode checks the temperature itself)."""
+  sampling = isinstance(temperature, numbers.Real) and temperature > 0
+  return jax.random.PRNGKey(seed) if sampling else None

@@ -12,6 +12,7 @@ Prompts are right-padded and stay so in the cache: row b's token i sits in slot 
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -182,14 +183,16 @@ def _options(model, name, length, beam_size, alpha, temperature, top_k, top_p, r
     raise ValueError(f'{length_name}={length!r} must be a positive int')
   if not _is_int(beam_size) or beam_size < 1:
     raise ValueError(f'beam_size={beam_size!r} must be an int >= 1 (1 = greedy or sampling)')
-  if alpha < 0:
-    raise ValueError(f'alpha={alpha} must be >= 0 (the GNMT length penalty; 0 = none)')
-  if temperature < 0:
-    raise ValueError(f'temperature={temperature} must be >= 0 (0 = greedy, > 0 = sampling)')
+  if not _is_real(alpha) or not 0 <= alpha < math.inf:
+    raise ValueError(f'alpha={alpha!r} must be >= 0 and finite (the GNMT length penalty; 0 = none)')
+  if not _is_real(temperature) or not 0 <= temperature < math.inf:
+    raise ValueError(
+      f'temperature={temperature!r} must be >= 0 and finite (0 = greedy, > 0 = sampling)'
+    )
   if not _is_int(top_k) or top_k < 0:
     raise ValueError(f'top_k={top_k!r} must be an int >= 0 (0 = no top-k filter)')
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f'top_p={top_p} must be in (0, 1] (1 = no nucleus filter)')
+  if not _is_real(top_p) or not 0.0 < top_p <= 1.0:
+    raise ValueError(f'top_p={top_p!r} must be in (0, 1] (a number; 1 = no nucleus filter)')
   if beam_size > 1 and temperature > 0:
     raise ValueError(
       f'beam_size={beam_size} searches deterministically; set temperature=0 (got {temperature}) '
@@ -208,6 +211,10 @@ def _options(model, name, length, beam_size, alpha, temperature, top_k, top_p, r
 
 def _is_int(x) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check_tokens(tokens, name: str) -> None:

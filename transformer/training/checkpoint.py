@@ -644,8 +644,17 @@ def read_run_config(workdir: str) -> dict | None:
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  try:
+    with open(path, 'rb') as f:
+      saved = json.loads(f.read().decode())
+  except (OSError, ValueError) as e:  # ValueError: not UTF-8 or not JSON
+    raise ValueError(f'{path} is unreadable: {e}; restore it or use another workdir') from e
+  if not isinstance(saved, dict) or not isinstance(saved.get('model'), dict):
+    raise ValueError(
+      f'{path} must hold a JSON object with a "model" object (as training writes it); got '
+      f'{json.dumps(saved)[:80]}'
+    )
+  return saved
 
 
 def _has_checkpoints(workdir: str) -> bool:

@@ -20,7 +20,7 @@ from transformer import util
 from transformer.config import ModelConfig
 from transformer.model import models
 from transformer.model.capture import capture, entropy_by_layer
-from transformer.training import checkpoint, faults
+from transformer.training import checkpoint, faults, peers
 from transformer.training.faults import (  # noqa: F401 - the loop's outcomes
   EXIT_PREEMPTED,
   NonFiniteError,
@@ -45,6 +45,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Raises:
     Preempted: SIGTERM or SIGINT stopped the run after its checkpoint (see `faults.StopSignals`);
       the same call resumes it. The signal handlers in place before the call are restored.
+    PeerLost: another process of a multi-process run is gone (`peers`); nothing is cleaned up,
+      so end the process (`peers.exit_now`) and rerun every process to resume.
     NonFiniteError: a non-finite step under train.nonfinite='halt', or one the policy gave up on.
     OutOfMemoryError: the train step does not fit in device memory.
   """
@@ -56,15 +58,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if saved is not None:  # compare before touching anything; the vocabulary is checked below
     config.model.vocab_size = saved['model']['vocab_size']
   checkpoint.check_resume_compatible(workdir, config)
-  ckpt = checkpoint.Checkpointer(workdir, keep=tcfg.keep_checkpoints)  # checks it is writable
+  ckpt, lost = None, None
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
   try:
+    ckpt = checkpoint.Checkpointer(workdir, keep=tcfg.keep_checkpoints)  # checks it is writable
+    peers.announce(ckpt.directory, jax.process_index())
+    if jax.process_count() > 1:
+      peers.start_beating(jax.process_index())  # so that survivors can name a lost process
     with faults.StopSignals() as signals:  # from here on a signal means: checkpoint, then stop
       run = Run(config, workdir)  # sets model.vocab_size from the tokenizer
       checkpoint.check_resume_compatible(workdir, config)
       checkpoint.write_run_metadata(workdir, config)
       return _train_loop(run, ckpt, workdir, signals)
+  except Exception as error:  # a collective or barrier that failed because a peer is gone
+    if not peers.is_peer_lost(error, jax.process_count()):
+      raise
+    lost = peers.from_error(error, directory, jax.process_count())
+    raise lost from error
   finally:
-    ckpt.close()  # waits for pending saves and stops orbax's threads, also after an error
+    if ckpt is not None and lost is None:  # a lost peer would never answer orbax's barriers
+      ckpt.close()  # waits for pending saves and stops orbax's threads, also after an error
 
 
 def _train_loop(

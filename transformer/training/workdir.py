@@ -8,6 +8,7 @@ import jax
 import ml_collections
 
 from transformer import sharding
+from transformer.config import ModelConfig
 from transformer.training import checkpoint
 from transformer.training.run import Run
 from transformer.training.state import TrainState
@@ -55,7 +56,12 @@ def load_run(
       'or experiments.convert_hf writes one)?'
     )
   if config is None:
-    config = ml_collections.ConfigDict(saved)
+    try:
+      config = ml_collections.ConfigDict(saved)
+      ModelConfig.from_config(config.model)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+      path = os.path.join(workdir, 'config.json')
+      raise ValueError(f'{path} holds a config that cannot build a model: {e}') from e
   else:
     config = ml_collections.ConfigDict(config.to_dict())
     config.model.vocab_size = saved['model']['vocab_size']
