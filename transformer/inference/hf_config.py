@@ -312,7 +312,9 @@ def experiment_config(
   try:
     ModelConfig.from_config(config.model)  # a bad size fails here, before anything is written
   except ValueError as e:
-    raise ValueError(f'{where} does not describe a model sparrow can build: {e}') from e
+    named = [f'{hf_key} -> {k}' for k, hf_key, _ in _CONFIG_KEYS[arch] if f'{k}=' in str(e)]
+    note = f' (config.json keys: {", ".join(named)})' if named else ''
+    raise ValueError(f'{where} does not describe a model sparrow can build: {e}{note}') from e
   return config
 
 
