@@ -520,3 +520,27 @@ def test_fine_tune_an_imported_model_with_experiments_train(hf_models, tmp_path)
   assert not np.array_equal(after['model.layers.0.mlp.up_proj.weight'],
                             before['model.layers.0.mlp.up_proj.weight'])  # fmt: skip
   transformers.Qwen2ForCausalLM.from_pretrained(out)
+
+
+def test_cli_reads_the_arch_from_config_json(bert_model, tmp_path):
+  """The reported failure: a BertModel folder (no MLM head), converted without --arch."""
+  import subprocess
+  import sys
+
+  _, directory = bert_model
+  out = tmp_path / 'run'
+  cmd = [sys.executable, '-m', 'experiments.convert_hf', f'--input={directory}', f'--workdir={out}']
+  result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'arch: bert' in result.stdout
+  with open(out / 'config.json') as f:
+    assert json.load(f)['model']['output_head'] is False
+  bad = subprocess.run(
+    [*cmd[:3], f'--input={tmp_path}', f'--workdir={tmp_path / "other"}'],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert bad.returncode == 2
+  assert bad.stderr.strip().splitlines()[-1].startswith('error: no config.json in')
+  assert not (tmp_path / 'other').exists()
