@@ -313,6 +313,8 @@ def test_unknown_rope_type_and_architecture(hf_models, tmp_path):
   directory = _copy(hf_models, tmp_path)
   _edit_config(directory, rope_parameters={'rope_type': 'dynamic', 'factor': 2.0})
   _refused(directory, tmp_path / 'out', r"config.json: rope_parameters.rope_type='dynamic' is not")
+  _edit_config(directory, rope_parameters={'rope_type': 'default', 'partial_rotary_factor': 0.5})
+  _refused(directory, tmp_path / 'out', r'config.json: partial_rotary_factor=0.5 is not supported')
   _edit_config(directory, model_type='gemma', architectures=['GemmaForCausalLM'])
   _refused(directory, tmp_path / 'out', r"model_type='gemma'.*supported: gpt2, bert, llama, qwen2")
 

@@ -209,6 +209,11 @@ def _rope_fields(hf: dict, where: str) -> dict[str, Any]:
       f'{where}: {key}.rope_type={kind!r} is not supported; sparrow imports rope_type '
       f'{", ".join(ROPE_TYPES)}'
     )
+  partial = params.get('partial_rotary_factor', hf.get('partial_rotary_factor', 1.0))
+  if partial != 1.0:
+    raise ValueError(
+      f'{where}: partial_rotary_factor={partial} is not supported; sparrow rotates all'
+    )
   fields = dict(rope_theta=float(theta), rope_scaling=ROPE_TYPES[kind])
   if kind != 'default':
     fields['rope_scaling_factor'] = float(params['factor'])

@@ -41,7 +41,6 @@ _IGNORED = {
 }
 _IGNORED.update({a: (r'layers\.\d+\.self_attn\.rotary_emb\.inv_freq$',) for a in LLAMA_FAMILY})
 _POOLER = r'pooler\.'  # ignored too unless the target has a classifier (num_classes > 0)
-SAFETENSORS_DTYPES = {'F32': np.float32, 'BF16': ml_dtypes.bfloat16, 'F16': np.float16}
 _SAFETENSORS_NAMES = {'F32': 'float32', 'BF16': 'bfloat16', 'F16': 'float16'}
 
 
