@@ -164,7 +164,7 @@ def test_old_rope_scaling_key(hf_models, tmp_path):
   assert _relative_error(ours[real], theirs[real]) <= 1e-4
 
 
-@pytest.mark.parametrize('name', ['llama', 'qwen3', 'mistral'])
+@pytest.mark.parametrize('name', list(BUILDERS))
 def test_greedy_generation_matches_hugging_face(hf_models, name):
   """20 greedy tokens with the KV cache (Mistral's window is passed mid-prompt) = HF's generate."""
   model, directory = hf_models[name]
@@ -313,6 +313,8 @@ def test_unknown_rope_type_and_architecture(hf_models, tmp_path):
   directory = _copy(hf_models, tmp_path)
   _edit_config(directory, rope_parameters={'rope_type': 'dynamic', 'factor': 2.0})
   _refused(directory, tmp_path / 'out', r"config.json: rope_parameters.rope_type='dynamic' is not")
+  _edit_config(directory, rope_parameters={'rope_type': 'default', 'partial_rotary_factor': 0.5})
+  _refused(directory, tmp_path / 'out', r'config.json: partial_rotary_factor=0.5 is not supported')
   _edit_config(directory, model_type='gemma', architectures=['GemmaForCausalLM'])
   _refused(directory, tmp_path / 'out', r"model_type='gemma'.*supported: gpt2, bert, llama, qwen2")
 
@@ -320,7 +322,11 @@ def test_unknown_rope_type_and_architecture(hf_models, tmp_path):
 def test_config_that_contradicts_its_tensors(hf_models, tmp_path):
   directory = _copy(hf_models, tmp_path)
   _edit_config(directory, num_key_value_heads=4)
-  _refused(directory, tmp_path / 'out', r'config.json.*num_kv_heads=4 does not divide num_heads=6')
+  _refused(
+    directory,
+    tmp_path / 'out',
+    r'config.json.*num_kv_heads=4 does not divide num_heads=6.*num_key_value_heads -> num_kv_heads',
+  )
   _edit_config(directory, num_key_value_heads=3)
   _refused(
     directory,
@@ -516,3 +522,27 @@ def test_fine_tune_an_imported_model_with_experiments_train(hf_models, tmp_path)
   assert not np.array_equal(after['model.layers.0.mlp.up_proj.weight'],
                             before['model.layers.0.mlp.up_proj.weight'])  # fmt: skip
   transformers.Qwen2ForCausalLM.from_pretrained(out)
+
+
+def test_cli_reads_the_arch_from_config_json(bert_model, tmp_path):
+  """The reported failure: a BertModel folder (no MLM head), converted without --arch."""
+  import subprocess
+  import sys
+
+  _, directory = bert_model
+  out = tmp_path / 'run'
+  cmd = [sys.executable, '-m', 'experiments.convert_hf', f'--input={directory}', f'--workdir={out}']
+  result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert 'arch: bert' in result.stdout
+  with open(out / 'config.json') as f:
+    assert json.load(f)['model']['output_head'] is False
+  bad = subprocess.run(
+    [*cmd[:3], f'--input={tmp_path}', f'--workdir={tmp_path / "other"}'],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert bad.returncode == 2
+  assert bad.stderr.strip().splitlines()[-1].startswith('error: no config.json in')
+  assert not (tmp_path / 'other').exists()

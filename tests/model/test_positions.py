@@ -189,3 +189,33 @@ def test_alibi_bias_definition():
     for i in range(4):
       for j in range(6):
         assert got[n, i, j] == pytest.approx(-s[n] * abs(i - j), rel=1e-6)
+
+
+def test_llama3_scaling_matches_the_published_formula():
+  """Llama 3.1's rope scaling, written out per frequency in float64 (Meta's reference loop)."""
+  head_dim, theta, factor, low, high, original = 64, 500000.0, 8.0, 1.0, 4.0, 8192
+  base = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  want = []
+  for freq in base:
+    wavelength = 2 * math.pi / freq
+    if wavelength < original / high:
+      want.append(freq)
+    elif wavelength > original / low:
+      want.append(freq / factor)
+    else:
+      smooth = (original / wavelength - low) / (high - low)
+      want.append((1 - smooth) * freq / factor + smooth * freq)
+  got, mscale = P.rope_frequencies(
+    head_dim, theta=theta, scaling='llama3', factor=factor, original_max_length=original,
+    low_freq_factor=low, high_freq_factor=high,
+  )  # fmt: skip
+  assert mscale == 1.0
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6)
+  regions = np.asarray(got) / base.astype(np.float32)
+  assert (
+    (regions > 0.99).any()
+    and (regions < 0.13).any()
+    and ((regions > 0.13) & (regions < 0.99)).any()
+  )
+  with pytest.raises(ValueError, match='0 < low_freq_factor < high_freq_factor'):
+    P.rope_frequencies(8, scaling='llama3', factor=2.0, low_freq_factor=4.0, high_freq_factor=1.0)

@@ -154,6 +154,10 @@ class HFTokenizer:
     """Text of `ids`, special tokens skipped."""
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+  def token(self, token_id: int) -> str | None:
+    """The vocabulary entry of one id, special tokens included ('[CLS]'); None if out of range."""
+    return self._tok.id_to_token(int(token_id))
+
   def save(self, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     self._tok.save(os.path.join(directory, _JSON))

@@ -209,6 +209,11 @@ def _rope_fields(hf: dict, where: str) -> dict[str, Any]:
       f'{where}: {key}.rope_type={kind!r} is not supported; sparrow imports rope_type '
       f'{", ".join(ROPE_TYPES)}'
     )
+  partial = params.get('partial_rotary_factor', hf.get('partial_rotary_factor', 1.0))
+  if partial != 1.0:
+    raise ValueError(
+      f'{where}: partial_rotary_factor={partial} is not supported; sparrow rotates all'
+    )
   fields = dict(rope_theta=float(theta), rope_scaling=ROPE_TYPES[kind])
   if kind != 'default':
     fields['rope_scaling_factor'] = float(params['factor'])
@@ -312,7 +317,9 @@ def experiment_config(
   try:
     ModelConfig.from_config(config.model)  # a bad size fails here, before anything is written
   except ValueError as e:
-    raise ValueError(f'{where} does not describe a model sparrow can build: {e}') from e
+    named = [f'{hf_key} -> {k}' for k, hf_key, _ in _CONFIG_KEYS[arch] if f'{k}=' in str(e)]
+    note = f' (config.json keys: {", ".join(named)})' if named else ''
+    raise ValueError(f'{where} does not describe a model sparrow can build: {e}{note}') from e
   return config
 
 
