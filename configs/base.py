@@ -103,6 +103,8 @@ def get_config() -> ml_collections.ConfigDict:
   t.steps = 2000  # optimizer steps in the run
   t.label_smoothing = 0.1  # paper: 0.1; 0 = plain cross-entropy
   t.grad_accum_steps = 1  # micro-batches per step (the data batch is split into this many)
+  t.fused_loss = 'auto'  # tied head + loss in vocab chunks, no [B,T,V] logits: auto (CPU)/on/off
+  t.loss_chunk_size = 4096  # vocabulary rows per chunk of the fused loss
   t.log_every = 50  # steps between console/TensorBoard scalars
   t.head_entropy_every = 0  # steps between head attention-entropy scalars (TensorBoard); 0 = off
   t.eval_every = 500  # steps between evaluations (and at the end)

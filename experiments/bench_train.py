@@ -2,15 +2,21 @@
 
   python -m experiments.bench_train --config=configs/gpt_bench.py [--steps=10]
   python -m experiments.bench_train --config=configs/gpt_bench.py --config.mesh.shape='(1,2,4)'
+  python -m experiments.bench_train --config=configs/gpt_bench.py --compare=torch [--rounds=3]
 
 The step is `transformer.training.run.Run.train_step`, jitted with the shardings of
 `config.mesh` exactly as in training, on random tokens of the config's batch and length.
 MFU = model FLOPs/s (transformer.model.models.flops_per_token) divided by the FLOP/s of a
 large dense float32 matmul timed in the same process (on all devices at once, so it is only
-meaningful on one device). Medians over
-the timed steps; memory is XLA's compiled estimate for one device.
+meaningful on one device). Medians over the timed steps; memory is XLA's compiled estimate for
+one device. `--compare=torch` also builds the same GPT in PyTorch eager (Hugging Face
+GPT2LMHeadModel with SDPA, AdamW, the same threads) and alternates blocks of `--steps` steps of
+each, `--rounds` times, so that both see the same machine load; CPU-s/step is the process CPU
+time per step, steadier than wall time when other programs share the cores.
 """
 
+import os
+import resource
 import time
 
 import numpy as np
@@ -20,51 +26,99 @@ from experiments import cli
 from transformer.research import timing
 
 _CONFIG = cli.define_config('configs/gpt_bench.py')
-_STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps (after 2 warm-up steps).')
+_STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps (after 2 warm-up steps), per round.')
 _MATMUL = flags.DEFINE_integer('matmul_size', 2048, 'Size n of the n x n x n reference matmul.')
+_COMPARE = flags.DEFINE_enum('compare', '', ['', 'torch'], 'Also time PyTorch eager, alternating.')
+_ROUNDS = flags.DEFINE_integer('rounds', 3, 'With --compare: alternating rounds of --steps each.')
+
+
+def _cpu_seconds() -> float:
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
+
+
+def _timed_block(step, steps: int) -> tuple[list[float], float]:
+  """Per-step wall times of `steps` calls of `step()` and the CPU seconds per step."""
+  times, cpu = [], _cpu_seconds()
+  for _ in range(steps):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+  return times, (_cpu_seconds() - cpu) / steps
 
 
 def main():
   import jax
 
   from transformer.model import models
-  from transformer.research import measures
+  from transformer.research import measures, torch_reference
   from transformer.training.run import Run
 
   config = _CONFIG.value
+  torch = None
+  if _COMPARE.value == 'torch':
+    torch, missing = torch_reference.load_torch()
+    if missing:
+      print(missing)
+      return
   run = Run(config, None, with_data=False)
   cfg = run.model_cfg
   batch_size = config.data.batch_size
   length = (
     config.data.max_length if cfg.family != 'encoder_decoder' else config.data.max_target_length
   )
-  batch = run.place(measures.synthetic_batch(cfg, batch_size, length))
+  host_batch = measures.synthetic_batch(cfg, batch_size, length)
+  batch = run.place(host_batch)
   state = run.init_state()
-  step_fn = run.train_step
   key = run.replicate(jax.random.PRNGKey(1))
   peak_before = timing.matmul_flops_per_sec(_MATMUL.value)
-  compiled = step_fn.lower(state, batch, key).compile()
+  compiled = run.train_step.lower(state, batch, key).compile()
   memory = compiled.memory_analysis()
-  for _ in range(2):  # warm-up
-    state, metrics = step_fn(state, batch, key)
-  jax.block_until_ready(metrics)
-  times = []
-  for _ in range(_STEPS.value):
-    start = time.perf_counter()
-    state, metrics = step_fn(state, batch, key)
+  holder = {'state': state}
+
+  def sparrow_step():
+    holder['state'], metrics = compiled(holder['state'], batch, key)
     jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - start)
-  step_time = float(np.median(times))
-  tokens_per_step = batch_size * length
-  flops = models.flops_per_token(cfg, length)['train'] * tokens_per_step
+
+  for _ in range(2):  # warm-up
+    sparrow_step()
+  torch_step = None
+  if torch is not None:
+    threads = len(os.sched_getaffinity(0))
+    reference = torch_reference.TorchGPTStep(config, cfg.vocab_size, threads)
+    inputs, targets = reference.batch(host_batch['inputs'], host_batch['targets'])
+    torch_step = lambda: reference.step(inputs, targets)
+    for _ in range(2):
+      torch_step()
+  rounds = _ROUNDS.value if torch_step else 1
+  blocks = {'sparrow': [], 'torch': []}
+  for _ in range(rounds):  # alternate, so both see the same load
+    blocks['sparrow'].append(_timed_block(sparrow_step, _STEPS.value))
+    if torch_step:
+      blocks['torch'].append(_timed_block(torch_step, _STEPS.value))
   peak_after = timing.matmul_flops_per_sec(_MATMUL.value)
   peak = max(peak_before, peak_after)  # the faster reference: the conservative MFU
-  achieved = flops / step_time
+  torch_peak = None
+  if torch_step:
+    torch_peak = torch_reference.torch_matmul_flops_per_sec(_MATMUL.value)
+    peak = max(peak, torch_peak)
+  tokens_per_step = batch_size * length
+  flops = models.flops_per_token(cfg, length)['train'] * tokens_per_step
   devices = jax.device_count()
+
+  def summary(name):
+    per_round = [float(np.median(times)) for times, _ in blocks[name]]
+    step_time = float(np.median(per_round))
+    cpu = float(np.median([c for _, c in blocks[name]]))
+    return step_time, per_round, cpu
+
   mem = 'n/a'
   if memory is not None:
     total = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
     mem = f'{total / 2**20:.0f} MiB per device (temp {memory.temp_size_in_bytes / 2**20:.0f})'
+  step_time, per_round, cpu = summary('sparrow')
+  times = [t for block, _ in blocks['sparrow'] for t in block]
+  achieved = flops / step_time
   rows = [
     ('config', config.name),
     ('backend / devices', f'{jax.default_backend()} x {devices}'),
@@ -81,17 +135,36 @@ def main():
       f'{tokens_per_step / step_time:,.0f} '
       f'({tokens_per_step / step_time / devices:,.0f} per device)',
     ),
+    ('CPU-s/step (process)', f'{cpu:.2f}'),
     ('model FLOPs/step', f'{flops:.4g}'),
     ('achieved FLOP/s', f'{achieved / 1e9:.1f} GFLOP/s'),
     (
       f'dense matmul {_MATMUL.value}^3',
-      f'{peak / 1e9:.1f} GFLOP/s (before {peak_before / 1e9:.1f}, after {peak_after / 1e9:.1f})',
+      f'{peak / 1e9:.1f} GFLOP/s (jax before {peak_before / 1e9:.1f}, after '
+      f'{peak_after / 1e9:.1f}' + (f', torch {torch_peak / 1e9:.1f})' if torch_peak else ')'),
     ),
     ('MFU vs matmul', f'{100 * achieved / peak:.1f}%'),
     ('compiled memory', mem),
   ]
   width = max(len(r[0]) for r in rows)
   print('\n'.join(f'{name:<{width}}  {value}' for name, value in rows))
+  if not torch_step:
+    return
+  print(
+    f'\nside by side: {rounds} alternating rounds of {_STEPS.value} steps, '
+    f'{reference.num_params:,} PyTorch parameters ({reference.attention} attention), '
+    f'{threads} threads each'
+  )
+  print('| | tokens/s (median) | rounds | CPU-s/step | MFU vs matmul |')
+  print('|---|---|---|---|---|')
+  speeds = {}
+  for name in ('sparrow', 'torch'):
+    step_time, per_round, cpu = summary(name)
+    speeds[name] = tokens_per_step / step_time
+    rounds_text = ', '.join(f'{tokens_per_step / t:.0f}' for t in per_round)
+    mfu = 100 * flops / step_time / peak
+    print(f'| {name} | {speeds[name]:.0f} | {rounds_text} | {cpu:.2f} | {mfu:.1f}% |')
+  print(f'sparrow / torch tokens/s: {speeds["sparrow"] / speeds["torch"]:.2f}x')
 
 
 if __name__ == '__main__':

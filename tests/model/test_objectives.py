@@ -240,3 +240,113 @@ def test_cross_entropy_gradient_matches_autodiff_of_the_definition(label_smoothi
       rtol=tol,
       atol=tol,
     )
+
+
+# The fused head + loss ---------------------------------------------------------------------------
+def _reference_head(hidden, table, bias, targets, weights, label_smoothing, g_loss, g_nll):
+  """float64: (loss, nll) of logits = hidden @ table.T + bias, and the gradient of
+  g_loss * loss + g_nll * nll in hidden, table and bias: d logits = w (g_loss (p - q) + g_nll
+  (p - onehot)), with q the smoothed target distribution."""
+  h, t = np.asarray(hidden, np.float64), np.asarray(table, np.float64)
+  logits = np.einsum('btd,vd->btv', h, t) + (0.0 if bias is None else np.asarray(bias, np.float64))
+  vocab = logits.shape[-1]
+  loss, _ = _reference_ce(logits, targets, weights, label_smoothing)
+  nll, _ = _reference_ce(logits, targets, weights, 0.0)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  onehot = np.zeros(logits.shape)
+  np.put_along_axis(onehot, targets[..., None], 1.0, axis=-1)
+  low = label_smoothing / (vocab - 1) if label_smoothing else 0.0
+  q = onehot * (1.0 - label_smoothing - low) + low
+  d_logits = weights[..., None] * (g_loss * (p - q) + g_nll * (p - onehot))  # [B, T, V]
+  grads = (
+    np.einsum('btv,vd->btd', d_logits, t),
+    np.einsum('btv,btd->vd', d_logits, h),
+    d_logits.sum((0, 1)),
+  )
+  return loss, nll, grads
+
+
+def _relative(got, want):
+  return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize('chunk_size', [1, 6, 23, 64])  # V = 23: remainders, exact, one chunk
+@pytest.mark.parametrize('label_smoothing', [0.0, 0.1])
+@pytest.mark.parametrize('with_bias', [False, True])
+def test_head_cross_entropy_matches_float64_reference(chunk_size, label_smoothing, with_bias):
+  rng = np.random.default_rng(chunk_size)
+  B, T, D, V = 3, 5, 7, 23
+  hidden = rng.normal(size=(B, T, D))
+  table = rng.normal(size=(V, D))
+  bias = rng.normal(size=(V,)) if with_bias else None
+  targets = rng.integers(0, V, size=(B, T))
+  weights = (rng.random((B, T)) > 0.3).astype(np.float64)
+  g_loss, g_nll = 0.7, 0.2  # both outputs carry a cotangent
+
+  def objective(h, t, b):
+    sums = O.head_cross_entropy(
+      h, t, b, jnp.asarray(targets), jnp.asarray(weights), label_smoothing, chunk_size
+    )
+    return g_loss * sums['loss'] + g_nll * sums['nll'], sums
+
+  f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
+  argnums = (0, 1, 2) if with_bias else (0, 1)
+  (_, sums), grads = jax.value_and_grad(objective, argnums=argnums, has_aux=True)(
+    f32(hidden), f32(table), f32(bias)
+  )
+  loss, nll, want = _reference_head(
+    hidden, table, bias, targets, weights, label_smoothing, g_loss, g_nll
+  )
+  assert float(sums['loss']) == pytest.approx(loss, rel=1e-5)
+  assert float(sums['nll']) == pytest.approx(nll, rel=1e-5)
+  assert float(sums['denominator']) == weights.sum()
+  for got, expected in zip(grads, want):
+    assert _relative(got, expected) < 1e-5
+
+
+def test_head_cross_entropy_equals_compute_metrics_at_lm_scale():
+  # Realistic magnitudes (a GPT at init: |logits| of a few units) and a vocabulary of 1000 rows
+  # cut into chunks of 384: the fused path and the logits path agree on loss and gradients.
+  rng = np.random.default_rng(0)
+  B, T, D, V = 2, 9, 48, 1000
+  hidden = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+  table = jnp.asarray(rng.normal(scale=0.3, size=(V, D)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, V, size=(B, T)))
+  weights = jnp.ones((B, T))
+
+  def logits_path(h, t):
+    logits = jnp.einsum('btd,vd->btv', h, t)
+    return O.compute_metrics(logits, targets, weights, 0.1, accuracy=False)['loss']
+
+  def fused_path(h, t):
+    return O.head_cross_entropy(h, t, None, targets, weights, 0.1, chunk_size=384)['loss']
+
+  want, want_grads = jax.value_and_grad(logits_path, argnums=(0, 1))(hidden, table)
+  got, got_grads = jax.value_and_grad(fused_path, argnums=(0, 1))(hidden, table)
+  assert float(got) == pytest.approx(float(want), rel=1e-5)
+  for g, w in zip(got_grads, want_grads):
+    assert _relative(g, np.asarray(w, np.float64)) < 1e-5
+
+
+@pytest.mark.parametrize(
+  'change, message',
+  [
+    ({'chunk_size': 0}, 'chunk_size=0'),
+    ({'targets': jnp.zeros((2, 4), jnp.int32)}, 'must be \\[B, T, D\\]'),
+    ({'label_smoothing': 1.0}, 'label_smoothing=1.0'),
+  ],
+)
+def test_head_cross_entropy_bad_input_is_a_clear_error(change, message):
+  args = dict(
+    hidden=jnp.zeros((2, 3, 4)),
+    table=jnp.zeros((5, 4)),
+    bias=None,
+    targets=jnp.zeros((2, 3), jnp.int32),
+    weights=jnp.ones((2, 3)),
+    label_smoothing=0.0,
+    chunk_size=2,
+  )
+  args.update(change)
+  with pytest.raises(ValueError, match=message):
+    O.head_cross_entropy(**args)

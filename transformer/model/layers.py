@@ -83,8 +83,12 @@ class Embed(nn.Module):
 
   def attend(self, x: Array) -> Array:
     """Logits against every embedding: [B, T, D] -> [B, T, V]."""
-    logits = jnp.einsum('btd,vd->btv', x, self.embedding.astype(self.dtype))
+    logits = jnp.einsum('btd,vd->btv', x, self.table())
     return sharding.constrain(logits, ('batch', 'length', 'vocab'))
+
+  def table(self) -> Array:
+    """The [V, D] table in the compute dtype, as `attend` multiplies by it."""
+    return self.embedding.astype(self.dtype)
 
 
 def make_embed(cfg: ModelConfig, name: str | None = None) -> Embed:

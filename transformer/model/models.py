@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -120,6 +120,19 @@ class Decoder(nn.Module):
     return stack(x, encoded, self_mask, cross_mask, positions, deterministic, cache_mode)
 
 
+class HeadInputs(NamedTuple):
+  """The output head's operands: logits = hidden @ table.T + bias, never built."""
+
+  hidden: Array  # [B, T, D] final hidden states
+  table: Array  # [V, D] tied output embedding, compute dtype
+  bias: Array | None  # [V] or None
+
+
+def has_fused_head(cfg: ModelConfig) -> bool:
+  """Whether `head_inputs=True` works for `cfg`: a tied head that predicts tokens."""
+  return cfg.tie_output and cfg.num_classes == 0
+
+
 class OutputHead(nn.Module):
   """Hidden states [B, T, D] -> logits [B, T, V]: the tied embedding or its own projection."""
 
@@ -127,8 +140,13 @@ class OutputHead(nn.Module):
   embed: nn.Module
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def __call__(self, x: Array, head_inputs: bool = False) -> Array | HeadInputs:
+    """`head_inputs=True` (tied heads only) returns what `objectives.head_cross_entropy` takes."""
     cfg = self.cfg
+    if head_inputs:
+      if not cfg.tie_output:
+        raise ValueError('head_inputs=True needs tie_output=True (the head is the embedding)')
+      return HeadInputs(x, self.embed.table(), None)
     if cfg.tie_output:
       return self.embed.attend(x)
     logits = nn.Dense(
@@ -177,8 +195,9 @@ class EncoderDecoder(nn.Module):
     targets_positions=None,
     deterministic=True,
     cache_mode: CacheMode | None = None,
+    head_inputs: bool = False,
   ):
-    """Encoded [B, S, D] and decoder inputs [B, T] -> logits [B, T, V].
+    """Encoded [B, S, D] and decoder inputs [B, T] -> logits [B, T, V] (or HeadInputs).
 
     `cache_mode` decodes with a KV cache (model.decode); the 'step' phase takes one token
     per row at `targets_positions` [B, 1].
@@ -198,7 +217,7 @@ class EncoderDecoder(nn.Module):
       deterministic=deterministic,
       cache_mode=cache_mode,
     )
-    return self.head(y)
+    return self.head(y, head_inputs)
 
   def __call__(
     self,
@@ -210,7 +229,9 @@ class EncoderDecoder(nn.Module):
     inputs_positions=None,
     targets_positions=None,
     deterministic=True,
+    head_inputs: bool = False,
   ):
+    """`head_inputs=True` returns the head's HeadInputs instead of the logits [B, T, V]."""
     inputs_segments = _segments(inputs, inputs_segments, self.cfg.pad_id)
     encoded = self.encode(
       inputs,
@@ -225,6 +246,7 @@ class EncoderDecoder(nn.Module):
       targets_segments=targets_segments,
       targets_positions=targets_positions,
       deterministic=deterministic,
+      head_inputs=head_inputs,
     )
 
   def dummy_inputs(self, batch: int = 1, length: int = 8) -> dict[str, Any]:
@@ -250,8 +272,12 @@ class CausalLM(nn.Module):
     positions=None,
     deterministic=True,
     cache_mode: CacheMode | None = None,
+    head_inputs: bool = False,
   ):
-    """`cache_mode` decodes with a KV cache (model.decode): 'step' takes inputs [B, 1]."""
+    """`cache_mode` decodes with a KV cache (model.decode): 'step' takes inputs [B, 1].
+
+    `head_inputs=True` returns the head's HeadInputs instead of the logits [B, T, V].
+    """
     cfg = self.cfg
     segments = _segments(inputs, segments, cfg.pad_id)
     mask = MaskSpec(causal=True, q_segment_ids=segments, kv_segment_ids=segments, window=cfg.window)
@@ -264,7 +290,7 @@ class CausalLM(nn.Module):
       deterministic=deterministic,
       cache_mode=cache_mode,
     )
-    return self.head(y)
+    return self.head(y, head_inputs)
 
   def dummy_inputs(self, batch: int = 1, length: int = 8) -> dict[str, Any]:
     return {'inputs': jnp.ones((batch, length), jnp.int32)}
@@ -278,9 +304,19 @@ class BidirectionalLM(nn.Module):
 
   @nn.compact
   def __call__(
-    self, inputs, *, token_types=None, segments=None, positions=None, deterministic=True
+    self,
+    inputs,
+    *,
+    token_types=None,
+    segments=None,
+    positions=None,
+    deterministic=True,
+    head_inputs: bool = False,
   ):
+    """`head_inputs=True` (MLM only) returns the head's HeadInputs instead of the logits."""
     cfg = self.cfg
+    if head_inputs and not has_fused_head(cfg):
+      raise ValueError('head_inputs=True needs the tied MLM head (tie_output, num_classes=0)')
     segments = _segments(inputs, segments, cfg.pad_id)
     embedding = make_embed(cfg, name='embedding')
     x = Encoder(cfg, embedding, name='encoder')(
@@ -309,6 +345,8 @@ class BidirectionalLM(nn.Module):
     h = make_norm(cfg, 'mlm_norm')(h)
     zeros = nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',))
     bias = self.param('mlm_bias', zeros, (cfg.vocab_size,), cfg.params_dtype)
+    if head_inputs:
+      return HeadInputs(h, embedding.table(), bias)
     return embedding.attend(h) + bias.astype(h.dtype)  # [B, T, V]
 
   def dummy_inputs(self, batch: int = 1, length: int = 8) -> dict[str, Any]:

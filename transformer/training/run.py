@@ -18,6 +18,31 @@ from transformer.training.state import TrainState, create_state, optim_config, r
 Array = jax.Array
 
 
+FUSED_LOSS = ('auto', 'on', 'off')
+
+
+def loss_chunk_size(tcfg: ml_collections.ConfigDict, cfg: ModelConfig, device: Any) -> int | None:
+  """The vocabulary chunk of the fused head + loss for `train.fused_loss`, or None for logits.
+
+  'auto' fuses on CPU only: there it saves the [B, T, V] passes that XLA:CPU runs slowly, while GPU
+  and TPU keep the path they were tuned on. Untied and classifier heads always use logits.
+  """
+  mode, chunk = tcfg.get('fused_loss', 'auto'), tcfg.get('loss_chunk_size', 4096)
+  if mode not in FUSED_LOSS:
+    raise ValueError(f'train.fused_loss={mode!r} is not one of {FUSED_LOSS}')
+  if not isinstance(chunk, int) or chunk < 1:
+    raise ValueError(f'train.loss_chunk_size={chunk!r} must be a positive integer')
+  if mode == 'on' and not models.has_fused_head(cfg):
+    raise ValueError(
+      'train.fused_loss=on needs a tied token head (model.tie_output=True, num_classes=0); '
+      "use 'auto' or 'off'"
+    )
+  fused = mode == 'on' or (
+    mode == 'auto' and device.platform == 'cpu' and models.has_fused_head(cfg)
+  )
+  return chunk if fused else None
+
+
 class Run:
   """A model, its jitted steps and its data: what training and evaluation share."""
 
@@ -83,6 +108,7 @@ class Run:
         accum_steps=accum,
         dynamic_scale=self.model_cfg.dtype == 'float16',
         scale_period=config.train.loss_scale_period,
+        loss_chunk_size=loss_chunk_size(config.train, self.model_cfg, p.mesh.devices.flat[0]),
       ),
       in_shardings=(self.state_shardings, batch, rep),
       out_shardings=(self.state_shardings, rep),

@@ -32,25 +32,34 @@ def train_step(
   accum_steps: int = 1,
   dynamic_scale: bool = False,
   scale_period: int = 2000,
+  loss_chunk_size: int | None = None,
 ) -> tuple[TrainState, dict[str, Array]]:
   """One optimizer step over `accum_steps` micro-batches; returns the new state and metrics.
 
   The gradient is that of the summed loss divided by the total weight of the whole batch, so k
-  micro-batches give exactly the update of one batch k times larger.
+  micro-batches give exactly the update of one batch k times larger. With `loss_chunk_size`, the
+  tied output head and the loss run fused in vocabulary chunks of that size
+  (`objectives.head_cross_entropy`): the same loss and gradients without the [B, T, V] logits.
   """
   dropout_rng = jax.random.fold_in(rng, state.step)
 
   def micro_step(params, micro, micro_rng):
     def loss_fn(p):
-      logits = model.apply(
+      out = model.apply(
         {'params': p},
         **model_inputs(family, micro),
         deterministic=False,
         rngs={'dropout': micro_rng},
+        **({'head_inputs': True} if loss_chunk_size else {}),
       )
-      sums = objectives.compute_metrics(
-        logits, micro['targets'], micro['weights'], label_smoothing, accuracy=False
-      )
+      if loss_chunk_size:  # out: HeadInputs(hidden [B, T, D], table [V, D], bias [V] | None)
+        sums = objectives.head_cross_entropy(
+          *out, micro['targets'], micro['weights'], label_smoothing, loss_chunk_size
+        )
+      else:  # out: logits [B, T, V]
+        sums = objectives.compute_metrics(
+          out, micro['targets'], micro['weights'], label_smoothing, accuracy=False
+        )
       # Normalise by a static size so fp16 gradients stay in range; undone below.
       return sums['loss'] * state.loss_scale / micro['weights'].size, sums
 

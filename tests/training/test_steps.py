@@ -1,0 +1,78 @@
+"""train_step with the fused head + loss equals the logits path; train.fused_loss resolution."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from transformer.model import models
+from transformer.training.run import Run, loss_chunk_size
+from transformer.training.steps import train_step
+
+
+def _step(run, chunk):
+  return jax.jit(
+    functools.partial(
+      train_step,
+      model=run.model,
+      family=run.family,
+      tx=run.tx,
+      schedule=run.schedule,
+      label_smoothing=0.1,
+      loss_chunk_size=chunk,
+    )
+  )
+
+
+@pytest.mark.parametrize('family', ['encoder_decoder', 'causal_lm', 'bidirectional_lm'])
+def test_fused_loss_step_equals_logits_step(family, tmp_path, tiny_config):
+  config = tiny_config(family)
+  config.model.dropout_rate = 0.0
+  config.optim.warmup_steps, config.optim.learning_rate = 1, 1.0  # a large first step
+  config.optim.eps = 1.0  # updates proportional to the gradient (see test_loop)
+  run = Run(config, str(tmp_path))
+  batch = next(run.task.train_iterator())
+  rng = jax.random.PRNGKey(0)
+  state = run.init_state()
+  vocab = run.model_cfg.vocab_size
+  assert vocab % 64  # the byte vocabulary leaves a short last chunk
+  want, want_metrics = _step(run, None)(state, batch, rng)
+  got, got_metrics = _step(run, 64)(run.init_state(), batch, rng)
+  for name in ('loss', 'nll', 'denominator', 'grad_norm'):
+    np.testing.assert_allclose(got_metrics[name], want_metrics[name], rtol=1e-5)
+  moved = jax.tree_util.tree_map(lambda a, b: np.abs(a - b).max(), want.params, state.params)
+  assert max(jax.tree_util.tree_leaves(moved)) > 1e-4  # the step did change the parameters
+  jax.tree_util.tree_map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got.params, want.params
+  )
+
+
+class _Device:
+  def __init__(self, platform):
+    self.platform = platform
+
+
+def test_fused_loss_resolution(tiny_config):
+  config = tiny_config('causal_lm')
+  cfg = Run(config, None, with_data=False).model_cfg
+  t = config.train
+  assert loss_chunk_size(t, cfg, _Device('cpu')) == t.loss_chunk_size  # auto: on for CPU
+  assert loss_chunk_size(t, cfg, _Device('gpu')) is None  # auto: GPU keeps the logits path
+  t.fused_loss = 'on'
+  assert loss_chunk_size(t, cfg, _Device('gpu')) == t.loss_chunk_size
+  t.fused_loss = 'off'
+  assert loss_chunk_size(t, cfg, _Device('cpu')) is None
+  untied = cfg.replace(tie_output=False)
+  assert not models.has_fused_head(untied)
+  t.fused_loss = 'auto'
+  assert loss_chunk_size(t, untied, _Device('cpu')) is None  # untied heads keep logits
+  t.fused_loss = 'on'
+  with pytest.raises(ValueError, match='fused_loss=on needs a tied token head'):
+    loss_chunk_size(t, untied, _Device('cpu'))
+  t.fused_loss = 'sometimes'
+  with pytest.raises(ValueError, match="fused_loss='sometimes' is not one of"):
+    loss_chunk_size(t, cfg, _Device('cpu'))
+  t.fused_loss, t.loss_chunk_size = 'auto', 0
+  with pytest.raises(ValueError, match='loss_chunk_size=0 must be a positive integer'):
+    loss_chunk_size(t, cfg, _Device('cpu'))
