@@ -56,7 +56,7 @@ class BlockSizes:
     """Reasonable tiles for `backend` ('mosaic_gpu', 'gpu' or 'tpu') and `head_dim`.
 
     Mosaic GPU: block_q, block_q_dq and block_k_dkv are the rows of one warpgroup (64); a CTA
-    covers two of them. At head dim 256 the backward's streamed blocks halve to fit 227 KiB SMEM.
+    covers two of them (one in the backward at head dim 256, to fit 227 KiB of SMEM).
     """
     if backend == 'mosaic_gpu':
       big = head_dim > 128
@@ -99,7 +99,7 @@ class BlockSizes:
     """Raises ValueError when a block does not suit `backend` (GPU: >= 16, TPU: >= 8).
 
     Mosaic GPU: the warpgroup row blocks (block_q, block_q_dq, block_k_dkv) must be 64, and the
-    streamed blocks 32 to 256.
+    streamed blocks 64, 128 or 256.
     """
     if backend == 'mosaic_gpu':
       b = self.resolved()
@@ -110,9 +110,10 @@ class BlockSizes:
             "backend='mosaic_gpu' (the rows of one warpgroup's wgmma)"
           )
       for name in ('block_k', 'block_k_dq', 'block_q_dkv'):
-        if not 32 <= getattr(b, name) <= 256:
+        if getattr(b, name) not in (64, 128, 256):
           raise ValueError(
-            f"BlockSizes.{name}={getattr(b, name)} must be 32 to 256 for backend='mosaic_gpu'"
+            f'BlockSizes.{name}={getattr(b, name)} must be 64, 128 or 256 for '
+            "backend='mosaic_gpu' (the K of a wgmma is a multiple of 64)"
           )
       return
     smallest = _MIN_GPU_BLOCK if backend == 'gpu' else 8
@@ -191,11 +192,13 @@ def _attention_bwd(cfg: _Config, residuals, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _is_hopper_or_newer() -> bool:
-  """True when the first JAX device is an NVIDIA GPU of compute capability 9.0 or higher."""
+def gpu_capability() -> tuple[str, float] | None:
+  """(device kind, compute capability) of the first device when it is an NVIDIA GPU, else None."""
   device = jax.devices()[0]
   capability = getattr(device, 'compute_capability', None)
-  return device.platform == 'gpu' and capability is not None and float(capability) >= 9.0
+  if device.platform != 'gpu' or capability is None:
+    return None
+  return device.device_kind, float(capability)
 
 
 def _mosaic_supports(head_dim: int, dtype) -> bool:
@@ -214,23 +217,23 @@ def _check_mosaic(head_dim: int, dtype, interpret: bool) -> None:
       f"backend='mosaic_gpu' supports dtypes {mosaic_gpu.DTYPES}; got {jnp.dtype(dtype).name}. "
       "Cast q, k and v, or use backend='gpu' (Triton, also float32)"
     )
-  if not interpret and jax.default_backend() == 'gpu' and not _is_hopper_or_newer():
-    device = jax.devices()[0]
+  gpu = gpu_capability()
+  if not interpret and gpu is not None and gpu[1] < 9.0:
     raise ValueError(
-      f"backend='mosaic_gpu' needs a Hopper (sm90) or newer GPU; this is {device.device_kind} "
-      f"(compute capability {getattr(device, 'compute_capability', '?')}). Use backend='gpu' "
-      '(Triton) or backend=None to choose'
+      f"backend='mosaic_gpu' needs a Hopper (sm90) or newer GPU; this is {gpu[0]} (compute "
+      f"capability {gpu[1]}). Use backend='gpu' (Triton) or backend=None to choose"
     )
 
 
 def _resolve_backend(backend: str | None, interpret: bool, head_dim: int, dtype) -> str:
   if backend is None:
-    platform = jax.default_backend()
+    platform, gpu = jax.default_backend(), gpu_capability()
     if platform == 'tpu':
       return 'tpu'
+    if gpu is not None:  # Hopper and newer get the Mosaic GPU kernel where it applies
+      return 'mosaic_gpu' if gpu[1] >= 9.0 and _mosaic_supports(head_dim, dtype) else 'gpu'
     if platform in ('gpu', 'cuda', 'rocm'):
-      hopper = platform == 'gpu' and _is_hopper_or_newer()
-      return 'mosaic_gpu' if hopper and _mosaic_supports(head_dim, dtype) else 'gpu'
+      return 'gpu'
     if not interpret:
       raise ValueError(
         f'flash_attention has no compiled kernel for backend {platform!r}; pass interpret=True '
