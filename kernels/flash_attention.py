@@ -74,8 +74,8 @@ class BlockSizes:
         block_q=64 if big else 128,
         block_k=32 if big else 64,
         block_q_dq=64,
-        block_k_dq=64,
-        block_q_dkv=64,
+        block_k_dq=32 if big else 64,
+        block_q_dkv=32 if big else 64,
         block_k_dkv=64,
       )
     if backend == 'tpu':
