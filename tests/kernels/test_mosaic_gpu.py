@@ -2,7 +2,8 @@
 
 Numerics: the warp-specialised kernels themselves (TMA ring, barriers, both compute warpgroups,
 block skipping, masks) run in Pallas's GPU interpreter against float64; only the wgmma calls are
-spelled as plain dots there. Lowering: forward and gradient lower to Mosaic GPU for 'cuda'.
+spelled as plain dots there. About 4 minutes on 2 busy cores with jax 0.10 (~1.5 with 0.12).
+Lowering: forward and gradient lower to Mosaic GPU for 'cuda'.
 """
 
 import importlib
@@ -38,20 +39,19 @@ class TestInterpretMosaicGPU:
     _run(*_inputs(1, 70, 150, 2, 1, 64, jnp.float16, seed=2), jnp.float16, scale=0.3)
 
   def test_padding_and_packed_segments(self):
-    q, k, v, g = _inputs(2, 100, 100, 2, 1, 64, jnp.bfloat16, seed=4)
-    seg = np.zeros((2, 100), np.int32)
-    seg[0] = np.repeat([1, 2, 3, 0], [30, 40, 20, 10])  # packed documents, then padding
-    seg[1, :20] = 1  # mostly padding: fully masked query rows and key blocks
+    q, k, v, g = _inputs(1, 100, 100, 2, 1, 64, jnp.bfloat16, seed=4)
+    seg = np.repeat([[1, 2, 0]], [30, 40, 30], axis=1).astype(np.int32)  # packed, then padding
     out, (dq, _, _) = _run(q, k, v, g, jnp.bfloat16, causal=True, q_seg=seg, kv_seg=seg)
-    assert np.all(np.asarray(out, np.float32)[1, 20:] == 0)
-    assert np.all(np.asarray(dq, np.float32)[1, 20:] == 0)
+    assert np.all(np.asarray(out, np.float32)[0, 70:] == 0)  # fully masked rows
+    assert np.all(np.asarray(dq, np.float32)[0, 70:] == 0)
 
   def test_sliding_window(self):
-    _run(*_inputs(1, 100, 100, 2, 2, 64, jnp.bfloat16, seed=3), jnp.bfloat16, window=(30, 5))
+    _run(*_inputs(1, 100, 100, 2, 1, 64, jnp.bfloat16, seed=3), jnp.bfloat16, window=(30, 5))
 
-  @pytest.mark.parametrize('head_dim', [128, 256])
+  @pytest.mark.parametrize('head_dim', [pytest.param(128, marks=pytest.mark.slow), 256])
   def test_larger_head_dims(self, head_dim):
-    # 256 runs the backward with one compute warpgroup per CTA (SMEM); default blocks.
+    # 256 runs the backward with one compute warpgroup per CTA (SMEM); default blocks. 128 is
+    # slow (~40 s on 2 busy cores) and adds only a head dim to what the others cover.
     _run(
       *_inputs(1, 40, 40, 2, 1, head_dim, jnp.bfloat16, seed=head_dim),
       jnp.bfloat16,
@@ -137,6 +137,7 @@ class TestChoiceAndErrors:
       flash_attention(*self._qkv(), backend='mosaic_gpu', block_sizes=bad, interpret=True)
 
   def test_needs_hopper(self, monkeypatch):
+    jax.clear_caches()
     monkeypatch.setattr(fa, 'gpu_capability', lambda: ('NVIDIA A100-SXM4-80GB', 8.0))
     with pytest.raises(ValueError, match=r'needs a Hopper \(sm90\).*A100.*backend=.gpu'):
       flash_attention(*self._qkv(), backend='mosaic_gpu')
@@ -152,6 +153,7 @@ class TestChoiceAndErrors:
   )
   def test_default_choice(self, monkeypatch, gpu, head_dim, dtype, kernel):
     """backend=None picks Mosaic GPU on sm90+ where it applies, Triton elsewhere."""
+    jax.clear_caches()  # the choice is made when flash_attention traces
     monkeypatch.setattr(fa, 'gpu_capability', lambda: gpu)
     q = jax.ShapeDtypeStruct((1, 128, 2, head_dim), dtype)
     with _target_h200():  # Triton needs a named GPU to lower for on jax >= 0.12
