@@ -281,6 +281,17 @@ class _Static(NamedTuple):
 # --- Forward: each CTA owns 2 x bq query rows of one head; keys stream through the ring. ---
 
 
+def _feed_keys(ring, union, bk, b, kv_head, k_ref, v_ref, kv_seg_ref):
+  """Memory warpgroup of the forward and dQ kernels: key blocks `union` of one kv head."""
+
+  def sources(t):
+    keys = pl.ds((union[0] + t) * bk, bk)
+    seg = None if kv_seg_ref is None else kv_seg_ref.at[b, keys]
+    return k_ref.at[b, keys, kv_head], v_ref.at[b, keys, kv_head], seg
+
+  ring.feed(union[1] - union[0], sources)
+
+
 def backward_wgs(head_dim: int) -> int:
   """Compute warpgroups per backward CTA: one at head dim 256, where two overflow SMEM."""
   return 1 if head_dim > 128 else COMPUTE_WGS
@@ -334,16 +345,8 @@ def _forward_kernel(*refs, cfg, bq, bk, depth, group, has_seg, wgs):
     plgpu.copy_smem_to_gmem(lse_s.at[wg], lse_ref.at[b, n, rows])
     plgpu.wait_smem_to_gmem(0)
 
-  def memory():
-    def sources(t):
-      keys = pl.ds((union[0] + t) * bk, bk)
-      seg = kv_seg_ref.at[b, keys] if has_seg else None
-      return k_ref.at[b, keys, kv_head], v_ref.at[b, keys, kv_head], seg
-
-    ring.feed(union[1] - union[0], sources)
-
   _compute_wg(compute, wgs)
-  _memory_wg(memory, wgs)
+  _memory_wg(lambda: _feed_keys(ring, union, bk, b, kv_head, k_ref, v_ref, kv_seg_ref), wgs)
 
 
 def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, interpret):
@@ -440,16 +443,8 @@ def _dq_kernel(*refs, cfg, bq, bk, depth, group, has_seg, wgs):
     plgpu.copy_smem_to_gmem(q_s.at[wg], dq_ref.at[b, rows, n])
     plgpu.wait_smem_to_gmem(0)
 
-  def memory():
-    def sources(t):
-      keys = pl.ds((union[0] + t) * bk, bk)
-      seg = kv_seg_ref.at[b, keys] if has_seg else None
-      return k_ref.at[b, keys, kv_head], v_ref.at[b, keys, kv_head], seg
-
-    ring.feed(union[1] - union[0], sources)
-
   _compute_wg(compute, wgs)
-  _memory_wg(memory, wgs)
+  _memory_wg(lambda: _feed_keys(ring, union, bk, b, kv_head, k_ref, v_ref, kv_seg_ref), wgs)
 
 
 # --- dK/dV: each CTA owns 2 x bk keys of one kv head; the group's queries stream through. ---
