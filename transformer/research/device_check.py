@@ -6,6 +6,7 @@ training-step speed (TFLOP/s, tokens/s, MFU) with the targets of issue 15, as JS
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -136,32 +137,34 @@ def attention_speed(smoke: bool, repeats: int, deadline: float) -> tuple[float, 
 
   backend = jax.default_backend()
   dtype = jnp.float32 if smoke else jnp.bfloat16
-  lengths, tokens, width = ((64,), 256, 64) if smoke else ((1024, 4096, 16384), 16384, 2048)
-  impls = ('xla', 'chunked') if smoke else ('cudnn', 'pallas_mosaic', 'pallas_triton')
+  lengths, tokens, width = ((64,), 256, 64) if smoke else ((4096, 16384, 1024), 16384, 2048)
+  impls = ('xla', 'chunked') if smoke else ('pallas_mosaic', 'cudnn', 'pallas_triton')
   matmul = timing.matmul_flops_per_sec(256 if smoke else 8192, dtype)
   rows = []
+  timed = []
   for impl in impls:
     reason = timing.skip_reason(impl, backend)
     if reason:
       rows.append({'implementation': impl, 'error': reason})
-      continue
-    for T in lengths:
-      for H in (64, 128) if not smoke else (64,):
-        for causal in (False, True):
-          B, N = tokens // T, width // H
-          row = dict(implementation=impl, T=T, batch=B, heads=N, head_dim=H, causal=causal)
-          if time.time() > deadline:
-            rows.append(row | {'error': 'skipped: past the time budget'})
-            continue
-          try:
-            row |= timing.measure(impl, B, T, H, causal, dtype, repeats, heads=N)
-          except Exception as error:  # e.g. out of memory: keep the row, say why
-            row['error'] = f'error: {(str(error).strip().splitlines() or ["?"])[0][:120]}'
-          else:
-            for key, flops in zip(('fwd', 'fwdbwd'), timing.attention_flops(B, N, T, T, H, causal)):
-              row[f'{key}_tflops'] = flops / (row[f'{key}_ms'] * 1e-3) / 1e12
-              row[f'{key}_vs_matmul'] = row[f'{key}_tflops'] * 1e12 / matmul
-          rows.append(row)
+    else:
+      timed.append(impl)
+  # Shapes outermost, the targets' shapes first, so a cut by the budget drops whole shapes.
+  for T, H, causal in itertools.product(lengths, (64,) if smoke else (128, 64), (False, True)):
+    for impl in timed:
+      B, N = tokens // T, width // H
+      row = dict(implementation=impl, T=T, batch=B, heads=N, head_dim=H, causal=causal)
+      if time.time() > deadline:
+        rows.append(row | {'error': 'skipped: past the time budget'})
+        continue
+      try:
+        row |= timing.measure(impl, B, T, H, causal, dtype, repeats, heads=N)
+      except Exception as error:  # e.g. out of memory: keep the row, say why
+        row['error'] = f'error: {(str(error).strip().splitlines() or ["?"])[0][:120]}'
+      else:
+        for key, flops in zip(('fwd', 'fwdbwd'), timing.attention_flops(B, N, T, T, H, causal)):
+          row[f'{key}_tflops'] = flops / (row[f'{key}_ms'] * 1e-3) / 1e12
+          row[f'{key}_vs_matmul'] = row[f'{key}_tflops'] * 1e12 / matmul
+      rows.append(row)
   done = {
     (r['T'], r['head_dim'], r['causal']): r
     for r in rows
