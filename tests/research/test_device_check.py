@@ -1,15 +1,15 @@
-"""experiments.gpu_check on CPU (--smoke): every part runs and both files are written."""
+"""experiments.gpu_check on CPU (--smoke): every part runs and both files are written.
+
+The smoke run is a dozen tiny compiles (two of them training steps): ~30 s on 2 cores.
+"""
 
 import json
 import subprocess
 import sys
 
-import pytest
-
 from transformer.research import device_check
 
 
-@pytest.mark.slow  # ~1-2 min on 2 cores: a dozen tiny compiles, two of them training steps
 def test_smoke_run_writes_json_and_markdown(tmp_path):
   out = subprocess.run(
     [sys.executable, '-m', 'experiments.gpu_check', f'--out={tmp_path}', '--smoke'],
