@@ -11,8 +11,10 @@ Times are medians of --repeats synchronised runs after one warm-up, of the forwa
 + backward (jax.vjp, random cotangent). FLOPs follow FlashAttention: forward 4 * B * N * T * S * H,
 forward + backward 3.5x that, causal counted as half; %mm is the fraction of a dense matmul's
 FLOP/s in the bench dtype (n = --matmul_size, default 2048 on CPU, 8192 elsewhere). Memory is the
-compiled temp size. 'pallas' is skipped on CPU (Pallas interpreter only), 'cudnn' except on NVIDIA
-GPUs; a size that fails (e.g. out of memory) keeps its row, with the error.
+compiled temp size. 'pallas' is our kernel as `implementation='pallas'` chooses it (Mosaic GPU on
+Hopper, Triton on older GPUs); 'pallas_triton' and 'pallas_mosaic' pin one GPU kernel each, so both
+are reported side by side. Pallas is skipped on CPU (interpreter only), 'pallas_mosaic' below sm90,
+'cudnn' except on NVIDIA GPUs; a size that fails (e.g. out of memory) keeps its row, with the error.
 """
 
 import json
@@ -22,7 +24,7 @@ from absl import flags
 from experiments import cli
 from transformer.research import timing
 
-IMPLEMENTATIONS = ('xla', 'chunked', 'pallas', 'cudnn')
+IMPLEMENTATIONS = ('xla', 'chunked', 'pallas', 'pallas_triton', 'pallas_mosaic', 'cudnn')
 NUM_HEADS = timing.NUM_HEADS
 
 _LENGTHS = flags.DEFINE_list(
@@ -74,16 +76,16 @@ def format_table(rows: list[dict], with_cudnn: bool) -> str:
   """One text table; speedups are `fwd/fwd+bwd` time ratios (> 1 = faster than the baseline)."""
   ratio_cols = ['xla', 'cudnn'] if with_cudnn else ['xla']
   head = (
-    f'{"impl":<8} {"T":>6} {"H":>4} {"causal":>6} {"B":>4}  {"fwd ms":>9} {"TFLOP/s":>8} '
+    f'{"impl":<13} {"T":>6} {"H":>4} {"causal":>6} {"B":>4}  {"fwd ms":>9} {"TFLOP/s":>8} '
     f'{"%mm":>5}  {"f+b ms":>9} {"TFLOP/s":>8} {"%mm":>5}  {"temp MiB f / f+b":>17}'
   )
   head += ''.join(f'  {"vs " + b + " f/f+b":>14}' for b in ratio_cols)
   lines = [head, '-' * len(head)]
   for r in rows:
     if 'T' not in r:  # an implementation skipped on this backend
-      lines.append(f'{r["implementation"]:<8} {r["error"]}')
+      lines.append(f'{r["implementation"]:<13} {r["error"]}')
       continue
-    line = f'{r["implementation"]:<8} {r["T"]:>6} {r["head_dim"]:>4} {str(r["causal"]):>6} '
+    line = f'{r["implementation"]:<13} {r["T"]:>6} {r["head_dim"]:>4} {str(r["causal"]):>6} '
     line += f'{r["batch"]:>4}  '
     if r.get('error'):
       lines.append(line + r['error'])

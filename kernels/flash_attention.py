@@ -1,6 +1,7 @@
 """Public flash attention: block sizes, input checks, padding, the custom_vjp and a reference.
 
-Kernels live in `kernels/gpu.py` (Triton) and `kernels/tpu.py` (Mosaic); callers see `[B, T, N, H]`.
+Kernels live in `kernels/mosaic_gpu.py` (Hopper), `kernels/gpu.py` (Triton, older GPUs) and
+`kernels/tpu.py` (Mosaic TPU); callers see `[B, T, N, H]`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import gpu, tpu
+from kernels import gpu, mosaic_gpu, tpu
 
 Array = jax.Array
 _MIN_GPU_BLOCK = 16  # Triton's smallest tile for tl.dot
+BACKENDS = ('mosaic_gpu', 'gpu', 'tpu')  # Hopper, Triton (any CUDA GPU), TPU
 
 
 def _is_pow2(x: int) -> bool:
@@ -36,8 +38,8 @@ class BlockSizes:
   block_k_dq: int | None = None
   block_q_dkv: int | None = None
   block_k_dkv: int | None = None
-  num_warps: int | None = None  # GPU only; None = 4 for head dim <= 64, else 8
-  num_stages: int = 2  # GPU only: software pipelining depth
+  num_warps: int | None = None  # Triton only; None = 4 for head dim <= 64, else 8
+  num_stages: int = 2  # GPU only: software pipelining depth (Mosaic GPU: TMA ring slots)
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -51,7 +53,21 @@ class BlockSizes:
 
   @classmethod
   def default(cls, backend: str, head_dim: int) -> BlockSizes:
-    """Reasonable tiles for `backend` ('gpu' or 'tpu') and `head_dim`."""
+    """Reasonable tiles for `backend` ('mosaic_gpu', 'gpu' or 'tpu') and `head_dim`.
+
+    Mosaic GPU: block_q, block_q_dq and block_k_dkv are the rows of one warpgroup (64); a CTA
+    covers two of them (one in the backward at head dim 256, to fit 227 KiB of SMEM).
+    """
+    if backend == 'mosaic_gpu':
+      big = head_dim > 128
+      return cls(
+        block_q=64,
+        block_k=64 if big else 128,
+        block_q_dq=64,
+        block_k_dq=64,
+        block_q_dkv=64,
+        block_k_dkv=64,
+      )
     if backend == 'gpu':
       big = head_dim > 128  # keep [block, H] tiles within shared memory
       return cls(
@@ -64,7 +80,9 @@ class BlockSizes:
       )
     if backend == 'tpu':
       return cls(block_q=128, block_k=128)
-    raise ValueError(f"backend={backend!r} has no default block sizes; use 'gpu' or 'tpu'")
+    raise ValueError(
+      f"backend={backend!r} has no default block sizes; use 'mosaic_gpu', 'gpu' or 'tpu'"
+    )
 
   def resolved(self) -> BlockSizes:
     """A copy with every backward block filled in from the forward blocks."""
@@ -78,7 +96,26 @@ class BlockSizes:
     )
 
   def check(self, backend: str) -> None:
-    """Raises ValueError when a block is too small for `backend` (GPU: 16, TPU: 8)."""
+    """Raises ValueError when a block does not suit `backend` (GPU: >= 16, TPU: >= 8).
+
+    Mosaic GPU: the warpgroup row blocks (block_q, block_q_dq, block_k_dkv) must be 64, and the
+    streamed blocks 64, 128 or 256.
+    """
+    if backend == 'mosaic_gpu':
+      b = self.resolved()
+      for name in ('block_q', 'block_q_dq', 'block_k_dkv'):
+        if getattr(b, name) != mosaic_gpu.ROWS:
+          raise ValueError(
+            f'BlockSizes.{name}={getattr(b, name)} must be {mosaic_gpu.ROWS} for '
+            "backend='mosaic_gpu' (the rows of one warpgroup's wgmma)"
+          )
+      for name in ('block_k', 'block_k_dq', 'block_q_dkv'):
+        if getattr(b, name) not in (64, 128, 256):
+          raise ValueError(
+            f'BlockSizes.{name}={getattr(b, name)} must be 64, 128 or 256 for '
+            "backend='mosaic_gpu' (the K of a wgmma is a multiple of 64)"
+          )
+      return
     smallest = _MIN_GPU_BLOCK if backend == 'gpu' else 8
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
@@ -118,11 +155,11 @@ class _Config:
   kv_len: int | None  # true key length when keys were padded, else None
   blocks: BlockSizes
   interpret: bool
-  backend: str  # 'gpu' or 'tpu'
+  backend: str  # one of BACKENDS
 
   @property
   def kernels(self):
-    return gpu if self.backend == 'gpu' else tpu
+    return {'mosaic_gpu': mosaic_gpu, 'gpu': gpu, 'tpu': tpu}[self.backend]
 
   def kernel_kwargs(self) -> dict:
     return dict(
@@ -155,25 +192,63 @@ def _attention_bwd(cfg: _Config, residuals, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _resolve_backend(backend: str | None, interpret: bool) -> str:
+def gpu_capability() -> tuple[str, float] | None:
+  """(device kind, compute capability) of the first device when it is an NVIDIA GPU, else None."""
+  device = jax.devices()[0]
+  capability = getattr(device, 'compute_capability', None)
+  if device.platform != 'gpu' or capability is None:
+    return None
+  return device.device_kind, float(capability)
+
+
+def _mosaic_supports(head_dim: int, dtype) -> bool:
+  return head_dim in mosaic_gpu.HEAD_DIMS and jnp.dtype(dtype).name in mosaic_gpu.DTYPES
+
+
+def _check_mosaic(head_dim: int, dtype, interpret: bool) -> None:
+  """One clear error for what the Hopper kernel cannot run, naming what it and others can."""
+  if head_dim not in mosaic_gpu.HEAD_DIMS:
+    raise ValueError(
+      f"backend='mosaic_gpu' supports head dims {mosaic_gpu.HEAD_DIMS}; got H={head_dim}. "
+      "Use backend='gpu' (Triton, any head dim) or backend=None to choose"
+    )
+  if jnp.dtype(dtype).name not in mosaic_gpu.DTYPES:
+    raise ValueError(
+      f"backend='mosaic_gpu' supports dtypes {mosaic_gpu.DTYPES}; got {jnp.dtype(dtype).name}. "
+      "Cast q, k and v, or use backend='gpu' (Triton, also float32)"
+    )
+  gpu = gpu_capability()
+  if not interpret and gpu is not None and gpu[1] < 9.0:
+    raise ValueError(
+      f"backend='mosaic_gpu' needs a Hopper (sm90) or newer GPU; this is {gpu[0]} (compute "
+      f"capability {gpu[1]}). Use backend='gpu' (Triton) or backend=None to choose"
+    )
+
+
+def _resolve_backend(backend: str | None, interpret: bool, head_dim: int, dtype) -> str:
   if backend is None:
-    platform = jax.default_backend()
+    platform, gpu = jax.default_backend(), gpu_capability()
     if platform == 'tpu':
       return 'tpu'
+    if gpu is not None:  # Hopper and newer get the Mosaic GPU kernel where it applies
+      return 'mosaic_gpu' if gpu[1] >= 9.0 and _mosaic_supports(head_dim, dtype) else 'gpu'
     if platform in ('gpu', 'cuda', 'rocm'):
       return 'gpu'
     if not interpret:
       raise ValueError(
         f'flash_attention has no compiled kernel for backend {platform!r}; pass interpret=True '
-        "(slow, for tests) or backend='gpu'/'tpu' to lower for another device, or use the "
-        "'xla' or 'chunked' attention implementation"
+        "(slow, for tests) or backend='mosaic_gpu'/'gpu'/'tpu' to lower for another device, or "
+        "use the 'xla' or 'chunked' attention implementation"
       )
-    return 'gpu'  # interpret the GPU kernel on CPU
+    return 'gpu'  # interpret the Triton kernel on CPU
+  if backend == 'mosaic_gpu':
+    _check_mosaic(head_dim, dtype, interpret)
+    return backend
   if backend in ('gpu', 'cuda', 'rocm'):
     return 'gpu'
   if backend == 'tpu':
     return 'tpu'
-  raise ValueError(f"backend={backend!r} is not one of 'gpu', 'tpu' or None")
+  raise ValueError(f"backend={backend!r} is not one of 'mosaic_gpu', 'gpu', 'tpu' or None")
 
 
 def _check_shapes(q, k, v, q_segment_ids, kv_segment_ids, window):
@@ -246,26 +321,32 @@ def flash_attention(
     window: sliding window `(left, right)`, non-negative ints.
     scale: logit scale; None = 1/sqrt(H).
     block_sizes: kernel tiles; None = `BlockSizes.default(backend, H)`.
-    backend: 'gpu' or 'tpu' picks the kernel; None = from `jax.default_backend()`.
+    backend: 'mosaic_gpu' (Hopper: head dims 64/128/256, bf16/fp16), 'gpu' (Triton) or 'tpu'
+      picks the kernel; None = from the device (Mosaic GPU on sm90+ where it applies).
     interpret: run the kernel in the Pallas interpreter (slow; for CPU tests).
 
   Returns:
     `[B, T, N, H]` in q.dtype.
   """
   _check_shapes(q, k, v, q_segment_ids, kv_segment_ids, window)
-  backend = _resolve_backend(backend, interpret)
   B, T, N, H = q.shape
+  backend = _resolve_backend(backend, interpret, H, q.dtype)
   S = k.shape[1]
   scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
   blocks = block_sizes or BlockSizes.default(backend, H)
   if not isinstance(blocks, BlockSizes):
     raise ValueError(f'block_sizes must be a BlockSizes or None; got {type(blocks).__name__}')
   blocks.check(backend)
-  blocks = blocks.fit(T, S)
+  if backend == 'mosaic_gpu':  # a CTA covers two warpgroups' rows; blocks never shrink
+    blocks = blocks.resolved()
+    q_tile = max(2 * blocks.block_q, 2 * blocks.block_q_dq, blocks.block_q_dkv)
+    k_tile = max(blocks.block_k, blocks.block_k_dq, 2 * blocks.block_k_dkv)
+  else:
+    blocks = blocks.fit(T, S)
+    q_tile = max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)  # all powers of two
+    k_tile = max(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)
 
   # Pad lengths to whole blocks and the head dim to a power of two; padded keys are masked.
-  q_tile = max(blocks.block_q, blocks.block_q_dq, blocks.block_q_dkv)  # all powers of two
-  k_tile = max(blocks.block_k, blocks.block_k_dq, blocks.block_k_dkv)
   T_pad, S_pad = -(-T // q_tile) * q_tile, -(-S // k_tile) * k_tile
   H_pad = max(_MIN_GPU_BLOCK, _next_pow2(H)) if backend == 'gpu' else H  # Triton: power of 2
   qp = _pad_axis(_pad_axis(q, 1, T_pad), 3, H_pad)  # [B, T_pad, N, H_pad]
@@ -277,7 +358,7 @@ def flash_attention(
     kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, S_pad)  # [B, S_pad]
   kv_len = None if S_pad == S or q_seg is not None else S  # segment id 0 already masks the pad
   cfg = _Config(scale, bool(causal), window, kv_len, blocks, bool(interpret), backend)
-  if backend == 'gpu':
+  if backend in ('gpu', 'mosaic_gpu'):
     out = _attention(qp, kp, vp, q_seg, kv_seg, cfg)  # [B, T_pad, N, H_pad]
     return out[:, :T, :, :H]  # [B, T, N, H]
   # TPU tiles are [block, H]: heads go before length, segment ids get a unit lane/sublane axis.

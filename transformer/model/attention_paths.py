@@ -184,7 +184,8 @@ def cudnn_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
 
 
 def pallas_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
-  """Our Pallas flash-attention kernel (kernels/): Triton on GPU, Mosaic on TPU.
+  """Our Pallas flash-attention kernel (kernels/): Mosaic GPU on Hopper (sm90+) for bf16/fp16 at
+  head dims 64/128/256, Triton on other GPUs and shapes, Mosaic on TPU.
 
   On any other backend it runs in the Pallas interpreter: exact but slow, for tests only.
   """

@@ -9,6 +9,19 @@ from collections.abc import Callable
 from transformer.model.attention import MaskSpec, dot_product_attention
 
 NUM_HEADS = 8  # the attention benchmarks' heads
+# The 'pallas' implementation with its GPU kernel pinned (benchmarks report both side by side).
+PALLAS_KERNELS = {'pallas_triton': 'gpu', 'pallas_mosaic': 'mosaic_gpu'}
+
+
+def attention_fn(implementation: str, causal: bool) -> Callable:
+  """`(q, k, v) -> out` for a `dot_product_attention` implementation or a `PALLAS_KERNELS` name."""
+  mask = MaskSpec(causal=causal)
+  if implementation in PALLAS_KERNELS:
+    from kernels import flash_attention
+
+    backend = PALLAS_KERNELS[implementation]
+    return lambda q, k, v: flash_attention(q, k, v, causal=causal, backend=backend)
+  return lambda q, k, v: dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 
 def median_seconds(fn: Callable, args: tuple, repeats: int) -> float:
@@ -38,8 +51,14 @@ def skip_reason(implementation: str, backend: str) -> str | None:
   """Why `implementation` is not timed on `backend` ('cpu', 'gpu', 'tpu'), or None to time it."""
   import jax
 
-  if implementation == 'pallas' and backend not in ('gpu', 'tpu'):
+  if implementation.startswith('pallas') and backend not in ('gpu', 'tpu'):
     return f'skipped: on {backend} Pallas runs only in its interpreter (too slow to time)'
+  if implementation in PALLAS_KERNELS and backend != 'gpu':
+    return f'skipped: {implementation} is a GPU kernel (backend is {backend})'
+  if implementation == 'pallas_mosaic':
+    capability = getattr(jax.devices()[0], 'compute_capability', None)
+    if capability is None or float(capability) < 9.0:
+      return f'skipped: pallas_mosaic needs a Hopper (sm90+) GPU (compute capability {capability})'
   if implementation == 'cudnn':
     version = getattr(jax.devices()[0].client, 'platform_version', '').lower()
     if backend != 'gpu' or 'cuda' not in version:
@@ -53,20 +72,20 @@ def attention_flops(B: int, N: int, T: int, S: int, H: int, causal: bool) -> tup
   return forward, 3.5 * forward
 
 
-def measure(implementation: str, B: int, T: int, H: int, causal: bool, dtype, repeats: int) -> dict:
+def measure(
+  implementation: str, B: int, T: int, H: int, causal: bool, dtype, repeats: int, heads=NUM_HEADS
+) -> dict:
   """Times and compiled temp memory of one configuration: forward, and forward + backward."""
   import jax
 
-  def attend(q, k, v):
-    mask = MaskSpec(causal=causal)
-    return dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+  attend = attention_fn(implementation, causal)
 
   def forward_backward(q, k, v, cot):
     out, pullback = jax.vjp(attend, q, k, v)
     return out, pullback(cot)  # (dq, dk, dv), each [B, T, N, H]
 
   keys = jax.random.split(jax.random.PRNGKey(T * 1000 + H), 4)
-  q, k, v, cot = (jax.random.normal(key, (B, T, NUM_HEADS, H), dtype) for key in keys)
+  q, k, v, cot = (jax.random.normal(key, (B, T, heads, H), dtype) for key in keys)
   row = {}
   for name, fn, args in (('fwd', attend, (q, k, v)), ('fwdbwd', forward_backward, (q, k, v, cot))):
     compiled = jax.jit(fn).lower(*args).compile()
