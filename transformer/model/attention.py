@@ -64,7 +64,7 @@ def _check_inputs(q, k, v, mask, alibi_slopes, chunk_size):
   for name, x in (('q', q), ('k', k), ('v', v)):
     if x.ndim != 4:
       raise ValueError(f'{name} must have rank 4 [B, length, heads, head_dim]; got {x.shape}')
-  B, T, N, H = q.shape
+  B, T, N, H = q.shape  # k, v: [B, S, K, H]
   if k.shape != v.shape:
     raise ValueError(f'k and v must have the same shape [B, S, K, H]; got {k.shape} and {v.shape}')
   if k.shape[0] != B or k.shape[3] != H:
@@ -144,12 +144,15 @@ def dot_product_attention(
       f"dropout_rate={dropout_rate} on attention probabilities needs implementation='xla' and a "
       f'dropout_rng; got implementation={implementation!r}'
     )
+  # 1 / sqrt(H) keeps the logits' variance near 1 whatever the head size, so softmax does not
+  # saturate (Vaswani et al. 2017, section 3.2.1).
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
   kwargs = dict(mask=mask, scale=scale, alibi_slopes=alibi_slopes, chunk_size=chunk_size)
+  # Only the dense path materialises the probabilities [B, N, T, S], to return or drop out.
   if return_probs or dropout_rate > 0:
     dropout = (dropout_rate, dropout_rng) if dropout_rate > 0 else None
     return paths.xla_attention(q, k, v, return_probs=return_probs, dropout=dropout, **kwargs)
-  return _IMPLEMENTATIONS[implementation](q, k, v, **kwargs)
+  return _IMPLEMENTATIONS[implementation](q, k, v, **kwargs)  # [B, T, N, H]
 
 
 # KV cache for decoding ---------------------------------------------------------------------
@@ -183,15 +186,19 @@ def _attend_one_step(q, k, v, visible, *, scale, alibi_slopes=None, q_pos=None) 
   B, _, N, H = q.shape
   L, K = k.shape[1], k.shape[2]
   f32 = jnp.float32
+  # The one query position is dropped: [B, 1, N, H] -> [B, K, G, H], query head n = k * G + g,
+  # so the G heads that share kv head k line up against it without repeating k or v.
   qg = q.reshape(B, K, N // K, H)  # [B, K, G, H]
-  logits = jnp.einsum('bkgh,blkh->bkgl', qg, k, preferred_element_type=f32) * scale
+  logits = jnp.einsum('bkgh,blkh->bkgl', qg, k, preferred_element_type=f32) * scale  # [B, K, G, L]
   if alibi_slopes is not None:
     dist = jnp.abs(q_pos[:, None] - jnp.arange(L)[None]).astype(f32)  # [B, L]
-    slopes = alibi_slopes.astype(f32).reshape(K, N // K)
-    logits = logits - slopes[None, :, :, None] * dist[:, None, None, :]
+    slopes = alibi_slopes.astype(f32).reshape(K, N // K)  # [K, G]
+    logits = logits - slopes[None, :, :, None] * dist[:, None, None, :]  # [B, K, G, L]
   visible = visible[:, None, None, :]  # [B or 1, 1, 1, L]
   probs = jax.nn.softmax(jnp.where(visible, logits, NEG), axis=-1)
+  # A row with no visible key has uniform softmax over NEG logits; zero it so it outputs 0.
   probs = jnp.where(visible, probs, 0.0)  # [B, K, G, L]
+  # [B, K, G, H]
   out = jnp.einsum('bkgl,blkh->bkgh', probs.astype(v.dtype), v, preferred_element_type=f32)
   return out.reshape(B, 1, N, H).astype(q.dtype)  # [B, 1, N, H]
 
@@ -244,14 +251,15 @@ class MultiHeadAttention(nn.Module):
       [B, T, D], or ([B, T, D], [B, N, T, S]) with return_probs.
     """
     self_attention = inputs_kv is None
-    inputs_kv = inputs_q if self_attention else inputs_kv
+    inputs_kv = inputs_q if self_attention else inputs_kv  # [B, S, D]; S = T in self attention
     if cache_mode is not None and cache_mode.phase == 'step' and self_attention:
       if positions is None:
         raise ValueError("CacheMode step needs positions [B, 1]: the slot of each row's token")
-    features = inputs_q.shape[-1]
+    features = inputs_q.shape[-1]  # D: the output projection maps back to the input width
 
     qkv_bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
 
+    # [..., D] -> [..., heads, H]
     def dense(heads: int, heads_axis: str, name: str) -> nn.DenseGeneral:
       return nn.DenseGeneral(
         (heads, self.head_dim),
@@ -264,18 +272,21 @@ class MultiHeadAttention(nn.Module):
         name=name,
       )
 
+    # Pins [B, T, heads, H] to its logical axes (config.mesh.rules map them to mesh axes).
     constrain = lambda x, heads_axis: sharding.constrain(x, ('batch', 'length', heads_axis, 'kv'))
     q = constrain(dense(self.num_heads, 'heads', 'query')(inputs_q), 'heads')  # [B, T, N, H]
     k = constrain(
       dense(self.num_kv_heads, 'kv_heads', 'key')(inputs_kv), 'kv_heads'
     )  # [B, S, K, H]
+    # [B, S, K, H]. GQA: K <= N kv heads, each shared by G = N // K query heads (K = N: MHA).
     v = constrain(dense(self.num_kv_heads, 'kv_heads', 'value')(inputs_kv), 'kv_heads')
     if self.qk_norm is not None:  # per head, over H, before RoPE
       kind, eps = self.qk_norm
       norm = lambda name: Norm(kind, eps, self.dtype, self.param_dtype, 'kv', name=name)
-      q, k = norm('query_norm')(q), norm('key_norm')(k)
+      q, k = norm('query_norm')(q), norm('key_norm')(k)  # shapes unchanged
 
     alibi_slopes = None
+    # Relative positions only make sense within one sequence, so cross attention gets neither.
     if self_attention and (self.rope is not None or self.alibi):
       if positions is None:
         positions = jnp.arange(inputs_q.shape[1])[None]  # [1, T]
@@ -290,15 +301,18 @@ class MultiHeadAttention(nn.Module):
           low_freq_factor=low,
           high_freq_factor=high,
         )
-        q = positions_lib.apply_rope(q, positions, inv_freq, mscale)
-        k = positions_lib.apply_rope(k, positions, inv_freq, mscale)
+        # Rotating q and k by their positions makes q.k depend on the offset i - j only.
+        q = positions_lib.apply_rope(q, positions, inv_freq, mscale)  # [B, T, N, H]
+        k = positions_lib.apply_rope(k, positions, inv_freq, mscale)  # [B, S, K, H]
       if self.alibi:
-        alibi_slopes = positions_lib.alibi_slopes(self.num_heads)
+        alibi_slopes = positions_lib.alibi_slopes(self.num_heads)  # [N]
 
     if cache_mode is not None:  # decoding: fill the cache, or add one token to it
+      # -> [B, L, K, H] (self 'step'), [B, S, K, H] (cross 'step'), or unchanged ('prefill')
       k, v = self._update_cache(cache_mode, k, v, self_attention, mask, positions, return_probs)
-    dropout = self.dropout_rate > 0 and not deterministic
+    dropout = self.dropout_rate > 0 and not deterministic  # training only; forces the 'xla' path
     if cache_mode is not None and cache_mode.phase == 'step':
+      # [B, 1, N, H]: one new token per row against the cache
       out = self._attend_cache(q, k, v, self_attention, mask, positions, alibi_slopes)
     else:
       out = dot_product_attention(
@@ -314,8 +328,9 @@ class MultiHeadAttention(nn.Module):
         dropout_rate=self.dropout_rate if dropout else 0.0,
         dropout_rng=self.make_rng('dropout') if dropout else None,
       )  # [B, T, N, H]
-    out, probs = out if return_probs else (out, None)
-    out = constrain(out, 'heads')
+    out, probs = out if return_probs else (out, None)  # probs: [B, N, T, S] or None
+    out = constrain(out, 'heads')  # [B, T, N, H]
+    # The output projection contracts heads and head_dim together: [B, T, N, H] -> [B, T, D].
     y = nn.DenseGeneral(
       features,
       axis=(-2, -1),
@@ -346,11 +361,13 @@ class MultiHeadAttention(nn.Module):
     if mode.phase == 'prefill':
       if self_attention and T > mode.length:
         raise ValueError(f'a prompt of {T} tokens does not fit a cache of length={mode.length}')
+      # Self attention gets L slots for the tokens still to come; cross attention caches the
+      # encoder's S keys, which never grow (here T is S).
       L = mode.length if self_attention else T
-      pad = [(0, 0), (0, L - T), (0, 0), (0, 0)]
+      pad = [(0, 0), (0, L - T), (0, 0), (0, 0)]  # right-pad the length axis: T -> L
       for name, x in (('cached_key', k), ('cached_value', v)):  # [B, L, K, H], 0 past the prompt
         self.variable('cache', name, jnp.zeros, (B, L, K, H), x.dtype).value = jnp.pad(x, pad)
-      return k, v
+      return k, v  # prefill attends over the prompt only, [B, T, K, H]
     if not self.has_variable('cache', 'cached_key'):
       raise ValueError("CacheMode 'step' needs the cache that a 'prefill' call filled")
     cached_k = self.variable('cache', 'cached_key')
@@ -359,9 +376,11 @@ class MultiHeadAttention(nn.Module):
       return cached_k.value, cached_v.value
     if T != 1:
       raise ValueError(f'CacheMode step takes one token per row; got {T}')
+    # Each row writes at its own position, so right-padded prompts of different lengths decode
+    # in one batch without shifting any cache.
     rows, slots = jnp.arange(B), jnp.broadcast_to(positions, (B, 1))[:, 0]  # [B], [B]
     cached_k.value = cached_k.value.at[rows, slots].set(k[:, 0])  # [B, L, K, H]
-    cached_v.value = cached_v.value.at[rows, slots].set(v[:, 0])
+    cached_v.value = cached_v.value.at[rows, slots].set(v[:, 0])  # [B, L, K, H]
     return cached_k.value, cached_v.value
 
   def _attend_cache(self, q, k, v, self_attention, mask, positions, alibi_slopes):
@@ -373,6 +392,6 @@ class MultiHeadAttention(nn.Module):
     q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
     slots = jnp.arange(k.shape[1])[None]  # [1, L]
     visible = slots <= q_pos[:, None]  # [B, L]: causal; later slots are not written yet
-    if mask.window is not None:
+    if mask.window is not None:  # only the left edge: causal already hides keys to the right
       visible &= slots >= q_pos[:, None] - mask.window[0]
     return _attend_one_step(q, k, v, visible, scale=scale, alibi_slopes=alibi_slopes, q_pos=q_pos)

@@ -23,7 +23,8 @@ Array = jax.Array
 def kernel_init(cfg: ModelConfig) -> Callable:
   """The weight initialiser of every projection: Xavier uniform (paper) or normal(init_std)."""
   if cfg.init_distribution == 'normal':
-    return nn.initializers.normal(cfg.init_std)
+    return nn.initializers.normal(cfg.init_std)  # GPT-2 / BERT: std 0.02
+  # Xavier scales by fan-in + fan-out, keeping activation variance about constant per layer.
   return nn.initializers.xavier_uniform()
 
 
@@ -36,9 +37,11 @@ def residual_out_init(cfg: ModelConfig, num_layers: int) -> Callable:
   base = kernel_init(cfg)
   if cfg.init == 'plain':
     return base
+  # Each layer adds two residual branches (attention, FFN): 2 * num_layers in all. Scaling each
+  # by 1/sqrt(2L) keeps the variance of their sum O(1) instead of growing with depth.
   factor = 1.0 / math.sqrt(2 * num_layers)
 
-  def init(key, shape, dtype=jnp.float32):
+  def init(key, shape, dtype=jnp.float32):  # same shape as base, shrunk by `factor`
     return base(key, shape, dtype) * jnp.asarray(factor, dtype)
 
   return init
@@ -46,6 +49,8 @@ def residual_out_init(cfg: ModelConfig, num_layers: int) -> Callable:
 
 def embedding_init(cfg: ModelConfig) -> Callable:
   """Token embeddings: std d_model^-0.5 when they are scaled up by sqrt(d_model), else init_std."""
+  # d_model^-0.5 x sqrt(d_model) = 1: the scaled embedding has unit-variance entries, the scale
+  # of the sinusoids it is added to; the tied output projection sees the small, unscaled table.
   std = cfg.d_model**-0.5 if cfg.scale_embeddings else cfg.init_std
   return nn.initializers.normal(std)
 
@@ -67,7 +72,7 @@ class Embed(nn.Module):
   init: Callable = nn.initializers.normal(1.0)
 
   def setup(self):
-    self.embedding = self.param(
+    self.embedding = self.param(  # [V, D]
       'embedding',
       nn.with_logical_partitioning(self.init, ('vocab', 'embed')),
       (self.vocab_size, self.features),
@@ -79,11 +84,13 @@ class Embed(nn.Module):
     table = sharding.constrain(self.embedding, ('vocab', None))
     x = jnp.take(table, tokens, axis=0).astype(self.dtype)  # [B, T] -> [B, T, D]
     x = sharding.constrain(x, ('batch', 'length', 'embed'))
-    return x * jnp.asarray(math.sqrt(self.features), self.dtype) if self.scale else x
+    # x sqrt(D): brings entries of std D^-0.5 (see embedding_init) up to the positions' scale.
+    return x * jnp.asarray(math.sqrt(self.features), self.dtype) if self.scale else x  # [B, T, D]
 
   def attend(self, x: Array) -> Array:
     """Logits against every embedding: [B, T, D] -> [B, T, V]."""
-    logits = jnp.einsum('btd,vd->btv', x, self.table())
+    # No sqrt(D) here: the scale applies to the lookup only, as in the paper.
+    logits = jnp.einsum('btd,vd->btv', x, self.table())  # [B, T, V]
     return sharding.constrain(logits, ('batch', 'length', 'vocab'))
 
   def table(self) -> Array:
@@ -112,9 +119,9 @@ class AddPositions(nn.Module):
   def __call__(self, x: Array, positions: Array | None) -> Array:
     cfg = self.cfg
     if positions is None:
-      positions = jnp.arange(x.shape[1])[None]  # [1, T]
+      positions = jnp.arange(x.shape[1])[None]  # [1, T], broadcast over the batch
     if cfg.position == 'sinusoidal':
-      return x + positions_lib.sinusoidal(positions, cfg.d_model).astype(x.dtype)
+      return x + positions_lib.sinusoidal(positions, cfg.d_model).astype(x.dtype)  # [B, T, D]
     if cfg.position == 'learned':
       table = positions_lib.LearnedPositions(
         cfg.max_length,
@@ -125,8 +132,8 @@ class AddPositions(nn.Module):
         param_dtype=cfg.params_dtype,
         name='positions',
       )
-      return x + table(positions).astype(x.dtype)
-    return x
+      return x + table(positions).astype(x.dtype)  # [B, T, D]
+    return x  # 'rope' and 'alibi' act inside attention; 'none' adds nothing
 
 
 # Feed-forward --------------------------------------------------------------------------------
@@ -154,17 +161,19 @@ class FeedForward(nn.Module):
         dtype=cfg.compute_dtype,
         param_dtype=cfg.params_dtype,
         kernel_init=nn.with_logical_partitioning(init, axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),  # output axis
         name=name,
       )
 
-    up = ('embed', 'mlp')
+    up = ('embed', 'mlp')  # logical axes of the [D, F] up projections
     if cfg.activation == 'swiglu':
+      # SwiGLU: silu(x W_gate) * (x W_in), a gated unit with two up projections (LLaMA).
       h = nn.silu(dense(cfg.d_ff, 'gate', up)(x)) * dense(cfg.d_ff, 'wi', up)(x)  # [B, T, F]
     else:
       h = ACTIVATIONS[cfg.activation](dense(cfg.d_ff, 'wi', up)(x))  # [B, T, F]
     h = sharding.constrain(h, ('batch', 'length', 'mlp'))
     h = nn.Dropout(cfg.ffn_dropout_rate)(h, deterministic=deterministic)
+    # 'wo' writes into the residual stream, so it takes the block's (maybe scaled) out_init.
     return dense(cfg.d_model, 'wo', ('mlp', 'embed'), self.out_init)(h)  # [B, T, D]
 
 
@@ -198,7 +207,9 @@ class Block(nn.Module):
     out_init = residual_out_init(cfg, self.num_layers)
     drop = nn.Dropout(cfg.dropout_rate)
 
-    def sublayer(x, fn, name):
+    def sublayer(x, fn, name):  # [B, T, D] -> [B, T, D]
+      # Pre-LN leaves the residual path un-normalised (stable deep stacks, needs a final norm);
+      # post-LN normalises the sum, as in the 2017 paper.
       if cfg.norm_placement == 'pre':
         return x + drop(fn(make_norm(cfg, f'{name}_norm')(x)), deterministic=self.deterministic)
       y = x + drop(fn(x), deterministic=self.deterministic)
@@ -206,6 +217,8 @@ class Block(nn.Module):
 
     def attention(name, rope_alibi):
       rope = None
+      # Only self attention gets RoPE/ALiBi: in cross attention, decoder and encoder positions
+      # index different sequences, so their distance means nothing.
       if rope_alibi and cfg.position == 'rope':
         rope = (
           cfg.rope_theta,
@@ -225,7 +238,7 @@ class Block(nn.Module):
         kernel_init=kernel_init(cfg),
         out_kernel_init=out_init,
         dropout_rate=cfg.attention_dropout_rate,
-        scale=None if cfg.attention_scale else 1.0,
+        scale=None if cfg.attention_scale else 1.0,  # None: 1 / sqrt(H)
         implementation=cfg.attention_impl,
         chunk_size=cfg.attention_chunk_size,
         rope=rope,
@@ -236,6 +249,7 @@ class Block(nn.Module):
       )
 
     self_attn = attention('self_attention', rope_alibi=True)
+    # Self attention: causal in a decoder, not in an encoder (self_mask says which).
     x = sublayer(
       x,
       lambda h: self_attn(
@@ -246,24 +260,26 @@ class Block(nn.Module):
         cache_mode=self.cache_mode,
       ),
       'self_attention',
-    )
+    )  # [B, T, D]
     if self.cross_attention:
       cross_attn = attention('cross_attention', rope_alibi=False)
+      # Queries from x [B, T, D], keys/values from the encoder output [B, S, D].
       x = sublayer(
         x,
         lambda h: cross_attn(
           h, encoded, mask=cross_mask, deterministic=self.deterministic, cache_mode=self.cache_mode
         ),
         'cross_attention',
-      )
+      )  # [B, T, D]
     ffn = FeedForward(cfg, out_init, name='mlp')
-    x = sublayer(x, lambda h: ffn(h, self.deterministic), 'mlp')
+    x = sublayer(x, lambda h: ffn(h, self.deterministic), 'mlp')  # [B, T, D]
     x = sharding.constrain(x, ('batch', 'length', 'embed'))
     return (x, None) if self.scanned else x
 
 
 REMAT_POLICIES = {
   'full': None,  # save nothing, recompute the whole block
+  # Keep the weight matmuls' outputs (attention's batched einsums are recomputed, as is the rest).
   'save_matmuls': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
@@ -289,6 +305,8 @@ class Stack(nn.Module):
     cfg = self.cfg
     block = Block
     if cfg.remat != 'none':
+      # Recompute activations in the backward pass instead of keeping them. Inside nn.scan the
+      # loop already stops XLA from merging the recomputation away, so prevent_cse is not needed.
       block = nn.remat(block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
     kwargs = dict(
       cfg=cfg,
@@ -297,21 +315,23 @@ class Stack(nn.Module):
       deterministic=deterministic,
       cache_mode=cache_mode,
     )
+    # Scanning compiles one block and loops it L times (compile time independent of depth);
+    # the Python loop unrolls L separate blocks.
     if cfg.scan_layers and self.num_layers:
       scanned = nn.scan(
         block,
         variable_axes={'params': 0, 'cache': 0},  # each layer its own params and KV cache
-        split_rngs={'params': True, 'dropout': True},
-        in_axes=(nn.broadcast,) * 4,
+        split_rngs={'params': True, 'dropout': True},  # each layer its own init and dropout
+        in_axes=(nn.broadcast,) * 4,  # encoded, masks and positions: the same for every layer
         length=self.num_layers,
         metadata_params={nn.PARTITION_NAME: 'layers'},  # stacked params: [layers, ...]
       )
       x, _ = scanned(**kwargs, scanned=True, name='layers')(
         x, encoded, self_mask, cross_mask, positions
-      )
+      )  # [B, T, D]; x is the carry
     else:
       for i in range(self.num_layers):
         x = block(**kwargs, name=f'layer_{i}')(x, encoded, self_mask, cross_mask, positions)
-    if cfg.norm_placement == 'pre':
+    if cfg.norm_placement == 'pre':  # pre-LN's residual stream was never normalised
       x = make_norm(cfg, 'final_norm')(x)
-    return x
+    return x  # [B, T, D]

@@ -1,5 +1,28 @@
 """The three families, thin compositions of one block: EncoderDecoder, BidirectionalLM, CausalLM."""
 
+# A token through EncoderDecoder, from ids to logits (letters as in attention.py):
+#
+#   inputs [B, S], decoder_inputs [B, T]: int token ids
+#   _segments: ids == cfg.pad_id get segment id 0, which masks them  [B, S], [B, T]
+#   Encoder
+#     Embedder: layers.Embed looks up the table (x sqrt(D) if cfg.scale_embeddings) [B, S, D]
+#               layers.AddPositions adds sinusoidal/learned ones     [B, S, D]
+#     layers.Stack of layers.Block, each one:                        [B, S, D] -> [B, S, D]
+#       self attention over the source, not causal (attention.MultiHeadAttention)
+#       feed-forward (layers.FeedForward)
+#       each wrapped in residual + norm (pre- or post-LN)
+#   Decoder
+#     Embedder: the target embedding + positions                     [B, T] -> [B, T, D]
+#     layers.Stack of layers.Block, each one:                        [B, T, D] -> [B, T, D]
+#       causal self attention: token t sees decoder tokens <= t
+#       cross attention: queries from the decoder, keys/values from the encoder output [B, S, D]
+#       feed-forward; residual + norm around each
+#     final_norm at the end of the Stack when pre-LN (post-LN blocks already end in one)
+#   OutputHead: tied projection, x @ embedding.T (layers.Embed.attend) [B, T, D] -> [B, T, V]
+#
+# CausalLM is the Decoder alone (no cross attention); BidirectionalLM is the Encoder plus an
+# MLM or classifier head.
+
 from __future__ import annotations
 
 import functools
@@ -37,10 +60,11 @@ def _cross_mask(q_segments: Array | None, kv_segments: Array | None, q_len, kv_l
   """Decoder-to-encoder mask: segment k of the targets sees segment k of the inputs."""
   if q_segments is None and kv_segments is None:
     return MaskSpec()
+  # One side without ids is one unpadded segment (id 1), so it matches segment 1 on the other.
   if q_segments is None:
-    q_segments = jnp.ones((kv_segments.shape[0], q_len), jnp.int32)
+    q_segments = jnp.ones((kv_segments.shape[0], q_len), jnp.int32)  # [B, T]
   if kv_segments is None:
-    kv_segments = jnp.ones((q_segments.shape[0], kv_len), jnp.int32)
+    kv_segments = jnp.ones((q_segments.shape[0], kv_len), jnp.int32)  # [B, S]
   return MaskSpec(q_segment_ids=q_segments, kv_segment_ids=kv_segments)
 
 
@@ -54,8 +78,8 @@ class Embedder(nn.Module):
   def __call__(self, tokens, positions=None, token_types=None, *, deterministic: bool) -> Array:
     cfg = self.cfg
     x = self.embed(tokens)  # [B, T, D]
-    x = AddPositions(cfg, name='positions')(x, positions)
-    if cfg.type_vocab_size:
+    x = AddPositions(cfg, name='positions')(x, positions)  # [B, T, D]; RoPE/ALiBi: unchanged
+    if cfg.type_vocab_size:  # BERT's sentence A/B embedding
       if token_types is None:
         token_types = jnp.zeros_like(tokens)
       types = nn.Embed(
@@ -68,11 +92,12 @@ class Embedder(nn.Module):
         dtype=cfg.compute_dtype,
         name='token_types',
       )
-      x = x + types(token_types)
-    if cfg.embedding_norm:
+      x = x + types(token_types)  # [B, T, D]
+    if cfg.embedding_norm:  # BERT normalises the summed embeddings
       x = make_norm(cfg, 'norm')(x)
+    # Logical axis names; config.mesh.rules map them to mesh axes (see transformer/sharding.py).
     x = sharding.constrain(x, ('batch', 'length', 'embed'))
-    return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+    return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)  # [B, T, D]
 
 
 class Encoder(nn.Module):
@@ -88,8 +113,10 @@ class Encoder(nn.Module):
     cfg = self.cfg
     x = Embedder(cfg, self.embed, name='embedder')(
       inputs, positions, token_types, deterministic=deterministic
-    )
+    )  # [B, S, D]
+    # Not causal: a source token sees every token of its own segment (within cfg.window, if set).
     mask = MaskSpec(q_segment_ids=segments, kv_segment_ids=segments, window=cfg.window)
+    # encoded=None and cross_mask=None: the encoder's blocks have no cross attention.
     return Stack(cfg, cfg.num_layers, name='stack')(x, None, mask, None, positions, deterministic)
 
 
@@ -99,7 +126,7 @@ class Decoder(nn.Module):
   cfg: ModelConfig
   embed: nn.Module
   num_layers: int
-  cross_attention: bool = True
+  cross_attention: bool = True  # False for CausalLM: no encoder to attend to
 
   @nn.compact
   def __call__(
@@ -115,8 +142,9 @@ class Decoder(nn.Module):
   ) -> Array:
     x = Embedder(self.cfg, self.embed, name='embedder')(
       tokens, positions, deterministic=deterministic
-    )
+    )  # [B, T, D]
     stack = Stack(self.cfg, self.num_layers, self.cross_attention, name='stack')
+    # encoded [B, S, D] (None for CausalLM) -> [B, T, D]
     return stack(x, encoded, self_mask, cross_mask, positions, deterministic, cache_mode)
 
 
@@ -143,12 +171,15 @@ class OutputHead(nn.Module):
   def __call__(self, x: Array, head_inputs: bool = False) -> Array | HeadInputs:
     """`head_inputs=True` (tied heads only) returns what `objectives.head_cross_entropy` takes."""
     cfg = self.cfg
-    if head_inputs:
+    if head_inputs:  # for a loss that never builds the [B, T, V] logits (objectives.py)
       if not cfg.tie_output:
         raise ValueError('head_inputs=True needs tie_output=True (the head is the embedding)')
       return HeadInputs(x, self.embed.table(), None)
-    if cfg.tie_output:
-      return self.embed.attend(x)
+    # Logits stay in the compute dtype here; the losses (objectives.py) cast them to float32
+    # before the softmax, where bfloat16 would lose precision over V classes.
+    if cfg.tie_output:  # reuse the input embedding [V, D] as the output projection
+      return self.embed.attend(x)  # [B, T, V]
+    # An untied head: its own [D, V] matrix.
     logits = nn.Dense(
       cfg.vocab_size,
       use_bias=False,
@@ -167,6 +198,7 @@ class EncoderDecoder(nn.Module):
 
   def setup(self):
     cfg = self.cfg
+    # One table for source, target and output (the paper's shared vocabulary), or two.
     if cfg.share_embeddings:
       self.embedding = make_embed(cfg)
       source, target = self.embedding, self.embedding
@@ -176,7 +208,7 @@ class EncoderDecoder(nn.Module):
       source, target = self.source_embedding, self.target_embedding
     self.encoder = Encoder(cfg, source)
     self.decoder = Decoder(cfg, target, cfg.decoder_layers)
-    self.head = OutputHead(cfg, target)
+    self.head = OutputHead(cfg, target)  # tied to the target embedding when cfg.tie_output
 
   def encode(self, inputs, *, inputs_segments=None, inputs_positions=None, deterministic=True):
     """Source tokens [B, S] -> encoded [B, S, D]."""
@@ -203,10 +235,12 @@ class EncoderDecoder(nn.Module):
     per row at `targets_positions` [B, 1].
     """
     cfg = self.cfg
-    segments = _segments(decoder_inputs, targets_segments, cfg.pad_id)
+    segments = _segments(decoder_inputs, targets_segments, cfg.pad_id)  # [B, T] or None
+    # Decoder token t sees decoder tokens <= t of its own segment (teacher forcing).
     self_mask = MaskSpec(
       causal=True, q_segment_ids=segments, kv_segment_ids=segments, window=cfg.window
     )
+    # Decoder segment k sees all of source segment k (packed examples stay apart).
     cross_mask = _cross_mask(segments, inputs_segments, decoder_inputs.shape[1], encoded.shape[1])
     y = self.decoder(
       encoded,
@@ -216,8 +250,8 @@ class EncoderDecoder(nn.Module):
       positions=targets_positions,
       deterministic=deterministic,
       cache_mode=cache_mode,
-    )
-    return self.head(y, head_inputs)
+    )  # [B, T, D]
+    return self.head(y, head_inputs)  # [B, T, V], or HeadInputs
 
   def __call__(
     self,
@@ -232,13 +266,14 @@ class EncoderDecoder(nn.Module):
     head_inputs: bool = False,
   ):
     """`head_inputs=True` returns the head's HeadInputs instead of the logits [B, T, V]."""
-    inputs_segments = _segments(inputs, inputs_segments, self.cfg.pad_id)
+    # Computed once here: the encoder's self mask and the decoder's cross mask both need them.
+    inputs_segments = _segments(inputs, inputs_segments, self.cfg.pad_id)  # [B, S] or None
     encoded = self.encode(
       inputs,
       inputs_segments=inputs_segments,
       inputs_positions=inputs_positions,
       deterministic=deterministic,
-    )
+    )  # [B, S, D]
     return self.decode(
       encoded,
       inputs_segments,
@@ -247,10 +282,10 @@ class EncoderDecoder(nn.Module):
       targets_positions=targets_positions,
       deterministic=deterministic,
       head_inputs=head_inputs,
-    )
+    )  # [B, T, V]
 
   def dummy_inputs(self, batch: int = 1, length: int = 8) -> dict[str, Any]:
-    tokens = jnp.ones((batch, length), jnp.int32)
+    tokens = jnp.ones((batch, length), jnp.int32)  # [B, T]; only shapes matter, for init
     return {'inputs': tokens, 'decoder_inputs': tokens}
 
 
@@ -279,18 +314,19 @@ class CausalLM(nn.Module):
     `head_inputs=True` returns the head's HeadInputs instead of the logits [B, T, V].
     """
     cfg = self.cfg
-    segments = _segments(inputs, segments, cfg.pad_id)
+    segments = _segments(inputs, segments, cfg.pad_id)  # [B, T] or None
+    # Token t sees tokens <= t of its own segment: packed documents do not see each other.
     mask = MaskSpec(causal=True, q_segment_ids=segments, kv_segment_ids=segments, window=cfg.window)
     y = self.decoder(
-      None,
+      None,  # no encoder: the Decoder's blocks were built without cross attention
       inputs,
       self_mask=mask,
       cross_mask=None,
       positions=positions,
       deterministic=deterministic,
       cache_mode=cache_mode,
-    )
-    return self.head(y, head_inputs)
+    )  # [B, T, D]
+    return self.head(y, head_inputs)  # [B, T, V], or HeadInputs
 
   def dummy_inputs(self, batch: int = 1, length: int = 8) -> dict[str, Any]:
     return {'inputs': jnp.ones((batch, length), jnp.int32)}
@@ -317,8 +353,8 @@ class BidirectionalLM(nn.Module):
     cfg = self.cfg
     if head_inputs and not has_fused_head(cfg):
       raise ValueError('head_inputs=True needs the tied MLM head (tie_output, num_classes=0)')
-    segments = _segments(inputs, segments, cfg.pad_id)
-    embedding = make_embed(cfg, name='embedding')
+    segments = _segments(inputs, segments, cfg.pad_id)  # [B, T] or None
+    embedding = make_embed(cfg, name='embedding')  # also the MLM head's output matrix
     x = Encoder(cfg, embedding, name='encoder')(
       inputs,
       segments=segments,
@@ -337,14 +373,17 @@ class BidirectionalLM(nn.Module):
       name=name,
     )
     if cfg.num_classes:  # pooler on the first token, then a classifier
+      # x[:, 0] is BERT's [CLS]: the one position trained to summarise the whole input.
       pooled = jnp.tanh(dense(cfg.d_model, 'pooler')(x[:, 0]))  # [B, D]
       pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
       return dense(cfg.num_classes, 'classifier')(pooled)  # [B, C]
+    # BERT's MLM transform: dense, activation, norm, then the tied projection plus a bias.
+    # SwiGLU needs two projections, so this one-matrix head falls back to GELU.
     activation = 'gelu' if cfg.activation == 'swiglu' else cfg.activation
-    h = ACTIVATIONS[activation](dense(cfg.d_model, 'mlm_dense')(x))
+    h = ACTIVATIONS[activation](dense(cfg.d_model, 'mlm_dense')(x))  # [B, T, D]
     h = make_norm(cfg, 'mlm_norm')(h)
     zeros = nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',))
-    bias = self.param('mlm_bias', zeros, (cfg.vocab_size,), cfg.params_dtype)
+    bias = self.param('mlm_bias', zeros, (cfg.vocab_size,), cfg.params_dtype)  # [V]
     if head_inputs:
       return HeadInputs(h, embedding.table(), bias)
     return embedding.attend(h) + bias.astype(h.dtype)  # [B, T, V]
@@ -367,7 +406,7 @@ def build(cfg: ModelConfig) -> nn.Module:
 
 def init_params(model: nn.Module, rng: Array, *, boxed: bool = False) -> Any:
   """Fresh parameters of `model`, as plain arrays (or, with `boxed`, with their logical axes)."""
-  params = model.init(rng, **model.dummy_inputs())['params']
+  params = model.init(rng, **model.dummy_inputs())['params']  # shapes do not depend on B or T
   return params if boxed else nn.meta.unbox(params)
 
 
@@ -393,6 +432,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
   matmul_params = 0
   for path, leaf in flat:
     name = jax.tree_util.keystr(path)
+    # Embedding lookups are gathers, not matmuls; biases and norm scales are 1D.
     if leaf.ndim >= 2 and 'embedding' not in name and not name.endswith("['bias']"):
       matmul_params += math.prod(leaf.shape)
   if cfg.tie_output and cfg.num_classes == 0:  # the tied head is a matmul with the embedding
@@ -401,6 +441,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
   layers = cfg.num_layers
   if cfg.family == 'encoder_decoder':
     layers += 2 * cfg.decoder_layers  # decoder self + cross attention
-  attention = 2 * 2 * seq_len * attn_width * layers
+  attention = 2 * 2 * seq_len * attn_width * layers  # q.k logits and probs.v, 2 FLOPs per MAC
   forward = 2 * matmul_params + attention
   return {'forward': float(forward), 'train': float(3 * forward), 'matmul_params': matmul_params}

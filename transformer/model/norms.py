@@ -23,13 +23,15 @@ class Norm(nn.Module):
   @nn.compact
   def __call__(self, x: Array) -> Array:
     features = x.shape[-1]
-    x32 = x.astype(jnp.float32)
+    # float32 statistics: a bfloat16 mean of squares over D features loses too many digits.
+    x32 = x.astype(jnp.float32)  # [..., D]
     if self.kind == 'layernorm':
-      x32 = x32 - x32.mean(-1, keepdims=True)
+      x32 = x32 - x32.mean(-1, keepdims=True)  # LayerNorm centres; RMSNorm does not
+    # Centred, the mean of squares is the variance, so one line serves both kinds.
     y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
     ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
     y = y * self.param('scale', ones, (features,), self.param_dtype)
     if self.kind == 'layernorm':
       zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
       y = y + self.param('bias', zeros, (features,), self.param_dtype)
-    return y.astype(self.dtype)
+    return y.astype(self.dtype)  # same shape as x, in the compute dtype
