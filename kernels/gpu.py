@@ -35,6 +35,7 @@ def key_block_range(
   lo, hi = 0, num_k_blocks
   if window is not None:
     left, right = window
+    # The block's first query sees back to first_q - left, its last forward to last_q + right.
     lo = lax.div(jnp.maximum(first_q - left, 0), block_k)
     hi = jnp.minimum(hi, lax.div(last_q + right, block_k) + 1)
   if causal:
@@ -59,6 +60,7 @@ def query_block_range(
     lo = lax.div(first_k, block_q)  # query i >= key j
   if window is not None:
     left, right = window
+    # The mirror of key_block_range: key j is seen by queries j - right .. j + left.
     lo = jnp.maximum(lo, lax.div(jnp.maximum(first_k - right, 0), block_q))
     hi = jnp.minimum(hi, lax.div(last_k + left, block_q) + 1)
   return lo, hi
@@ -75,12 +77,14 @@ def visible(q_pos, k_pos, q_seg, kv_seg, *, causal, window, kv_len):
     conds.append(k_pos[None, :] >= q_pos[:, None] - window[0])
     conds.append(k_pos[None, :] <= q_pos[:, None] + window[1])
   if q_seg is not None:
-    conds.append((q_seg[:, None] == kv_seg[None, :]) & (q_seg[:, None] != 0))
+    conds.append((q_seg[:, None] == kv_seg[None, :]) & (q_seg[:, None] != 0))  # 0 = padding
+  # None (decided at trace time) when no condition applies: callers then skip the where().
   return functools.reduce(jnp.logical_and, conds) if conds else None
 
 
 def _dot(a, b, trans_b=False):
   """Matmul with float32 accumulation; `trans_b` contracts the last dims of both."""
+  # float32 accumulation even for bfloat16 inputs: sums over H or a key block lose digits.
   dims = (((1,), (1 if trans_b else 0,)), ((), ()))
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
@@ -101,9 +105,11 @@ def _forward_kernel(
   block_q,
   block_k,
 ):
+  # One program per (batch, query head, query block); its refs are that slice: q [bq, H], and all
+  # S keys [S, H] of the kv head this query head reads (see the BlockSpecs in `forward`).
   q_block = pl.program_id(2)
   q = q_ref[...]  # [bq, H]
-  q_pos = q_block * block_q + jnp.arange(block_q)
+  q_pos = q_block * block_q + jnp.arange(block_q)  # [bq]
   q_seg = None if q_seg_ref is None else q_seg_ref[...]  # [bq]
   num_k_blocks = k_ref.shape[0] // block_k
 
@@ -112,7 +118,7 @@ def _forward_kernel(
     ks = pl.ds(kb * block_k, block_k)
     k, v = k_ref[ks, :], v_ref[ks, :]  # [bk, H]
     s = _dot(q, k, trans_b=True) * scale  # [bq, bk]
-    kv_seg = None if kv_seg_ref is None else kv_seg_ref[ks]
+    kv_seg = None if kv_seg_ref is None else kv_seg_ref[ks]  # [bk]
     mask = visible(
       q_pos,
       kb * block_k + jnp.arange(block_k),
@@ -121,15 +127,16 @@ def _forward_kernel(
       causal=causal,
       window=window,
       kv_len=kv_len,
-    )
+    )  # [bq, bk] or None
     if mask is not None:
       s = jnp.where(mask, s, MASK_VALUE)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    # Online softmax: keep a running max m and rescale the sums so far when it grows.
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))  # [bq]
     p = jnp.exp(s - m_new[:, None])  # [bq, bk]
     if mask is not None:
       p = jnp.where(mask, p, 0.0)  # a row with nothing visible yet must stay at zero weight
-    alpha = jnp.exp(m - m_new)
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    alpha = jnp.exp(m - m_new)  # [bq], <= 1: rescales acc and l_sum to the new max
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)  # [bq, H]
     return acc, m_new, l_sum * alpha + jnp.sum(p, axis=1)
 
   lo, hi = key_block_range(
@@ -140,22 +147,26 @@ def _forward_kernel(
     causal=causal,
     window=window,
   )
+  # (acc [bq, H], running max [bq], denominator [bq]); the max starts finite, see MASK_VALUE.
   init = (
     jnp.zeros(q.shape, jnp.float32),
     jnp.full((block_q,), MASK_VALUE, jnp.float32),
     jnp.zeros((block_q,), jnp.float32),
   )
+  # Only the key blocks that a causal/window mask can leave visible: the rest are never read.
   acc, m, l_sum = lax.fori_loop(lo, hi, body, init)
-  seen = l_sum > 0.0
+  seen = l_sum > 0.0  # [bq]: False on rows that saw no key
   l_safe = jnp.where(seen, l_sum, 1.0)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)  # fully masked rows: 0
+  # The logsumexp [bq] is all the backward needs to rebuild the probabilities. On empty rows
+  # every key is masked, so _probs zeroes whatever exp(s - MASK_VALUE) gives there.
   lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), MASK_VALUE)
 
 
 def _probs(q, k, lse, q_pos, k_pos, q_seg, kv_seg, *, scale, causal, window, kv_len):
   """Recompute the softmax block `[bq, bk]` from the saved logsumexp."""
-  s = _dot(q, k, trans_b=True) * scale
-  p = jnp.exp(s - lse[:, None])
+  s = _dot(q, k, trans_b=True) * scale  # [bq, bk]
+  p = jnp.exp(s - lse[:, None])  # already normalised: lse = log of the row's softmax sum
   mask = visible(q_pos, k_pos, q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len)
   return p if mask is None else jnp.where(mask, p, 0.0)
 
@@ -202,8 +213,9 @@ def _dq_kernel(
       kv_len=kv_len,
     )  # [bq, bk]
     dp = _dot(do, v, trans_b=True)  # [bq, bk]
-    ds = p * (dp - delta[:, None])
-    return dq + _dot(ds.astype(k.dtype), k)
+    # Softmax backward: ds = p * (dp - sum_j p dp), with that row sum precomputed as delta.
+    ds = p * (dp - delta[:, None])  # [bq, bk]
+    return dq + _dot(ds.astype(k.dtype), k)  # [bq, H]
 
   lo, hi = key_block_range(
     q_block,
@@ -213,8 +225,8 @@ def _dq_kernel(
     causal=causal,
     window=window,
   )
-  dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
-  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+  dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))  # [bq, H]
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)  # d(s)/d(q) carries the logit scale
 
 
 def _dkv_kernel(
@@ -237,9 +249,11 @@ def _dkv_kernel(
   block_k,
   group,
 ):
+  # One program per (batch, kv head, key block): it owns dk/dv of those keys, so no two programs
+  # write the same output and no atomics are needed; it loops over the query blocks instead.
   k_block = pl.program_id(2)
   k, v = k_ref[...], v_ref[...]  # [bk, H]
-  k_pos = k_block * block_k + jnp.arange(block_k)
+  k_pos = k_block * block_k + jnp.arange(block_k)  # [bk]
   kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
   lo, hi = query_block_range(
     k_block,
@@ -272,9 +286,9 @@ def _dkv_kernel(
         window=window,
         kv_len=kv_len,
       )  # [bq, bk]
-      dv = dv + _dot(p.T.astype(do.dtype), do)
+      dv = dv + _dot(p.T.astype(do.dtype), do)  # [bk, H]
       ds = p * (_dot(do, v, trans_b=True) - delta[:, None])  # [bq, bk]
-      dk = dk + _dot(ds.T.astype(q.dtype), q)
+      dk = dk + _dot(ds.T.astype(q.dtype), q)  # [bk, H]
       return dk, dv
 
     dk, dv = lax.fori_loop(lo, hi, body, (dk, dv))
@@ -283,6 +297,7 @@ def _dkv_kernel(
 
 
 def _params(head_dim: int, num_warps: int | None, num_stages: int):
+  # Default: more warps for wider heads, whose [bq, H] tiles need more threads.
   warps = num_warps or (4 if head_dim <= 64 else 8)
   return plgpu.CompilerParams(num_warps=warps, num_stages=num_stages)
 
@@ -302,6 +317,7 @@ def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, in
     block_k=bk,
   )
   has_seg = q_seg is not None
+  # Grid (B, N, T / bq); a None block dim is squeezed out, so the kernel sees [bq, H] and [S, H].
   return pl.pallas_call(
     kernel,
     grid=(B, N, T // bq),
@@ -336,10 +352,12 @@ def backward(
   S, K = k.shape[1], k.shape[2]
   group = N // K
   has_seg = q_seg is not None
+  # delta_t = sum_h out * dout = sum_j p_tj dp_tj: the softmax backward's row term, once per row.
   delta = jnp.einsum('btnh,btnh->bnt', out.astype(jnp.float32), do.astype(jnp.float32))  # [B,N,T]
   static = dict(scale=scale, causal=causal, window=window, kv_len=kv_len)
   params = _params(H, blocks.num_warps, blocks.num_stages)
 
+  # dQ: one program per (batch, query head, query block), looping over key blocks.
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   row = pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0))
   kv_all = pl.BlockSpec((None, S, None, H), lambda b, n, i: (b, 0, lax.div(n, group), 0))
@@ -364,6 +382,8 @@ def backward(
     name='sparrow_flash_dq',
   )(q, k, v, q_seg, kv_seg, do, lse, delta)
 
+  # dK/dV: one program per (batch, kv head, key block), looping over the G query heads of the
+  # group and their query blocks; queries arrive as [T, G, H].
   bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
   q_group = pl.BlockSpec((None, T, group, H), lambda b, h, j: (b, 0, h, 0))  # all heads of a group
   stat_group = pl.BlockSpec((None, group, T), lambda b, h, j: (b, h, 0))

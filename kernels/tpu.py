@@ -23,6 +23,7 @@ _TN = (((0,), (0,)), ((), ()))  # a.T @ b
 
 
 def _dot(a, b, dims=(((1,), (0,)), ((), ()))):
+  # a @ b by default, accumulated in float32 on the MXU whatever the input dtype.
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
@@ -33,11 +34,12 @@ def _clamp(j, lo, hi, n):
 
 def _visible(i, j, bq, bk, q_seg, kv_seg, *, causal, window, kv_len):
   """Boolean `[bq, bk]` mask for query block i and key block j, or None if nothing is masked."""
-  q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-  k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  # Positions as 2D iotas: TPU vectors are 2D tiles, so no 1D arange is broadcast here.
+  q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)  # [bq, bk]
+  k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)  # [bq, bk]
   conds = []
   if kv_len is not None:
-    conds.append(k_pos < kv_len)
+    conds.append(k_pos < kv_len)  # the padded tail of the keys
   if causal:
     conds.append(k_pos <= q_pos)
   if window is not None:
@@ -67,6 +69,8 @@ def _forward_kernel(
   block_k,
   num_k_blocks,
 ):
+  # Grid (B, N, query block i, key block j). The j axis runs in order on one core ('arbitrary'),
+  # so the VMEM scratch acc/m/l carries the online softmax from one key block to the next.
   i, j = pl.program_id(2), pl.program_id(3)
   lo, hi = key_block_range(
     i, block_q=block_q, block_k=block_k, num_k_blocks=num_k_blocks, causal=causal, window=window
@@ -81,36 +85,38 @@ def _forward_kernel(
   @pl.when((j >= lo) & (j < hi))
   def _step():
     s = _dot(q_ref[...], k_ref[...], _NT) * scale  # [bq, bk]
-    q_seg = None if q_seg_ref is None else q_seg_ref[...]
-    kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]  # [bq, 1]
+    kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]  # [1, bk]
     mask = _visible(
       i, j, block_q, block_k, q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len
-    )
+    )  # [bq, bk] or None
     if mask is not None:
       s = jnp.where(mask, s, MASK_VALUE)
     m_prev = m_ref[...]  # [bq, 1]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    # Statistics stay [bq, 1], not [bq]: a TPU vreg tile is 2D, and they broadcast over bk/H.
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 1]
     p = jnp.exp(s - m_new)  # [bq, bk]
     if mask is not None:
-      p = jnp.where(mask, p, 0.0)
-    alpha = jnp.exp(m_prev - m_new)
-    v = v_ref[...]
-    acc_ref[...] = acc_ref[...] * alpha + _dot(p.astype(v.dtype), v)
+      p = jnp.where(mask, p, 0.0)  # a row with nothing visible yet must stay at zero weight
+    alpha = jnp.exp(m_prev - m_new)  # [bq, 1], <= 1: rescales the sums to the new max
+    v = v_ref[...]  # [bk, H]
+    acc_ref[...] = acc_ref[...] * alpha + _dot(p.astype(v.dtype), v)  # [bq, H]
     l_ref[...] = l_ref[...] * alpha + jnp.sum(p, axis=1, keepdims=True)
     m_ref[...] = m_new
 
-  @pl.when(j == num_k_blocks - 1)
+  @pl.when(j == num_k_blocks - 1)  # the last grid step, even if it was skipped as out of range
   def _finish():
     l_sum = l_ref[...]
     seen = l_sum > 0.0
     l_safe = jnp.where(seen, l_sum, 1.0)
     o_ref[...] = (acc_ref[...] / l_safe).astype(o_ref.dtype)  # fully masked rows: 0
+    # The logsumexp [bq, 1] lets the backward recompute the probabilities block by block.
     lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(l_safe), MASK_VALUE)
 
 
 def _probs(i, j, q, k, lse, q_seg_ref, kv_seg_ref, *, scale, causal, window, kv_len, bq, bk):
   """Softmax block `[bq, bk]` recomputed from the saved logsumexp `[bq, 1]`."""
-  p = jnp.exp(_dot(q, k, _NT) * scale - lse)
+  p = jnp.exp(_dot(q, k, _NT) * scale - lse)  # [bq, bk], normalised already by the saved lse
   q_seg = None if q_seg_ref is None else q_seg_ref[...]
   kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
   mask = _visible(i, j, bq, bk, q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len)
@@ -164,12 +170,13 @@ def _dq_kernel(
       bq=block_q,
       bk=block_k,
     )
+    # Softmax backward: ds = p * (dp - delta), with delta = sum_j p dp precomputed per row.
     ds = p * (_dot(do_ref[...], v, _NT) - delta_ref[...])  # [bq, bk]
-    acc_ref[...] += _dot(ds.astype(k.dtype), k)
+    acc_ref[...] += _dot(ds.astype(k.dtype), k)  # [bq, H]
 
   @pl.when(j == num_k_blocks - 1)
   def _finish():
-    dq_ref[...] = (acc_ref[...] * scale).astype(dq_ref.dtype)
+    dq_ref[...] = (acc_ref[...] * scale).astype(dq_ref.dtype)  # d(s)/d(q) carries the scale
 
 
 def _dkv_kernel(
@@ -195,6 +202,8 @@ def _dkv_kernel(
   num_q_blocks,
   group,
 ):
+  # Grid (B, K, key block j, group member g, query block i): the last two axes are the
+  # reduction, so one program's dk/dv scratch sums over all G query heads of its kv head.
   j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
   lo, hi = query_block_range(
     j, block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks, causal=causal, window=window
@@ -225,7 +234,7 @@ def _dkv_kernel(
     )
     dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)  # [bk, H]
     ds = p * (_dot(do, v_ref[...], _NT) - delta_ref[...])  # [bq, bk]
-    dk_acc[...] += _dot(ds.astype(q.dtype), q, _TN)
+    dk_acc[...] += _dot(ds.astype(q.dtype), q, _TN)  # [bk, H]
 
   @pl.when((g == group - 1) & (i == num_q_blocks - 1))
   def _finish():
@@ -245,17 +254,19 @@ def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, in
   B, N, T, H = q.shape
   K, S = k.shape[1], k.shape[2]
   bq, bk, group = blocks.block_q, blocks.block_k, N // K
-  nk = S // bk
+  nk = S // bk  # key blocks: the innermost grid axis
   ranges = functools.partial(
     key_block_range, block_q=bq, block_k=bk, num_k_blocks=nk, causal=causal, window=window
   )
 
   def kv_map(b, n, i, j):
+    # A skipped step maps to the block already in VMEM, so Pallas issues no copy for it.
     return (b, lax.div(n, group), _clamp(j, *ranges(i), nk), 0)  # GQA: the shared kv head
 
   def kv_seg_map(b, n, i, j):
     return (b, 0, _clamp(j, *ranges(i), nk))
 
+  # The same q/out block for every j: it stays in VMEM while the key blocks stream past.
   row = pl.BlockSpec((None, None, bq, H), lambda b, n, i, j: (b, n, i, 0))
   kernel = functools.partial(
     _forward_kernel,
@@ -288,6 +299,7 @@ def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, in
       pltpu.VMEM((bq, 1), jnp.float32),  # running max
       pltpu.VMEM((bq, 1), jnp.float32),  # running sum
     ],
+    # The key-block axis is a sequential reduction; the others may be split across cores.
     compiler_params=_params(('parallel', 'parallel', 'parallel', 'arbitrary')),
     interpret=interpret,
     name='sparrow_flash_forward_tpu',
@@ -302,6 +314,7 @@ def backward(
   K, S = k.shape[1], k.shape[2]
   group = N // K
   has_seg = q_seg is not None
+  # delta_t = sum_h out * dout = sum_j p_tj dp_tj: the softmax backward's row term, once per row.
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)  # [B,N,T,1]
   static = dict(scale=scale, causal=causal, window=window, kv_len=kv_len)
 
@@ -348,6 +361,7 @@ def backward(
   )
 
   def q_map(b, h, j, g, i):
+    # Query head n = h * G + g reads kv head h; skipped steps reuse a fetched block.
     return (b, h * group + g, _clamp(i, *q_ranges(j), nq), 0)
 
   q_row = pl.BlockSpec((None, None, bq, H), q_map)

@@ -27,11 +27,14 @@ def xla_attention(
   del chunk_size  # unused: everything is materialised
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
+  # Query head n = k * G + g reads kv head k: grouping N as (K, G) lets one einsum broadcast
+  # each kv head over its G query heads, without copying k or v G times.
   qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
   f32 = jnp.float32
+  # float32 logits whatever the input dtype: bfloat16 exp/sum over S keys loses too much.
   logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=f32) * scale
   if alibi_slopes is not None:
-    logits = logits + alibi_bias(alibi_slopes, K, jnp.arange(T), jnp.arange(S))
+    logits = logits + alibi_bias(alibi_slopes, K, jnp.arange(T), jnp.arange(S))  # [B, K, G, T, S]
   visible = mask.dense(T, S)[:, :, None]  # [B or 1, 1, 1, T, S]
   logits = jnp.where(visible, logits, NEG)  # [B, K, G, T, S]
   probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
@@ -39,10 +42,11 @@ def xla_attention(
   if dropout is not None:
     rate, rng = dropout
     keep = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
-    weights = jnp.where(keep, probs / (1.0 - rate), 0.0)
+    weights = jnp.where(keep, probs / (1.0 - rate), 0.0)  # inverted dropout: same expectation
+  # [B, T, K, G, H]
   out = jnp.einsum('bkgts,bskh->btkgh', weights.astype(v.dtype), v, preferred_element_type=f32)
   out = out.reshape(B, T, N, H).astype(q.dtype)  # [B, T, N, H]
-  return (out, probs.reshape(B, N, T, S)) if return_probs else out
+  return (out, probs.reshape(B, N, T, S)) if return_probs else out  # probs: [B, N, T, S]
 
 
 class _ChunkConfig(NamedTuple):
@@ -57,11 +61,13 @@ def _key_blocks(k, v, kv_seg, C):
   """Scan inputs: ((k, v, kv_seg) as [nC, B, C, ...], zero-padded to nC * C keys; starts [nC])."""
 
   def split(x):  # [B, S, ...] -> [nC, B, C, ...]
+    # The padded keys are masked by kv_len in `visible`, so their zeros never reach the softmax.
     x = jnp.pad(x, [(0, 0), (0, -x.shape[1] % C)] + [(0, 0)] * (x.ndim - 2))  # [B, nC * C, ...]
-    return jnp.moveaxis(x.reshape(x.shape[0], -1, C, *x.shape[2:]), 1, 0)
+    # The block axis leads, because lax.scan iterates over axis 0.
+    return jnp.moveaxis(x.reshape(x.shape[0], -1, C, *x.shape[2:]), 1, 0)  # [nC, B, C, ...]
 
   blocks = jax.tree.map(split, (k, v, kv_seg))  # kv_seg may be None
-  return blocks, jnp.arange(blocks[0].shape[0]) * C
+  return blocks, jnp.arange(blocks[0].shape[0]) * C  # starts: position of each block's first key
 
 
 def _chunk_logits(cfg, qg, k_c, start, q_seg, kv_seg_c, slopes):
@@ -70,7 +76,7 @@ def _chunk_logits(cfg, qg, k_c, start, q_seg, kv_seg_c, slopes):
   q_pos, k_pos = jnp.arange(T), start + jnp.arange(C)
   s = jnp.einsum('btkgh,bckh->bkgtc', qg, k_c, preferred_element_type=jnp.float32) * cfg.scale
   if slopes is not None:
-    s = s + alibi_bias(slopes, K, q_pos, k_pos)
+    s = s + alibi_bias(slopes, K, q_pos, k_pos)  # [B, K, G, T, C]
   visible = visible_keys(cfg.causal, cfg.window, q_pos, k_pos, q_seg, kv_seg_c, cfg.kv_len)
   visible = visible[:, :, None]  # [B or 1, 1, 1, T, C]
   return jnp.where(visible, s, NEG), visible
@@ -87,18 +93,25 @@ def _flash_forward(q, k, v, q_seg, kv_seg, slopes, cfg):
     (k_c, v_c, seg_c), start = x
     s, visible = _chunk_logits(cfg, qg, k_c, start, q_seg, seg_c, slopes)  # [B, K, G, T, C]
     m_new = jnp.maximum(m, s.max(-1))  # [B, K, G, T]
+    # exp relative to the running max never overflows; the where zeroes masked keys even on a
+    # row whose max so far is NEG (where exp(NEG - NEG) would be 1).
     p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)  # [B, K, G, T, C]
-    corr = jnp.exp(m - m_new)
+    # Rescales what was summed against the old max to the new one.
+    corr = jnp.exp(m - m_new)  # [B, K, G, T]
+    # [B, K, G, T, H]
     pv = jnp.einsum('bkgtc,bckh->bkgth', p.astype(v.dtype), v_c, preferred_element_type=jnp.float32)
     return (m_new, denom * corr + p.sum(-1), acc * corr[..., None] + pv), None
 
   zeros = jnp.zeros((B, K, N // K, T), jnp.float32)  # [B, K, G, T]
+  # (max, denominator, accumulator [B, K, G, T, H]); the max starts at NEG, not -inf, so that
+  # m - m_new stays finite (no inf - inf = NaN) on rows that have seen no key yet.
   init = (jnp.full_like(zeros, NEG), zeros, jnp.zeros((*zeros.shape, H), jnp.float32))
   (m, denom, acc), _ = jax.lax.scan(step, init, _key_blocks(k, v, kv_seg, cfg.chunk))
   seen = denom > 0  # False on fully masked rows, whose output is exactly 0
   l_safe = jnp.where(seen, denom, 1.0)
   out = jnp.where(seen[..., None], acc / l_safe[..., None], 0.0)  # [B, K, G, T, H]
   out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)  # [B, T, N, H]
+  # logsumexp of each row's logits: all the backward pass needs to recompute the probabilities.
   lse = jnp.where(seen, m + jnp.log(l_safe), 0.0)  # [B, K, G, T]
   return out, lse
 
@@ -110,6 +123,7 @@ def _flash(q, k, v, q_seg, kv_seg, slopes, cfg):
 
 def _flash_fwd(q, k, v, q_seg, kv_seg, slopes, cfg):
   out, lse = _flash_forward(q, k, v, q_seg, kv_seg, slopes, cfg)
+  # Residuals are O(T + S), never the [T, S] probabilities: the backward recomputes them.
   return out, (q, k, v, q_seg, kv_seg, slopes, out, lse)
 
 
@@ -121,6 +135,7 @@ def _flash_bwd(cfg, res, dout):
   qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
   dog = dout.reshape(qg.shape)  # [B, T, K, G, H]
   f32 = jnp.float32
+  # D [B, K, G, T]: D_t = sum_h dout * out = sum_s p_ts dp_ts, the softmax backward's row term.
   D = jnp.einsum('btkgh,btkgh->bkgt', dog.astype(f32), out.reshape(qg.shape).astype(f32))
 
   def step(carry, x):
@@ -128,25 +143,29 @@ def _flash_bwd(cfg, res, dout):
     (k_c, v_c, seg_c), start = x
     s, visible = _chunk_logits(cfg, qg, k_c, start, q_seg, seg_c, slopes)  # [B, K, G, T, C]
     p = jnp.where(visible, jnp.exp(s - lse[..., None]), 0.0)  # softmax probs of this block
+    # [B, C, K, H]
     dv_c = jnp.einsum('bkgtc,btkgh->bckh', p.astype(v.dtype), dog, preferred_element_type=f32)
-    dp = jnp.einsum('btkgh,bckh->bkgtc', dog, v_c, preferred_element_type=f32)
+    dp = jnp.einsum('btkgh,bckh->bkgtc', dog, v_c, preferred_element_type=f32)  # [B, K, G, T, C]
     ds = p * (dp - D[..., None])  # d logits, [B, K, G, T, C]
     ds_in = ds.astype(q.dtype)
+    # [B, T, K, G, H]
     dq = dq + jnp.einsum('bkgtc,bckh->btkgh', ds_in, k_c, preferred_element_type=f32)
-    dk_c = jnp.einsum('bkgtc,btkgh->bckh', ds_in, qg, preferred_element_type=f32)
+    # Summing over g folds the G query heads' gradients into their one shared kv head.
+    dk_c = jnp.einsum('bkgtc,btkgh->bckh', ds_in, qg, preferred_element_type=f32)  # [B, C, K, H]
     if slopes is not None:  # d bias / d slope = -|i - j|
       k_pos = start + jnp.arange(k_c.shape[1])
       dist = jnp.abs(jnp.arange(T)[:, None] - k_pos[None, :]).astype(f32)  # [T, C]
       dslopes = dslopes - jnp.einsum('bkgtc,tc->kg', ds, dist)
-    return (dq, dslopes), (dk_c * cfg.scale, dv_c)
+    return (dq, dslopes), (dk_c * cfg.scale, dv_c)  # stacked by scan: [nC, B, C, K, H]
 
   init = (jnp.zeros(qg.shape, f32), None if slopes is None else jnp.zeros((K, N // K), f32))
   (dq, dslopes), (dk, dv) = jax.lax.scan(step, init, _key_blocks(k, v, kv_seg, cfg.chunk))
-  dq = (dq * cfg.scale).reshape(B, T, N, H).astype(q.dtype)
+  dq = (dq * cfg.scale).reshape(B, T, N, H).astype(q.dtype)  # [B, T, N, H]
+  # [nC, B, C, K, H] -> [B, nC * C, K, H], then drop the keys that only padded the last block.
   dk = jnp.moveaxis(dk, 0, 1).reshape(B, -1, K, H)[:, :S].astype(k.dtype)  # [B, S, K, H]
   dv = jnp.moveaxis(dv, 0, 1).reshape(B, -1, K, H)[:, :S].astype(v.dtype)  # [B, S, K, H]
   dslopes = None if slopes is None else dslopes.reshape(N).astype(slopes.dtype)
-  return dq, dk, dv, None, None, dslopes
+  return dq, dk, dv, None, None, dslopes  # segment ids are integers: no gradient
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -155,6 +174,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def chunked_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=128):
   """Flash-attention style in pure JAX: memory O(T * chunk_size), exact custom gradient."""
   S = k.shape[1]
+  # A static (hashable) config, the custom_vjp's nondiff argument; C <= S, so short inputs are
+  # not padded up to a whole chunk.
   cfg = _ChunkConfig(mask.causal, mask.window, float(scale), min(chunk_size, S), S)
   return _flash(q, k, v, mask.q_segment_ids, mask.kv_segment_ids, alibi_slopes, cfg)
 
@@ -168,6 +189,7 @@ def cudnn_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
       f"'{jax.default_backend()}'; use 'xla' or 'chunked' (or None to choose)"
     )
   T, S = q.shape[1], k.shape[1]
+  # cuDNN applies is_causal and the window separately; with causal, its right edge is 0 anyway.
   window = None if mask.window is None else (mask.window[0], 0 if mask.causal else mask.window[1])
   segments = None  # the dense segment mask [B, 1, T, S], which cuDNN folds into its bias
   if mask.q_segment_ids is not None:
@@ -179,6 +201,7 @@ def cudnn_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
     bias = bias.reshape(1, -1, T, S).astype(q.dtype)  # [1, N, T, S]
   cudnn = functools.partial(jax.nn.dot_product_attention, implementation='cudnn')
   out = cudnn(q, k, v, bias, segments, scale=scale, is_causal=mask.causal, local_window_size=window)
+  # cuDNN does not promise 0 on rows with no visible key; the contract here does.
   any_visible = mask.dense(T, S).any(-1)[:, 0, :, None, None]  # [B or 1, T, 1, 1]
   return jnp.where(any_visible, out, 0).astype(q.dtype)  # fully masked rows -> exactly 0
 
@@ -189,7 +212,7 @@ def pallas_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
 
   On any other backend it runs in the Pallas interpreter: exact but slow, for tests only.
   """
-  from kernels import flash_attention
+  from kernels import flash_attention  # imported here: importing the model loads no Pallas kernel
 
   del chunk_size  # the kernel picks its own tiles (kernels.BlockSizes)
   if alibi_slopes is not None:

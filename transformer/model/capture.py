@@ -35,6 +35,8 @@ class Capture:
 
 def inspection_config(cfg: ModelConfig) -> ModelConfig:
   """The same model on the 'xla' path, without remat or scan: same parameters, same numbers."""
+  # Only 'xla' returns probabilities; the interceptor needs one module (and path) per layer, so
+  # no scan; remat only trades memory for recompute, so dropping it changes no number.
   return cfg.replace(attention_impl='xla', remat='none', scan_layers=False)
 
 
@@ -49,8 +51,9 @@ def unscan_params(cfg: ModelConfig, params: Any) -> Any:
     out = {}
     for key, value in tree.items():
       if key == 'layers' and isinstance(value, dict):
-        count = jax.tree_util.tree_leaves(value)[0].shape[0]
+        count = jax.tree_util.tree_leaves(value)[0].shape[0]  # L, the stacked leading axis
         for i in range(count):
+          # [L, ...] -> layer i's [...]; the names match Stack's unscanned f'layer_{i}'.
           out[f'layer_{i}'] = jax.tree_util.tree_map(lambda x, i=i: x[i], value)
       else:
         out[key] = convert(value)
@@ -68,6 +71,7 @@ def _capture_fn(cfg: ModelConfig, with_attention: bool = True):
   def run(params, inputs):
     attention, visible, attention_inputs, blocks, hidden = {}, {}, {}, {}, {}
 
+    # Flax calls this around every module method; it records what it needs and passes through.
     def interceptor(next_fun, args, kwargs, context):
       module = context.module
       if context.method_name != '__call__':
@@ -75,28 +79,29 @@ def _capture_fn(cfg: ModelConfig, with_attention: bool = True):
       if (
         with_attention
         and isinstance(module, MultiHeadAttention)
-        and kwargs.get('cache_mode') is None
+        and kwargs.get('cache_mode') is None  # the cache refuses return_probs
       ):
-        y, probs = next_fun(*args, **{**kwargs, 'return_probs': True})
+        y, probs = next_fun(*args, **{**kwargs, 'return_probs': True})  # [B, T, D], [B, N, T, S]
         name = '/'.join(module.path)
         attention[name] = probs  # [B, N, T, S]
         T, S = probs.shape[-2:]
         mask = kwargs.get('mask')
         visible[name] = np.ones((1, 1, T, S), bool) if mask is None else mask.dense(T, S)
-        attention_inputs[name] = args[0]
+        attention_inputs[name] = args[0]  # inputs_q [B, T, D]
         return y
       if isinstance(module, Block):
         y = next_fun(*args, **kwargs)
-        blocks['/'.join(module.path)] = y[0] if isinstance(y, tuple) else y
+        # A scanned Block returns (x, None); inspection configs do not scan, but be safe.
+        blocks['/'.join(module.path)] = y[0] if isinstance(y, tuple) else y  # [B, T, D]
         return y
       if isinstance(module, (Stack, models.Embedder)):
         y = next_fun(*args, **kwargs)
-        hidden['/'.join(module.path)] = y
+        hidden['/'.join(module.path)] = y  # [B, T, D]
         return y
       return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(interceptor):
-      logits = model.apply({'params': params}, **inputs, deterministic=True)
+      logits = model.apply({'params': params}, **inputs, deterministic=True)  # [B, T, V]
     return logits, attention, visible, attention_inputs, blocks, hidden
 
   return jax.jit(run)
@@ -143,8 +148,8 @@ def attention_maps(
 def row_entropy(probs: np.ndarray) -> np.ndarray:
   """Entropy in nats of each attention row: probs [..., T, S] -> [..., T] (0 log 0 = 0)."""
   p = np.asarray(probs, np.float64)
-  logs = np.log(np.where(p > 0, p, 1.0))
-  return -np.sum(p * logs, axis=-1)
+  logs = np.log(np.where(p > 0, p, 1.0))  # log 1 = 0 where p = 0, so 0 log 0 counts as 0
+  return -np.sum(p * logs, axis=-1)  # [..., T]
 
 
 def head_entropy(probs: np.ndarray, visible: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -164,11 +169,12 @@ def head_entropy(probs: np.ndarray, visible: np.ndarray | None = None) -> dict[s
   if visible is None:
     visible = np.ones((1, 1, T, S), bool)
   counts = np.broadcast_to(np.asarray(visible).sum(-1), (B, N, T))  # visible keys per row
+  # A row sums to 1 if it sees a key and to exactly 0 if fully masked; 0.5 splits the two.
   rows = probs.sum(-1) > 0.5  # [B, N, T]: queries that attend (not padding)
   h = row_entropy(probs)  # [B, N, T]
   mean = lambda x, w: (x * w).sum((0, 2)) / np.maximum(w.sum((0, 2)), 1.0)  # over B and T
-  several = rows & (counts >= 2)
-  normalized = h / np.log(np.maximum(counts, 2))
+  several = rows & (counts >= 2)  # with one key, log(count) = 0 and H = 0: nothing to normalise
+  normalized = h / np.log(np.maximum(counts, 2))  # [B, N, T]
   return {
     'entropy': mean(h, rows),
     'normalized': mean(normalized, several),

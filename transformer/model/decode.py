@@ -265,6 +265,7 @@ def prefill(
       method=model.decode,
       mutable=['cache'],
     )  # [B, 1, V]
+    # One copy per beam (R = B * W rows), so step's batch matches the cache's.
     encoded, segments = repeat(encoded), repeat(segments)  # [R, S, D], [R, S]
 
     def step(token, position, cache):
@@ -279,18 +280,24 @@ def prefill(
         cache_mode=CacheMode('step', length),
         method=model.decode,
         mutable=['cache'],
-      )
-      return logits[:, 0].astype(jnp.float32), cache.get('cache', {})
+      )  # [R, 1, V]
+      # float32 for log_softmax, sorting and sampling, whatever the compute dtype.
+      return logits[:, 0].astype(jnp.float32), cache.get('cache', {})  # [R, V]
 
     start = jnp.ones((tokens.shape[0],), jnp.int32)  # slot 0 holds BOS
-    return logits[:, 0].astype(jnp.float32), cache.get('cache', {}), step, start
+    return logits[:, 0].astype(jnp.float32), cache.get('cache', {}), step, start  # logits [B, V]
 
   lengths = jnp.sum(tokens != PAD_ID, axis=1).astype(jnp.int32)  # [B]
+  # The cache keeps the prompt's right padding: row b's generated token i goes to slot
+  # lengths[b] + i, overwriting a pad slot before any query can see it (visible = slots <= the
+  # query's position). So each row's positions stay 0, 1, 2, ... (RoPE and learned positions
+  # need no per-row offset), at the cost of P - lengths[b] spare slots.
   cache_length = tokens.shape[1] + length - 1  # the last token is never fed back
   logits, cache = model.apply(
     variables, tokens, cache_mode=CacheMode('prefill', cache_length), mutable=['cache']
   )  # [B, P, V]
-  last = jnp.maximum(lengths - 1, 0)[:, None, None]  # an empty row reads position 0
+  # The next-token logits of row b are at its last real token, not at column P - 1.
+  last = jnp.maximum(lengths - 1, 0)[:, None, None]  # [B, 1, 1]; an empty row reads position 0
   first = jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32)  # [B, V]
 
   def step(token, position, cache):
@@ -298,12 +305,12 @@ def prefill(
     logits, cache = model.apply(
       {'params': params, 'cache': cache},
       token,
-      segments=jnp.ones_like(token),
-      positions=position[:, None],
+      segments=jnp.ones_like(token),  # the new token is real; the cache slots mask the rest
+      positions=position[:, None],  # [R, 1]: also the slot it is written to
       cache_mode=CacheMode('step', cache_length),
       mutable=['cache'],
-    )
-    return logits[:, 0].astype(jnp.float32), cache.get('cache', {})
+    )  # [R, 1, V]
+    return logits[:, 0].astype(jnp.float32), cache.get('cache', {})  # [R, V]
 
   return first, cache.get('cache', {}), step, lengths
 
@@ -317,7 +324,7 @@ def _gather_rows(cache: Any, rows: Array) -> Any:
   """Reorders self-attention cache rows; cross-attention rows are equal within an example."""
 
   def gather(path, x):
-    if 'cross_attention' in jax.tree_util.keystr(path):
+    if 'cross_attention' in jax.tree_util.keystr(path):  # the same source for every beam
       return x
     return jnp.take(x, rows, axis=_batch_axis(x))
 
@@ -338,16 +345,18 @@ def filter_logits(
   Returns:
     float32 `[R, V]`.
   """
-  logits = logits / temperature
+  logits = logits / temperature  # [R, V]
   V = logits.shape[-1]
   ordered = -jnp.sort(-logits, axis=-1)  # [R, V], descending
+  # jnp.where, not Python `if`: top_k and top_p are traced, so sweeping them never recompiles.
   k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
   keep = jnp.arange(V) < k  # [V], in sorted order
   probs = jax.nn.softmax(jnp.where(keep, ordered, -jnp.inf), axis=-1)
   before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely kept tokens
   keep = keep & ((before < top_p) | (top_p >= 1.0))  # [R, V]
+  # Filter by value, not by rank, so tokens tied with the last kept one are kept too.
   cutoff = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)  # [R, 1]
-  return jnp.where(logits < cutoff, -jnp.inf, logits)
+  return jnp.where(logits < cutoff, -jnp.inf, logits)  # [R, V]
 
 
 def _choose(logits: Array, rng: Array | None, knobs: _Knobs, sample: bool) -> Array:
@@ -379,13 +388,15 @@ def _sample(model, params, tokens, rng, knobs: _Knobs, opts: _Options) -> Array:
 
   def body(state):
     i, out, token, done, cache = state
+    # Token i - 1 goes back in at slot start + i - 1 (unused when i = 0: the prefill's logits).
     logits, cache = _next_logits(i, first, step, token, start + i - 1, cache)  # [B, V]
-    key = None if rng is None else jax.random.fold_in(rng, i)
+    key = None if rng is None else jax.random.fold_in(rng, i)  # a fresh key per step
     token = jnp.where(done, PAD_ID, _choose(logits, key, knobs, opts.sample))  # [B]
-    out = lax.dynamic_update_slice(out, token[:, None], (0, i))
+    out = lax.dynamic_update_slice(out, token[:, None], (0, i))  # out[:, i] = token
     return i + 1, out, token, done | (token == opts.eos_id), cache
 
-  out = jnp.full((B, opts.length), PAD_ID, jnp.int32)
+  out = jnp.full((B, opts.length), PAD_ID, jnp.int32)  # [B, length]
+  # (step i, output so far, last token [B], done [B], cache)
   state = (jnp.int32(0), out, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), cache)
   return lax.while_loop(cond, body, state)[1]
 
@@ -410,12 +421,13 @@ def _expand(beams: _Beams, logp: Array, i: Array, length: int, alpha: Array, eos
   Returns the new beams, and for each new live beam its parent beam [B, W] and token [B, W].
   """
   B, W, V = logp.shape
-  scores = (beams.alive_logp[:, :, None] + logp).reshape(B, W * V)
+  scores = (beams.alive_logp[:, :, None] + logp).reshape(B, W * V)  # [B, W * V]
+  # 2W candidates: even if W of them end in eos, W remain to stay alive.
   top, index = lax.top_k(scores, 2 * W)  # [B, 2W], ranked by summed log-probability
-  parent, token = index // V, (index % V).astype(jnp.int32)
+  parent, token = index // V, (index % V).astype(jnp.int32)  # [B, 2W] each
   seqs = jnp.take_along_axis(beams.alive, parent[:, :, None], axis=1)  # [B, 2W, length]
-  seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, i))
-  eos = token == eos_id
+  seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, i))  # seqs[:, :, i] = token
+  eos = token == eos_id  # [B, 2W]
 
   # Candidates ranked among the first W finish when they end in eos or reach the length.
   ends = (eos | (i == length - 1)) & (jnp.arange(2 * W) < W)
@@ -423,13 +435,13 @@ def _expand(beams: _Beams, logp: Array, i: Array, length: int, alpha: Array, eos
   new_scores = jnp.where(ends, top / length_penalty(i + 1, alpha), _NEG_INF)
   pool_scores = jnp.concatenate([beams.scores, new_scores], axis=1)  # [B, 3W]
   pool = jnp.concatenate([beams.finished, seqs], axis=1)  # [B, 3W, length]
-  scores, keep = lax.top_k(pool_scores, W)
-  finished = jnp.take_along_axis(pool, keep[:, :, None], axis=1)
+  scores, keep = lax.top_k(pool_scores, W)  # [B, W]
+  finished = jnp.take_along_axis(pool, keep[:, :, None], axis=1)  # [B, W, length]
 
   # The W best candidates without eos stay alive (2W candidates hold at most W eos).
   alive_logp, keep = lax.top_k(jnp.where(eos, _NEG_INF, top), W)  # [B, W]
   beams = _Beams(
-    jnp.take_along_axis(seqs, keep[:, :, None], axis=1),
+    jnp.take_along_axis(seqs, keep[:, :, None], axis=1),  # [B, W, length]
     alive_logp,
     finished,
     scores,
@@ -458,9 +470,10 @@ def _beam_search(model, params, tokens, knobs: _Knobs, opts: _Options) -> tuple[
   def body(state):
     i, beams, token, cache = state
     logits, cache = _next_logits(i, first, step, token, start + i - 1, cache)  # [B * W, V]
-    logp = jax.nn.log_softmax(logits).reshape(B, W, V)
+    logp = jax.nn.log_softmax(logits).reshape(B, W, V)  # rows are example-major: b * W + w
     beams, parent, token = _expand(beams, logp, i, length, knobs.alpha, opts.eos_id)
     rows = (jnp.arange(B)[:, None] * W + parent).reshape(-1)  # [B * W] parent rows
+    # Each surviving beam continues its parent's cache: copy the parent's rows into its slot.
     return i + 1, beams, token.reshape(-1), _gather_rows(cache, rows)
 
   state = (jnp.int32(0), beams, jnp.zeros((B * W,), jnp.int32), cache)
@@ -482,6 +495,7 @@ def greedy_uncached_translate(model: Any, params: Any, inputs: Array, max_length
   segments = (inputs != PAD_ID).astype(jnp.int32)
   encoded = model.apply(variables, inputs, inputs_segments=segments, method=model.encode)
   batch = inputs.shape[0]
+  # [B, 1 + max_length]: BOS, then the generated tokens; the decoder reads all but the last.
   buffer = jnp.full((batch, max_length + 1), PAD_ID, jnp.int32).at[:, 0].set(BOS_ID)
 
   def step(i, state):
@@ -521,12 +535,14 @@ def greedy_uncached_continue(model: Any, params: Any, prompt: Array, max_new_tok
   def step(i, state):
     buffer, done = state
     position = lengths + i  # where the next token goes, per row
+    # [B, total]: mask the padding and the not-yet-written tail (segment 0).
     segments = (jnp.arange(total)[None] < position[:, None]).astype(jnp.int32)
     logits = model.apply(variables, buffer, segments=segments)  # [B, total, V]
-    token = jnp.argmax(logits[rows, position - 1], axis=-1).astype(jnp.int32)
+    token = jnp.argmax(logits[rows, position - 1], axis=-1).astype(jnp.int32)  # [B]
     token = jnp.where(done, PAD_ID, token)
     buffer = buffer.at[rows, position].set(token)
     return buffer, done | (token == EOS_ID)
 
   buffer, _ = lax.fori_loop(0, max_new_tokens, step, (buffer, jnp.zeros((batch,), bool)))
+  # Row b's new tokens start at its own length: [B, max_new_tokens].
   return jax.vmap(lambda row, n: lax.dynamic_slice(row, (n,), (max_new_tokens,)))(buffer, lengths)

@@ -16,7 +16,7 @@ def visible(causal, window, q_pos, k_pos, q_seg, kv_seg, kv_len=None) -> Array:
   """bool[B or 1, 1, T, C]: may query at q_pos[t] see key at k_pos[c]?"""
   i, j = q_pos[:, None], k_pos[None, :]  # [T, 1], [1, C]
   ok = jnp.ones((q_pos.shape[0], k_pos.shape[0]), bool)  # [T, C]
-  if causal:
+  if causal:  # top-left aligned: query i sits at position i, like key i
     ok &= j <= i
   if window is not None:
     ok &= (j >= i - window[0]) & (j <= i + window[1])
@@ -24,6 +24,8 @@ def visible(causal, window, q_pos, k_pos, q_seg, kv_seg, kv_len=None) -> Array:
     ok &= j < kv_len
   ok = ok[None, None]  # [1, 1, T, C]
   if q_seg is not None:
+    # Packed examples keep apart (equal ids); segment 0 is padding and sees nothing, not even
+    # other padding, so a padded query row is fully masked and attention returns 0 there.
     same = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] != 0)  # [B, T, C]
     ok = ok & same[:, None]  # [B, 1, T, C]
   return ok
@@ -55,11 +57,12 @@ class MaskSpec:
 
   def dense(self, T: int, S: int) -> Array:
     """Materialises the mask as bool[B or 1, 1, T, S] (True = visible)."""
-    pos_q, pos_k = jnp.arange(T), jnp.arange(S)
+    pos_q, pos_k = jnp.arange(T), jnp.arange(S)  # [T], [S]
     return visible(self.causal, self.window, pos_q, pos_k, self.q_segment_ids, self.kv_segment_ids)
 
 
 def alibi_bias(slopes: Array, K: int, q_pos: Array, k_pos: Array) -> Array:
   """float32[K, G, T, C]: the ALiBi bias -slope[n] * |i - j|, heads split as n = k * G + g."""
+  # Symmetric |i - j|, so it also serves bidirectional attention; causal masking hides j > i.
   dist = jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)  # [T, C]
   return -slopes.astype(jnp.float32).reshape(K, -1)[:, :, None, None] * dist  # [K, G, T, C]

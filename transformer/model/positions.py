@@ -33,6 +33,7 @@ def sinusoidal(positions: Array, d_model: int) -> Array:
   exponents = np.arange(0, d_model, 2, dtype=np.float64) / d_model  # 2i/d for i < D/2
   inv_freq = jnp.asarray(10000.0**-exponents, jnp.float32)  # [D/2]
   angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
+  # Stacking on a new last axis and flattening interleaves: channel 2i = sin, 2i + 1 = cos.
   pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [..., T, D/2, 2]
   return pe.reshape(*pe.shape[:-2], d_model)  # [..., T, D]
 
@@ -106,18 +107,21 @@ def rope_frequencies(
   if original_max_length <= 0:
     raise ValueError(f'original_max_length={original_max_length} must be > 0')
 
+  # float64 on the host: theta^-x for H/2 static exponents; float32 would round the slowest ones.
   exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim  # 2i/H
   if scaling == 'ntk' and head_dim > 2:  # with H = 2 the only frequency is 1 whatever the base
+    # The lowest frequency theta^-(H-2)/H is then divided by exactly `factor`.
     theta = theta * factor ** (head_dim / (head_dim - 2))
   inv_freq = theta**-exponents  # [H/2]
   mscale = 1.0
-  if scaling == 'linear':
+  if scaling == 'linear':  # position p looks like p / factor, inside the trained range
     inv_freq = inv_freq / factor
   elif scaling == 'yarn':
-    beta_fast, beta_slow = 32.0, 1.0
+    beta_fast, beta_slow = 32.0, 1.0  # the YaRN paper's turn-count bounds for LLaMA
     turns = original_max_length * inv_freq / (2 * math.pi)  # r = L / wavelength
     keep = np.clip((turns - beta_slow) / (beta_fast - beta_slow), 0.0, 1.0)  # 1 = keep original
-    inv_freq = (1.0 - keep) * inv_freq / factor + keep * inv_freq
+    inv_freq = (1.0 - keep) * inv_freq / factor + keep * inv_freq  # [H/2]
+    # Interpolation flattens the softmax at long range; scaling q and k by mscale sharpens it.
     mscale = 0.1 * math.log(factor) + 1.0
   elif scaling == 'llama3':
     if not 0 < low_freq_factor < high_freq_factor:
@@ -125,19 +129,19 @@ def rope_frequencies(
         f'llama3 RoPE scaling needs 0 < low_freq_factor < high_freq_factor; got '
         f'{low_freq_factor} and {high_freq_factor}'
       )
-    wavelength = 2 * math.pi / inv_freq
+    wavelength = 2 * math.pi / inv_freq  # [H/2] tokens per full turn
     smooth = (original_max_length / wavelength - low_freq_factor) / (
       high_freq_factor - low_freq_factor
     )
     smooth = np.clip(smooth, 0.0, 1.0)  # 0 past L / low (divide by factor), 1 under L / high (keep)
-    inv_freq = (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+    inv_freq = (1.0 - smooth) * inv_freq / factor + smooth * inv_freq  # [H/2]
   return jnp.asarray(inv_freq, jnp.float32), mscale
 
 
 def _rotate_half(x: Array) -> Array:
   """(x1, x2) -> (-x2, x1) on the two halves of the last axis."""
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  return jnp.concatenate([-x2, x1], axis=-1)
+  x1, x2 = jnp.split(x, 2, axis=-1)  # [..., H/2] each
+  return jnp.concatenate([-x2, x1], axis=-1)  # [..., H]
 
 
 def apply_rope(x: Array, positions: Array, inv_freq: Array, mscale: float = 1.0) -> Array:
@@ -165,10 +169,13 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array, mscale: float = 1.0)
   if positions.ndim == 1:
     positions = positions[None, :]  # [1, T]
   angles = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)  # [B, T, H/2]
+  # Channels i and i + H/2 form a pair and share one angle; the new axis broadcasts over heads.
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
-  cos, sin = jnp.cos(angles) * mscale, jnp.sin(angles) * mscale
+  cos, sin = jnp.cos(angles) * mscale, jnp.sin(angles) * mscale  # [B, T, 1, H], broadcast over N
+  # float32: angles reach position * inv_freq ~ 1e4 radians, where bfloat16 has no digits left.
   x32 = x.astype(jnp.float32)
-  return (x32 * cos + _rotate_half(x32) * sin).astype(x.dtype)
+  # Pair (a, b) = (x[i], x[i + H/2]) becomes (a cos - b sin, b cos + a sin): a 2D rotation.
+  return (x32 * cos + _rotate_half(x32) * sin).astype(x.dtype)  # [B, T, N, H]
 
 
 def alibi_slopes(num_heads: int) -> Array:
@@ -185,13 +192,14 @@ def alibi_slopes(num_heads: int) -> Array:
     raise ValueError(f'num_heads={num_heads} must be > 0 for ALiBi')
 
   def geometric(n: int) -> list[float]:
+    # Slopes 2^(-8k/n), k = 1..n: each head looks back over a different distance.
     start = 2.0 ** (-8.0 / n)
     return [start ** (k + 1) for k in range(n)]
 
-  if num_heads & (num_heads - 1) == 0:
+  if num_heads & (num_heads - 1) == 0:  # a power of two
     slopes = geometric(num_heads)
   else:
-    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    closest = 2 ** int(math.floor(math.log2(num_heads)))  # P
     slopes = geometric(closest) + geometric(2 * closest)[0::2][: num_heads - closest]
   return jnp.asarray(slopes, jnp.float32)
 
