@@ -1,8 +1,10 @@
 """Inspection: attention maps against NumPy, every implementation through the xla path, head
 entropy bounds, init statistics against the init scheme, and the plots."""
 
+import importlib.util
 import math
 import os
+import sys
 
 import jax
 import numpy as np
@@ -186,6 +188,10 @@ def test_outlier_dimensions_finds_planted_channels():
   assert outlier_dimensions(np.ones((3, 8))) == []
 
 
+@pytest.mark.skipif(
+  sys.version_info >= (3, 12) and importlib.util.find_spec('torch') is None,
+  reason='needs torch (not installed on this Python: the CPU wheel here is for Python 3.11)',
+)
 def test_inspect_a_hugging_face_folder(tmp_path):
   """experiments.inspect on an HF Llama folder: maps, entropy, histograms, the logit lens."""
   import os
