@@ -110,8 +110,8 @@ def test_a_failed_download_is_one_line_naming_the_dataset_and_the_data_dir(
   def no_network(self, url, *args, **kwargs):
     calls.append(url)
     raise requests.exceptions.ConnectionError(
-      f"HTTPSConnectionPool(host='data.sparrow.invalid', port=443): Max retries exceeded with "
-      f"url: /tiny.txt.gz (Caused by NameResolutionError: Failed to resolve 'data.sparrow.invalid')"
+      "HTTPSConnectionPool(host='data.sparrow.invalid', port=443): Max retries exceeded with "
+      "url: /tiny.txt.gz (Caused by NameResolutionError: Failed to resolve 'data.sparrow.invalid')"
       '\nsecond line of the message'
     )
 
