@@ -1,7 +1,8 @@
 """The embedded default: a small EncoderDecoder that learns to spell numbers, on a laptop CPU.
 
 Built-in generated data (digits -> English words) and a SentencePiece vocabulary of 64 trained on
-it: no downloads. About 3 minutes on 2 CPU cores to BLEU ~98 and ~98% exact match.
+it: no downloads. About 3 minutes on 2 CPU cores to BLEU >= 97 and exact match >= 95% at every
+seed (docs/results/default_recipe).
 """
 
 from configs import base
@@ -27,13 +28,17 @@ def get_config():
   d.num_eval_examples = 512
   t = config.train
   t.steps = 1000
-  t.eval_every = 500
+  t.eval_every = 1000  # once, at the end: keeps the run within 3 minutes on 2 CPU cores
   t.checkpoint_every = 500
   t.log_every = 100
   t.eval_decode_examples = 512
   t.max_decode_length = 24
   o = config.optim
-  o.schedule = 'rsqrt'  # the paper's schedule, peak 1.0 * 128^-0.5 * 300^-0.5 = 0.0051
-  o.learning_rate = 1.0
-  o.warmup_steps = 300
+  # Chosen by configs/sweeps/default_recipe.py: linear warmup to 3e-3, then a cosine to 0 at the
+  # last step. The paper's rsqrt (peak 0.0051 at step 300, still 0.0028 at step 1000) ended at
+  # BLEU 87.5 for seed 0; this holds BLEU >= 97 and exact match >= 95% at seeds 0-4.
+  o.schedule = 'warmup_cosine'
+  o.learning_rate = 3e-3
+  o.warmup_steps = 100
+  o.end_learning_rate_factor = 0.0
   return config

@@ -274,6 +274,13 @@ def test_variance_ordering_monotone_and_thresholds():
   assert _status(dict(kind='monotone', variant='a', metrics=['x4', 'x1']), table) == N
   assert _status(dict(kind='at_least', metric='m', variants=['a', 'c'], value=2.0), table) == R
   assert _status(dict(kind='at_most', metric='m', variants=['a', 'c'], value=2.0), table) == N
+  # every_seed: the worst seed decides, not the mean (a's seeds are 1, 2, 3: mean 2).
+  low = dict(kind='at_least', metric='m', variants=['a'], value=1.5)
+  assert _status(low, table) == R and _status({**low, 'every_seed': True}, table) == N
+  verdict = verdicts.evaluate({**low, 'every_seed': True, 'value': 1.0}, table)
+  assert verdict.status == R and verdict.numbers == {'a': 1.0} and 'lowest m' in verdict.text
+  high = dict(kind='at_most', metric='m', variants=['a'], value=2.5, every_seed=True)
+  assert _status(high, table) == N and _status({**high, 'value': 3.0}, table) == R
 
 
 def test_power_law_fit_ratio_best_close_and_no_worse():

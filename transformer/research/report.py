@@ -332,13 +332,17 @@ def write_report(workdir: str) -> str:
       else:
         lines += [f'- {variant}, seed {seed}: [{os.path.basename(path)}]({path})']
     lines.append('')
-  lines += ['## Runs', '', '| variant | seed | status | wall time (s) | params | FLOPs/token |']
-  lines += ['|---|---|---|---|---|---|']
+  # One row per run, with the compared metrics of that seed (the table above has their means).
+  header = ['variant', 'seed', 'status', *metrics, 'wall time (s)', 'params', 'FLOPs/token']
+  lines += ['## Runs', '', '| ' + ' | '.join(header) + ' |', '|---' * len(header) + '|']
   for r in results:
     note = f' ({r["error"]})' if r.get('error') else ''
+    values = [_cell([r['metrics'][m]]) if m in r.get('metrics', {}) else '' for m in metrics]
     lines.append(
-      f'| {r["variant"]} | {r["seed"]} | {r["status"]}{note} | {r.get("wall_time_s", 0):.0f} | '
-      f'{r.get("params", 0):,} | {r.get("flops_per_token", 0):.3g} |'
+      f'| {r["variant"]} | {r["seed"]} | {r["status"]}{note} | '
+      + ''.join(f'{v} | ' for v in values)
+      + f'{r.get("wall_time_s", 0):.0f} | {r.get("params", 0):,} | '
+      f'{r.get("flops_per_token", 0):.3g} |'
     )
   path = os.path.join(workdir, 'report.md')
   with open(path, 'w') as f:

@@ -48,9 +48,10 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   # the best (or worst) mean of `metric` among `among` (default all) is one of `expect`.
   'best': (('metric', 'expect'), ('among', 'lower_is_better')),
   'worst': (('metric', 'expect'), ('among', 'lower_is_better')),
-  # every listed variant's mean is >= (at_least) or <= (at_most) `value`.
-  'at_least': (('metric', 'variants', 'value'), ()),
-  'at_most': (('metric', 'variants', 'value'), ()),
+  # every listed variant's mean is >= (at_least) or <= (at_most) `value`; every_seed=True: its
+  # worst seed is (the minimum for at_least, the maximum for at_most).
+  'at_least': (('metric', 'variants', 'value'), ('every_seed',)),
+  'at_most': (('metric', 'variants', 'value'), ('every_seed',)),
 }
 _COMMON = ('kind', 'text')
 _LOWER_IS_BETTER_WORDS = ('loss', 'perplexity', 'nll', '_ms', 'ms@', 'mib', 'time', 'rise', 'std')
@@ -383,11 +384,17 @@ def _threshold(rule: Mapping, table: Table) -> Verdict:
   missing = _missing(rule, [(v, metric) for v in rule['variants']], table)
   if missing:
     return missing
-  means = {v: mean_std(_values(table, v, metric))[0] for v in rule['variants']}
   above = rule['kind'] == 'at_least'
+  if rule.get('every_seed'):  # the worst seed of each variant
+    worst = min if above else max
+    means = {v: float(worst(_values(table, v, metric))) for v in rule['variants']}
+    what = f'{"lowest" if above else "highest"} {metric} over seeds'
+  else:
+    means = {v: mean_std(_values(table, v, metric))[0] for v in rule['variants']}
+    what = metric
   failing = [v for v, m in means.items() if not (m >= value if above else m <= value)]
   shown = ', '.join(f'{v} {fmt(m)}' for v, m in means.items())
-  text = f'{metric} {">=" if above else "<="} {value:g} for each of {shown}'
+  text = f'{what} {">=" if above else "<="} {value:g} for each of {shown}'
   if failing:
     text += f'; fails for {", ".join(failing)}'
   return Verdict(NOT_REPRODUCED if failing else REPRODUCED, text, dict(rule), means)
