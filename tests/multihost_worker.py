@@ -36,7 +36,8 @@ def tiny_gpt(steps: int):
   t = config.train
   t.steps, t.log_every, t.eval_every, t.checkpoint_every = steps, 1, steps, 2
   t.eval_decode_examples = 0  # evaluate the loss only: decoding would add compile time
-  config.optim.schedule, config.optim.learning_rate = 'constant', 3e-3  # same at any total steps
+  # The same at any total steps: no warmup, which a shorter run would cut to its own length.
+  config.optim.schedule, config.optim.learning_rate, config.optim.warmup_steps = 'constant', 3e-3, 0
   config.mesh.shape = (2, 2, 2)  # the data axis spans both processes
   return config
 

@@ -83,6 +83,7 @@ def test_evaluate_cli_prints_json_metrics_and_translates_a_file(tmp_path, tiny_c
 def test_resumed_run_logs_the_same_losses(tmp_path, tiny_config):
   config = tiny_config('causal_lm', steps=6, checkpoint_every=3, eval_every=100)
   config.model.dropout_rate = 0.1  # the dropout RNG stream must continue too
+  config.optim.warmup_steps = 2  # within the first 3 steps: a longer one would be cut to that run
   straight = train_and_evaluate(config, str(tmp_path / 'straight'))['train']
   config.train.steps = 3
   first = train_and_evaluate(config, str(tmp_path / 'resumed'))['train']
