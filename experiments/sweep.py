@@ -1,11 +1,13 @@
 """Run a sweep: python -m experiments.sweep --sweep=configs/sweeps/<name>.py --workdir=DIR
 
-  [--seeds=3] [--scale=1] [--parallel=1] [--variants=a,b]
+  [--seeds=3] [--scale=1] [--parallel=1] [--variants=a,b] [--allow_dirty]
 
 Each (variant, seed) trains in DIR/<variant>/seed_<k>; results collect in DIR/results.jsonl, and
 `python -m experiments.report --workdir=DIR` writes the report. Rerunning the same command skips
 finished runs and resumes interrupted ones. --parallel=N runs N worker processes at once (each
-logs to its run's log.txt). A sweep file is Python code: run only sweeps you trust.
+logs to its run's log.txt). Runs start only from a clean git tree (each result records the
+commit); --allow_dirty records '<sha>-dirty' instead. A sweep file is Python code: run only
+sweeps you trust.
 """
 
 from absl import flags
@@ -18,7 +20,11 @@ _SEEDS = flags.DEFINE_integer('seeds', 1, 'Seeds per variant: 0 .. seeds-1.')
 _SCALE = flags.DEFINE_integer('scale', 1, 'Size multiplier passed to get_sweep (steps, width).')
 _PARALLEL = flags.DEFINE_integer('parallel', 1, 'Runs at once, each in its own process.')
 _VARIANTS = flags.DEFINE_list('variants', None, 'Only these variants (default: all).')
+_ALLOW_DIRTY = flags.DEFINE_bool(
+  'allow_dirty', False, "Run from a tree with uncommitted changes; results record '<sha>-dirty'."
+)
 _RUN = flags.DEFINE_string('run', None, 'Internal: run one VARIANT:SEED (a --parallel worker).')
+_REVISION = flags.DEFINE_string('revision', 'unknown', 'Internal: the git revision --run records.')
 flags.mark_flags_as_required(['sweep', 'workdir'])
 
 
@@ -29,7 +35,7 @@ def main():
   if _RUN.value:
     variant, _, seed = _RUN.value.rpartition(':')
     spec.select_variants(sweep, [variant])
-    result = sweeps.execute_run(sweep, variant, int(seed), _WORKDIR.value)
+    result = sweeps.execute_run(sweep, variant, int(seed), _WORKDIR.value, _REVISION.value)
     print(f'{variant} seed {seed}: {result["status"]}, {result["wall_time_s"]:.0f} s', flush=True)
     return
   results = sweeps.run_sweep(
@@ -39,6 +45,7 @@ def main():
     parallel=_PARALLEL.value,
     variants=_VARIANTS.value,
     log=lambda text: print(text, flush=True),
+    allow_dirty=_ALLOW_DIRTY.value,
   )
   print(
     f'{len(results)} results in {_WORKDIR.value}/results.jsonl; report: python -m '

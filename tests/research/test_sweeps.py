@@ -39,6 +39,28 @@ def _sweep_file(tmp_path, text=_TINY_SWEEP):
   return str(path)
 
 
+def _git(repo, *args):
+  return subprocess.run(
+    ['git', '-C', str(repo), '-c', 'user.name=t', '-c', 'user.email=t@t', *args],
+    capture_output=True, text=True, check=True,
+  ).stdout.strip()  # fmt: skip
+
+
+def _clean_repo(path):
+  """A git checkout with one commit, standing in for the source tree: (its dir, HEAD sha)."""
+  path.mkdir(parents=True, exist_ok=True)
+  _git(path, 'init', '-q')
+  (path / 'model.py').write_text('x = 1\n')
+  _git(path, 'add', '.')
+  _git(path, 'commit', '-qm', 'one')
+  return str(path), _git(path, 'rev-parse', 'HEAD')
+
+
+def _lines(workdir):
+  with open(os.path.join(workdir, 'results.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
 # End to end ------------------------------------------------------------------------------------
 @pytest.fixture(scope='module')
 def finished(tmp_path_factory):
@@ -46,18 +68,20 @@ def finished(tmp_path_factory):
   tmp_path = tmp_path_factory.mktemp('sweep')
   path = _sweep_file(tmp_path)
   workdir = str(tmp_path / 'out')
-  results = sweeps.run_sweep(spec.load_sweep(path), workdir, seeds=1, log=lambda _: None)
-  return path, workdir, results
+  source, sha = _clean_repo(tmp_path / 'source')
+  results = sweeps.run_sweep(
+    spec.load_sweep(path), workdir, seeds=1, log=lambda _: None, source_dir=source
+  )
+  return path, workdir, results, sha
 
 
 def test_two_variant_sweep_writes_results_and_curves(finished):
-  _, workdir, results = finished
+  _, workdir, results, sha = finished
   assert [(r['variant'], r['seed'], r['status']) for r in results] == [
     ('scaled', 0, 'ok'),
     ('unscaled', 0, 'ok'),
   ]
-  with open(os.path.join(workdir, 'results.jsonl')) as f:
-    lines = [json.loads(line) for line in f]
+  lines = _lines(workdir)
   assert [line['metrics'] for line in lines] == [r['metrics'] for r in results]
   for line in lines:
     assert {'variant', 'seed', 'config', 'metrics', 'curve', 'wall_time_s', 'params'} <= set(line)
@@ -65,9 +89,14 @@ def test_two_variant_sweep_writes_results_and_curves(finished):
     assert line['metrics']['params'] == line['params']
     assert line['config']['train']['steps'] == 2
     assert math.isfinite(line['metrics']['eval.loss'])
-    with open(os.path.join(workdir, line['curve'])) as f:
-      curve = json.load(f)
+    assert line['git_revision'] == sha  # the clean source checkout's HEAD
+    # The curve is the run's own metrics.jsonl; nothing repeats it or the line.
+    assert line['curve'] == os.path.join(line['run_dir'], 'metrics.jsonl')
+    curve = results_lib.read_curve(os.path.join(workdir, line['run_dir']))
     assert [h['step'] for h in curve['train']] == [1, 2] and curve['eval'][-1]['step'] == 2
+    files = os.listdir(os.path.join(workdir, line['run_dir']))
+    assert 'curve.json' not in files and 'result.json' not in files
+    assert 'config.json' in files  # resuming needs it; .gitignore keeps it out of docs/results
   # Head entropy went to TensorBoard during training (train.head_entropy_every).
   events = os.path.join(workdir, 'scaled', 'seed_0', 'tensorboard')
   data = b''.join(open(os.path.join(events, name), 'rb').read() for name in os.listdir(events))
@@ -77,7 +106,7 @@ def test_two_variant_sweep_writes_results_and_curves(finished):
 
 
 def test_report_has_plots_table_and_the_verdict_of_the_rule(finished):
-  _, workdir, results = finished
+  _, workdir, results, sha = finished
   text = open(report.write_report(workdir)).read()
   for png in ('curves.png', 'metrics.png', 'plot_0.png'):
     assert os.path.getsize(os.path.join(workdir, png)) > 1000
@@ -90,42 +119,55 @@ def test_report_has_plots_table_and_the_verdict_of_the_rule(finished):
   a, b = (r['metrics']['eval.loss'] for r in results)
   expected = verdicts.REPRODUCED if a < b else verdicts.NOT_REPRODUCED
   assert f'**Verdict: {expected}.**' in text
+  assert f'Code: commit `{sha}` (every run).' in text
   assert f'scaled eval.loss = {verdicts.fmt(a)} < unscaled eval.loss = {verdicts.fmt(b)}' in text
   assert report.summary(workdir)['status'] == expected
 
 
 def test_rerun_skips_finished_runs(finished):
-  path, workdir, results = finished
-  files = [os.path.join(workdir, v, 'seed_0', 'result.json') for v in ('scaled', 'unscaled')]
-  stamps = [os.path.getmtime(f) for f in files]
+  path, workdir, results, sha = finished
+  before = _lines(workdir)
   messages = []
+  # Nothing to run: no tree check (this checkout may be dirty), the lines stay as they are.
   again = sweeps.run_sweep(spec.load_sweep(path), workdir, seeds=1, log=messages.append)
   assert 'sweep tiny: 2 runs, 2 already finished' in messages
   assert [r['metrics'] for r in again] == [r['metrics'] for r in results]
-  assert stamps == [os.path.getmtime(f) for f in files]
+  assert _lines(workdir) == before
   # A finished run of another config is not silently reused.
-  with pytest.raises(ValueError, match='holds a finished run of another config .*train.steps'):
+  with pytest.raises(ValueError, match='holds a finished run scaled seed 0 of another config .*'
+                     'train.steps'):  # fmt: skip
     sweeps.run_sweep(spec.load_sweep(path, scale=2), workdir, log=lambda _: None)
 
 
 def test_interrupted_run_resumes_from_its_checkpoint(finished):
-  path, workdir, _ = finished
+  path, workdir, _, sha = finished
   run = os.path.join(workdir, 'scaled', 'seed_0')
-  os.remove(os.path.join(run, 'result.json'))  # as if stopped after checkpoint 2
+  kept = [r for r in _lines(workdir) if r['variant'] != 'scaled']  # as if stopped at checkpoint 2
+  with open(os.path.join(workdir, 'results.jsonl'), 'w') as f:
+    f.write(''.join(json.dumps(r) + '\n' for r in kept))
   longer = spec.load_sweep(path, scale=2)  # 4 steps: resumes at step 2
-  result = sweeps.execute_run(longer, 'scaled', 0, workdir)
-  with open(os.path.join(run, 'curve.json')) as f:
-    assert [h['step'] for h in json.load(f)['train']] == [1, 2, 3, 4]
+  result = sweeps.execute_run(longer, 'scaled', 0, workdir, revision=sha)
+  assert [h['step'] for h in results_lib.read_curve(run)['train']] == [1, 2, 3, 4]
   assert result['status'] == 'ok' and result['config']['train']['steps'] == 4
   assert sorted(os.listdir(os.path.join(run, 'checkpoints'))) == ['2', '4']
+  assert sweeps.finished_result(longer, 'scaled', 0, workdir) == result
+  lines = results_lib.write_results(workdir)  # sweep order again, one line per run
+  assert [(r['variant'], r['config']['train']['steps']) for r in lines] == [
+    ('scaled', 4),
+    ('unscaled', 2),
+  ]
 
 
 @pytest.mark.slow
 def test_parallel_workers_give_the_same_results(tmp_path, finished):
-  path, _, results = finished
+  path, _, results, sha = finished
   workdir = str(tmp_path / 'parallel')
   messages = []
-  parallel = sweeps.run_sweep(spec.load_sweep(path), workdir, parallel=2, log=messages.append)
+  source, sha = _clean_repo(tmp_path / 'source')
+  parallel = sweeps.run_sweep(
+    spec.load_sweep(path), workdir, parallel=2, log=messages.append, source_dir=source
+  )
+  assert [r['git_revision'] for r in parallel] == [sha, sha]
   assert sum(m.startswith('started ') for m in messages) == 2
   assert [r['metrics']['eval.loss'] for r in parallel] == pytest.approx(
     [r['metrics']['eval.loss'] for r in results], rel=1e-5

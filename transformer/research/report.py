@@ -1,13 +1,14 @@
 """The report of a sweep: `write_report(workdir)` -> workdir/report.md with PNG plots beside it.
 
-It reads only workdir/sweep.json and workdir/results.jsonl (and the curve files they name), so a
-report can be rebuilt anywhere; the verdicts are recomputed from the numbers by the sweep's rules.
-A workdir whose subdirectories hold sweeps gets an index report.md that links their reports.
+It reads only workdir/sweep.json and workdir/results.jsonl (and the runs' metrics.jsonl curves
+they name), so a report can be rebuilt anywhere; the verdicts are recomputed from the numbers by
+the sweep's rules, and the report names the commit the runs recorded. A workdir whose
+subdirectories hold sweeps gets an index report.md that links their reports.
 """
 
 from __future__ import annotations
 
-import json
+import collections
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -65,8 +66,7 @@ def _load_curves(workdir: str, results: Sequence[Mapping], skip: set) -> dict[st
       continue
     path = os.path.join(workdir, r['curve'])
     if os.path.exists(path):
-      with open(path) as f:
-        curve = json.load(f)
+      curve = results_lib.read_curve(os.path.dirname(path))  # the run's metrics.jsonl
       if curve.get('train'):
         curves.setdefault(r['variant'], []).append(curve)
   return curves
@@ -254,6 +254,27 @@ def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str,
   return status, note, lines
 
 
+def revision_note(results: Sequence[Mapping]) -> tuple[str, bool]:
+  """(a Markdown sentence naming the commit of the runs, whether all are at one clean commit)."""
+  counts = collections.Counter(r.get('git_revision') or 'unknown' for r in results)
+  if len(counts) == 1:
+    (revision,) = counts
+    if revision == 'unknown':
+      return '**Code: no recorded git revision**: these runs do not name their commit.', False
+    if revision.endswith('-dirty'):
+      return (
+        f'**Code: commit `{revision[:-6]}` with uncommitted changes** (`{revision}`): no commit '
+        'holds the code these numbers come from.'
+      ), False
+    return f'Code: commit `{revision}` (every run).', True
+  shown = ', '.join(f'`{rev}` ({n} run{"s" * (n > 1)})' for rev, n in sorted(counts.items()))
+  dirty = any(r.endswith('-dirty') or r == 'unknown' for r in counts)
+  return (
+    f'**Code: the runs are at {len(counts)} different revisions**{" (some dirty)" * dirty}: '
+    f'{shown}. Regenerate at one commit before comparing them.'
+  ), False
+
+
 def _rule_text(rule: Mapping) -> str:
   return ', '.join(f'{k}={v!r}' for k, v in rule.items() if k != 'text')
 
@@ -286,6 +307,8 @@ def write_report(workdir: str) -> str:
     f'# {meta["name"]}',
     '',
     *verdict,
+    '',
+    revision_note(results)[0],
     '',
     f'Runs: {len(results)} ({len(order)} variants x seeds {seeds}), scale {meta["scale"]}, '
     f'total wall time {wall / 60:.1f} min on {", ".join(backend)}. Regenerate with',
@@ -352,20 +375,24 @@ def write_report(workdir: str) -> str:
 
 def _write_index(workdir: str, subs: list[str]) -> str:
   """report.md over several sweep workdirs: one line per claim with its verdict and a link."""
-  lines = ['# Claims and verdicts', '', '| claim | sweep | verdict | runs | wall time |']
-  lines += ['|---|---|---|---|---|']
+  rows, everything = [], []
   for sub in subs:
     directory = os.path.join(workdir, sub)
     write_report(directory)
     meta, results = results_lib.load_results(directory)
+    everything += results
     status, note, _ = _verdict_lines(meta, results)
     wall = sum(r.get('wall_time_s') or 0 for r in results) / 60
     claim = (meta.get('claim') or '').replace('|', '/')
-    lines.append(
+    revisions = sorted({r.get('git_revision') or 'unknown' for r in results})
+    rows.append(
       f'| {claim} | [{meta["name"]}]({sub}/report.md) | **{status}**'
       f'{f" ({note})" if note else ""} | {len(results)} | '
-      f'{wall:.1f} min |'
+      f'{wall:.1f} min | {", ".join(f"`{rev[:12]}`" for rev in revisions)} |'
     )
+  note, _ = revision_note(everything)
+  lines = ['# Claims and verdicts', '', note.replace('every run', f'all {len(everything)} runs')]
+  lines += ['', '| claim | sweep | verdict | runs | wall time | commit |', '|---' * 6 + '|', *rows]
   path = os.path.join(workdir, 'report.md')
   with open(path, 'w') as f:
     f.write('\n'.join(lines) + '\n')

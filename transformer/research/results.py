@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import ml_collections
 import numpy as np
 
+from transformer import util
 from transformer.config import ModelConfig
 from transformer.model import models
 from transformer.training import checkpoint
@@ -96,27 +98,61 @@ def model_numbers(config: ml_collections.ConfigDict, workdir: str | None) -> dic
   }
 
 
+@contextlib.contextmanager
+def _locked(workdir: str) -> Iterator[None]:
+  """An exclusive flock on the workdir itself: workers' appends and the final rewrite of
+  results.jsonl take turns (a lock on the file would not survive its atomic rewrite)."""
+  fd = os.open(workdir, os.O_RDONLY)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # releases the lock
+
+
+def read_results(workdir: str) -> list[dict]:
+  """The lines of workdir/results.jsonl ([] if none); a line cut short by a kill is skipped, so
+  its run counts as not finished and runs again."""
+  path = os.path.join(workdir, RESULTS)
+  if not os.path.exists(path):
+    return []
+  results = []
+  with open(path) as f:
+    for line in f:
+      try:
+        results.append(json.loads(line))
+      except ValueError:
+        continue
+  return results
+
+
+def append_result(workdir: str, result: Mapping) -> None:
+  """Appends one run's line to workdir/results.jsonl, whole, under the workdir's lock."""
+  line = json.dumps(util.jsonable(dict(result))) + '\n'
+  path = os.path.join(workdir, RESULTS)
+  with _locked(workdir), open(path, 'a+') as f:
+    f.seek(0, os.SEEK_END)
+    if f.tell():  # after a line a kill cut short, start a new one
+      f.seek(f.tell() - 1)
+      line = ('' if f.read(1) == '\n' else '\n') + line
+    f.write(line)
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def write_results(workdir: str) -> list[dict]:
-  """Collects every finished run's result.json into workdir/results.jsonl, in sweep order."""
+  """Rewrites workdir/results.jsonl in sweep order (variant, then seed), one line per run (the
+  last one written wins), and returns those lines."""
   with open(os.path.join(workdir, SWEEP_JSON)) as f:
     meta = json.load(f)
   order = list(meta['variants']) + list(meta.get('eval_variants') or {})
-  results = []
-  for variant in order:
-    directory = os.path.join(workdir, variant)
-    if not os.path.isdir(directory):
-      continue
-    seeds = sorted(int(n[5:]) for n in os.listdir(directory) if re.fullmatch(r'seed_\d+', n))
-    for seed in seeds:
-      path = os.path.join(run_dir(workdir, variant, seed), 'result.json')
-      if os.path.exists(path):
-        with open(path) as f:
-          results.append(json.load(f))
-  text = ''.join(json.dumps(r) + '\n' for r in results)
-  tmp = os.path.join(workdir, f'.{RESULTS}.tmp-{os.getpid()}')
-  with open(tmp, 'w') as f:
-    f.write(text)
-  os.replace(tmp, os.path.join(workdir, RESULTS))
+  with _locked(workdir):
+    latest = {(r['variant'], r['seed']): r for r in read_results(workdir)}
+    rank = lambda key: (order.index(key[0]) if key[0] in order else len(order), key)
+    results = [latest[key] for key in sorted(latest, key=rank)]
+    util.write_atomic(
+      os.path.join(workdir, RESULTS), ''.join(json.dumps(r) + '\n' for r in results)
+    )
   return results
 
 
@@ -130,8 +166,7 @@ def load_results(workdir: str) -> tuple[dict, list[dict]]:
     )
   with open(os.path.join(workdir, SWEEP_JSON)) as f:
     meta = json.load(f)
-  with open(path) as f:
-    results = [json.loads(line) for line in f if line.strip()]
+  results = read_results(workdir)
   if not results:
     raise ValueError(f'{path} has no finished runs yet; run the sweep to completion first')
   return meta, results

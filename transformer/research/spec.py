@@ -100,13 +100,7 @@ def load_sweep(path: str, scale: int = 1) -> Sweep:
   """
   if not isinstance(scale, int) or isinstance(scale, bool) or scale < 1:
     raise ValueError(f'scale={scale!r} must be a positive integer')
-  if not os.path.isfile(path):
-    shown = ', '.join(available_sweeps()) or f'none in {SWEEPS_DIR}'
-    raise ValueError(f'sweep file {path!r} does not exist; available sweeps: {shown}')
-  module_name = 'sparrow_sweep_' + re.sub(r'\W', '_', os.path.splitext(os.path.basename(path))[0])
-  spec = importlib.util.spec_from_file_location(module_name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = _import(path)
   if not callable(getattr(module, 'get_sweep', None)):
     raise ValueError(f'sweep file {path!r} must define get_sweep(scale: int) -> dict')
   spec_value = module.get_sweep(scale)
@@ -121,6 +115,28 @@ def load_sweep(path: str, scale: int = 1) -> Sweep:
   sweep = _from_spec(dict(spec_value), path, scale, module)
   check_sweep(sweep)
   return sweep
+
+
+def _import(path: str):
+  if not os.path.isfile(path):
+    shown = ', '.join(available_sweeps()) or f'none in {SWEEPS_DIR}'
+    raise ValueError(f'sweep file {path!r} does not exist; available sweeps: {shown}')
+  module_name = 'sparrow_sweep_' + re.sub(r'\W', '_', os.path.splitext(os.path.basename(path))[0])
+  spec = importlib.util.spec_from_file_location(module_name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def gpu_scale(path: str) -> int:
+  """The sweep file's GPU_SCALE: the --scale of its run on one GPU (about an hour for all)."""
+  value = getattr(_import(path), 'GPU_SCALE', None)
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(
+      f'sweep file {path!r} has GPU_SCALE={value!r}; set a module-level GPU_SCALE = K (a '
+      'positive int, the --scale of its one-GPU run) or leave the sweep out with --only'
+    )
+  return value
 
 
 def _flatten(overrides: Mapping[str, Any] | None, where: str) -> dict[str, Any]:

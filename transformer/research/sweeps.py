@@ -3,9 +3,12 @@
 A sweep file (`configs/sweeps/<name>.py`) defines `get_sweep(scale: int) -> dict` with the fields
 of `Sweep`. `run_sweep(sweep, workdir, seeds)` trains every (variant, seed) in
 `workdir/<variant>/seed_<k>` (one after another, or `parallel` worker processes at a time), runs
-the sweep's `measure` on each, and collects one line per run into `workdir/results.jsonl`. A
-finished run is skipped on rerun and an interrupted one resumes from its latest checkpoint.
-`research.report` turns the results into `report.md`; `research.verdicts` applies the rules.
+the sweep's `measure` on each, and appends one line per run to `workdir/results.jsonl`, the
+sweep's one store of results (its curve is the run's own metrics.jsonl). A run with a line is
+skipped on rerun and an interrupted one resumes from its latest checkpoint. Each line records
+the git revision of the source; a sweep does not start runs from a tree with uncommitted changes
+unless told to. `research.report` turns the results into `report.md`; `research.verdicts`
+applies the rules. `regenerate` reruns a set of sweeps into one results root at one commit.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -22,12 +26,15 @@ from collections.abc import Callable, Mapping, Sequence
 import ml_collections
 
 from transformer import util
+from transformer.research import report, spec
 from transformer.research.results import (
   SWEEP_JSON,
+  append_result,
   config_dict,
   final_metrics,
   model_numbers,
   read_curve,
+  read_results,
   run_dir,
   write_results,
 )
@@ -37,6 +44,65 @@ from transformer.training.loop import train_and_evaluate
 from transformer.training.workdir import load_run
 
 WORKER_MODULE = 'experiments.sweep'  # `python -m` entry point that runs one (variant, seed)
+# The checkout whose code runs: the one holding this package.
+SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Regenerating writes here, so changes under these (relative to the checkout) leave it clean.
+RESULT_ROOTS = ('docs/results', 'docs/results_gpu')
+
+
+# The source revision -----------------------------------------------------------------------
+def source_state(ignore: Sequence[str] = (), source_dir: str = SOURCE_DIR) -> tuple[str, list[str]]:
+  """(HEAD sha, changed files) of the git checkout holding `source_dir`; ('unknown', []) outside
+  git. Untracked files count; those under RESULT_ROOTS or the paths in `ignore` do not."""
+
+  def git(*args: str) -> str:
+    out = subprocess.run(['git', '-C', source_dir, *args], capture_output=True, text=True,
+                         timeout=60, check=True)  # fmt: skip
+    return out.stdout
+
+  try:
+    top = os.path.realpath(git('rev-parse', '--show-toplevel').strip())
+    head = git('rev-parse', 'HEAD').strip()
+    status = git('status', '--porcelain=v1', '-z', '--untracked-files=all').split('\0')
+  except (OSError, subprocess.SubprocessError):
+    return 'unknown', []
+  skip = list(RESULT_ROOTS)
+  for path in ignore:
+    rel = os.path.relpath(os.path.realpath(path), top)
+    if not rel.startswith('..'):
+      skip.append(rel)
+  changed, entries = [], iter(status)
+  for entry in entries:
+    if not entry:
+      continue
+    if entry[0] in 'RC':  # a rename or copy: the next entry is the old path
+      next(entries, None)
+    path = entry[3:]
+    if not any(path == s or path.startswith(s.rstrip('/') + '/') for s in skip if s != '.'):
+      changed.append(path)
+  return head, sorted(changed)
+
+
+def checked_revision(ignore: Sequence[str], allow_dirty: bool, source_dir: str = SOURCE_DIR) -> str:
+  """The revision results will record: the HEAD sha of a clean tree, '<sha>-dirty' when
+  `allow_dirty`; otherwise a tree with changes (or outside git) is one ValueError."""
+  head, changed = source_state(ignore, source_dir)
+  if head == 'unknown':
+    if allow_dirty:
+      return 'unknown'
+    raise ValueError(
+      f'cannot tell the source revision: {source_dir} is not in a git checkout; results must '
+      "name their commit (or pass --allow_dirty to record 'unknown')"
+    )
+  if not changed:
+    return head
+  if allow_dirty:
+    return f'{head}-dirty'
+  shown = ', '.join(changed[:8]) + (f' and {len(changed) - 8} more' if len(changed) > 8 else '')
+  raise ValueError(
+    f'the source tree has uncommitted changes ({shown}); commit them first, so that the results '
+    f'name the code that made them, or pass --allow_dirty to record {head[:12]}...-dirty'
+  )
 
 
 @dataclasses.dataclass
@@ -44,7 +110,7 @@ class MeasureContext:
   """What a measure function gets: the run's config and directories, and a checkpoint loader."""
 
   config: ml_collections.ConfigDict  # the resolved config of this run
-  run_dir: str  # where this run's files (figures, result.json) go
+  run_dir: str  # where this run's files (figures) go
   checkpoint_dir: str  # the trained run's workdir (run_dir, or that of an eval variant's source)
   variant: str
   seed: int
@@ -59,19 +125,23 @@ class MeasureContext:
     return run, state.params
 
 
-def finished_result(sweep: Sweep, variant: str, seed: int, workdir: str) -> dict | None:
-  """The run's result.json if it is finished with the same config; raises if it differs."""
-  path = os.path.join(run_dir(workdir, variant, seed), 'result.json')
-  if not os.path.exists(path):
+def finished_result(
+  sweep: Sweep, variant: str, seed: int, workdir: str, lines: Sequence[dict] | None = None
+) -> dict | None:
+  """The run's line of results.jsonl (`lines`, else read) if it has one with the same config;
+  raises if its config differs."""
+  lines = read_results(workdir) if lines is None else lines
+  found = [r for r in lines if r.get('variant') == variant and r.get('seed') == seed]
+  if not found:
     return None
-  with open(path) as f:
-    result = json.load(f)
+  result = found[-1]
   want = config_dict(resolve_config(sweep, variant, seed))
   if result.get('config') != want:
     diff = _first_difference(result.get('config') or {}, want)
     raise ValueError(
-      f'{os.path.dirname(path)} holds a finished run of another config ({diff}); use another '
-      '--workdir, or delete that run directory to redo it'
+      f'{os.path.join(workdir, "results.jsonl")} holds a finished run {variant} seed {seed} of '
+      f'another config ({diff}); use another --workdir, or delete its line there and the '
+      f'directory {run_dir(workdir, variant, seed)} to redo it'
     )
   return result
 
@@ -88,10 +158,13 @@ def _first_difference(a: Mapping, b: Mapping, prefix: str = '') -> str:
   return ''
 
 
-def execute_run(sweep: Sweep, variant: str, seed: int, workdir: str) -> dict:
-  """Trains (or resumes) one run, measures it and writes its result.json; returns the result.
+def execute_run(
+  sweep: Sweep, variant: str, seed: int, workdir: str, revision: str = 'unknown'
+) -> dict:
+  """Trains (or resumes) one run, measures it and appends its line (`revision` its git_revision)
+  to results.jsonl; returns the line.
 
-  A finished run (result.json with the same config) is returned as it is. A run whose loss
+  A finished run (a line with the same config) is returned as it is. A run whose loss
   stops being finite (training.faults.NonFiniteError) is recorded with status 'diverged' and
   infinite losses rather than stopping the sweep.
   """
@@ -136,8 +209,7 @@ def execute_run(sweep: Sweep, variant: str, seed: int, workdir: str) -> dict:
   wall = time.time() - start
   numbers = model_numbers(config, checkpoint_dir if sweep.train else None)
   metrics.update(numbers, wall_time_s=wall)
-  curve_path = os.path.join(directory, 'curve.json')
-  util.write_json(curve_path, curve)
+  curve_path = os.path.join(checkpoint_dir, 'metrics.jsonl')
   result = {
     'variant': variant,
     'seed': seed,
@@ -145,7 +217,7 @@ def execute_run(sweep: Sweep, variant: str, seed: int, workdir: str) -> dict:
     'error': error,
     'metrics': metrics,
     'config': config_dict(config),
-    'curve': os.path.relpath(curve_path, workdir),
+    'curve': os.path.relpath(curve_path, workdir) if os.path.exists(curve_path) else None,
     'run_dir': os.path.relpath(directory, workdir),
     'figures': [os.path.relpath(os.path.join(directory, f), workdir) for f in figures],
     'wall_time_s': wall,
@@ -153,14 +225,17 @@ def execute_run(sweep: Sweep, variant: str, seed: int, workdir: str) -> dict:
     'flops_per_token': numbers['flops_per_token'],
     'backend': jax.default_backend(),
     'device': jax.devices()[0].device_kind,
+    'git_revision': revision,
   }
-  util.write_json(os.path.join(directory, 'result.json'), util.jsonable(result))
+  result = util.jsonable(result)
+  append_result(workdir, result)
   return result
 
 
 # The whole sweep -----------------------------------------------------------------------------
-def sweep_metadata(sweep: Sweep, seeds: int) -> dict:
-  """What the report needs from the sweep file, stored as workdir/sweep.json."""
+def sweep_metadata(sweep: Sweep, seeds: int, revision: str = 'unknown') -> dict:
+  """What the report needs from the sweep file, stored as workdir/sweep.json (with the revision
+  of the latest start)."""
   return util.jsonable(
     {
       'name': sweep.name,
@@ -179,11 +254,12 @@ def sweep_metadata(sweep: Sweep, seeds: int) -> dict:
       'measure_args': sweep.measure_args,
       'train': sweep.train,
       'plots': list(sweep.plots),
+      'git_revision': revision,
     }
   )
 
 
-def _prepare_workdir(sweep: Sweep, workdir: str, seeds: int) -> None:
+def _prepare_workdir(sweep: Sweep, workdir: str, seeds: int, revision: str) -> None:
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, SWEEP_JSON)
   if os.path.exists(path):
@@ -195,14 +271,14 @@ def _prepare_workdir(sweep: Sweep, workdir: str, seeds: int) -> None:
         'use another --workdir'
       )
     seeds = max(seeds, int(previous.get('seeds', 1)))
-  util.write_json(path, sweep_metadata(sweep, seeds))
+  util.write_json(path, sweep_metadata(sweep, seeds, revision))
 
 
-def worker_command(sweep: Sweep, workdir: str, variant: str, seed: int) -> list[str]:
+def worker_command(sweep: Sweep, workdir: str, variant: str, seed: int, revision: str) -> list[str]:
   """The command that runs one (variant, seed) in its own process (see experiments/sweep.py)."""
   return [
     sys.executable, '-m', WORKER_MODULE, f'--sweep={sweep.path}', f'--workdir={workdir}',
-    f'--scale={sweep.scale}', f'--run={variant}:{seed}',
+    f'--scale={sweep.scale}', f'--run={variant}:{seed}', f'--revision={revision}',
   ]  # fmt: skip
 
 
@@ -214,35 +290,43 @@ def run_sweep(
   parallel: int = 1,
   variants: Sequence[str] | None = None,
   log: Callable[[str], None] = print,
+  allow_dirty: bool = False,
+  ignore_changes: Sequence[str] = (),
+  source_dir: str = SOURCE_DIR,
 ) -> list[dict]:
-  """Runs every (variant, seed) not finished yet, then writes workdir/results.jsonl.
+  """Runs every (variant, seed) without a line in workdir/results.jsonl yet; returns the lines.
 
   `parallel` > 1 runs that many worker processes at once, each logging to its run's log.txt
-  (evaluation-only variants start once their source run is done). Returns the results.
+  (evaluation-only variants start once their source run is done). Runs start only from a clean
+  git tree (`checked_revision`; changes under the workdir, RESULT_ROOTS and `ignore_changes`
+  do not count) unless `allow_dirty`; each line records the revision.
   """
   if not isinstance(seeds, int) or seeds < 1:
     raise ValueError(f'seeds={seeds!r} must be a positive integer')
   if not isinstance(parallel, int) or parallel < 1:
     raise ValueError(f'parallel={parallel!r} must be a positive integer')
   names = select_variants(sweep, variants)
-  _prepare_workdir(sweep, workdir, seeds)
   jobs = [(v, s) for s in range(seeds) for v in names]
-  todo = [job for job in jobs if finished_result(sweep, *job, workdir) is None]
+  lines = read_results(workdir)
+  todo = [job for job in jobs if finished_result(sweep, *job, workdir, lines) is None]
+  revision = 'unknown'
+  if todo:  # the check comes before anything is written
+    revision = checked_revision([workdir, *ignore_changes], allow_dirty, source_dir)
+  _prepare_workdir(sweep, workdir, seeds, revision)
   log(f'sweep {sweep.name}: {len(jobs)} runs, {len(jobs) - len(todo)} already finished')
   # Trained variants first: eval variants read their checkpoints.
   todo.sort(key=lambda job: job[0] in sweep.eval_variants)
   if parallel == 1:
     for i, (variant, seed) in enumerate(todo):
       log(f'[{i + 1}/{len(todo)}] {variant} seed {seed} -> {run_dir(workdir, variant, seed)}')
-      result = execute_run(sweep, variant, seed, workdir)
+      result = execute_run(sweep, variant, seed, workdir, revision)
       log(f'  {variant} seed {seed}: {result["status"]}, {result["wall_time_s"]:.0f} s')
-      write_results(workdir)
   else:
-    _run_parallel(sweep, workdir, todo, parallel, log)
+    _run_parallel(sweep, workdir, todo, parallel, log, revision)
   return write_results(workdir)
 
 
-def _run_parallel(sweep: Sweep, workdir: str, todo: list, parallel: int, log) -> None:
+def _run_parallel(sweep: Sweep, workdir: str, todo: list, parallel: int, log, revision) -> None:
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE='false')  # GPU: share the device memory
   pending, running, failed = list(todo), {}, []
   while pending or running:
@@ -257,7 +341,7 @@ def _run_parallel(sweep: Sweep, workdir: str, todo: list, parallel: int, log) ->
       os.makedirs(directory, exist_ok=True)
       with open(os.path.join(directory, 'log.txt'), 'a') as out:
         process = subprocess.Popen(
-          worker_command(sweep, workdir, variant, seed),
+          worker_command(sweep, workdir, variant, seed, revision),
           stdout=out,
           stderr=subprocess.STDOUT,
           env=env,
@@ -275,6 +359,49 @@ def _run_parallel(sweep: Sweep, workdir: str, todo: list, parallel: int, log) ->
         failed.append(f'{variant} seed {seed} (exit {code}, log {run_dir(workdir, variant, seed)})')
         pending = [j for j in pending if sweep.eval_variants.get(j[0], {}).get('from') != variant]
       log(f'finished {variant} seed {seed}: {"ok" if not code else f"failed, exit {code}"}')
-      write_results(workdir)
   if failed:
     raise RuntimeError(f'{len(failed)} run(s) failed: {"; ".join(failed)}')
+
+
+# Regenerating a results root -------------------------------------------------------------------
+def regenerate(
+  seeds: Mapping[str, int],
+  root: str,
+  *,
+  only: Sequence[str] | None = None,
+  parallel: int = 1,
+  gpu: bool = False,
+  allow_dirty: bool = False,
+  log: Callable[[str], None] = print,
+  sweeps_dir: str = spec.SWEEPS_DIR,
+  source_dir: str = SOURCE_DIR,
+) -> str:
+  """Reruns the sweeps of `seeds` (name -> seeds; `only` a subset) into root/<name>, all at the
+  current commit, then writes every report and the index root/report.md; returns its path.
+
+  `gpu` runs each at its sweep file's GPU_SCALE instead of scale 1. A sweep directory whose
+  sweep.json names another revision or scale is removed first (its runs are from other code);
+  one at this revision resumes. A dirty tree is one ValueError before anything runs.
+  """
+  names = list(only) if only else list(seeds)
+  unknown = [n for n in names if n not in seeds]
+  if unknown:
+    raise ValueError(f'unknown sweep {unknown[0]!r}; choose from {", ".join(seeds)}')
+  revision = checked_revision([root], allow_dirty, source_dir)
+  paths = {n: os.path.join(sweeps_dir, f'{n}.py') for n in names}
+  scales = {n: spec.gpu_scale(p) if gpu else 1 for n, p in paths.items()}  # all errors first
+  for i, name in enumerate(names):
+    workdir = os.path.join(root, name)
+    meta_path = os.path.join(workdir, SWEEP_JSON)
+    if os.path.exists(meta_path):
+      with open(meta_path) as f:
+        meta = json.load(f)
+      if (meta.get('git_revision'), meta.get('scale')) != (revision, scales[name]):
+        log(f'removing {workdir}: its runs are from revision {meta.get("git_revision")} at scale '
+            f'{meta.get("scale")}, not {revision} at scale {scales[name]}')  # fmt: skip
+        shutil.rmtree(workdir)
+    log(f'[{i + 1}/{len(names)}] {name}: --seeds={seeds[name]} --scale={scales[name]} -> {workdir}')
+    sweep = spec.load_sweep(paths[name], scales[name])
+    run_sweep(sweep, workdir, seeds=seeds[name], parallel=parallel, log=log,
+              allow_dirty=allow_dirty, ignore_changes=[root], source_dir=source_dir)  # fmt: skip
+  return report.write_report(root)

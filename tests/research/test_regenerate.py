@@ -1,0 +1,211 @@
+"""The source revision results record, a dirty tree refused, results.jsonl under parallel
+writers, and regenerating a results root (with the one table of seeds the README agrees with)."""
+
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+
+import pytest
+
+from experiments import regenerate as regenerate_cli
+from transformer.research import report, spec, sweeps
+from transformer.research import results as results_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_ONE_RUN_SWEEP = """
+GPU_SCALE = 2
+
+def get_sweep(scale):
+  return dict(
+    name='one',
+    claim='a 2-step run ends with a finite loss',
+    base='configs/gpt_tiny.py',
+    overrides={
+      'model.d_model': 16, 'model.num_heads': 2, 'model.d_ff': 32, 'model.num_layers': 1,
+      'data.tokenizer': 'byte', 'data.max_length': 16, 'data.batch_size': 4,
+      'data.eval_batch_size': 4, 'data.num_train_examples': 64, 'data.num_eval_examples': 8,
+      'train.steps': 2 * scale, 'train.log_every': 1, 'train.eval_every': 2 * scale,
+      'train.checkpoint_every': 2 * scale, 'train.eval_decode_examples': 0,
+      'optim.warmup_steps': 1,
+    },
+    variants={'base': {}},
+    rules=[dict(kind='at_most', metric='eval.loss', variants=['base'], value=100.0)],
+  )
+"""
+
+
+def _git(repo, *args):
+  return subprocess.run(
+    ['git', '-C', str(repo), '-c', 'user.name=t', '-c', 'user.email=t@t', *args],
+    capture_output=True, text=True, check=True,
+  ).stdout.strip()  # fmt: skip
+
+
+def _repo(path):
+  """A git checkout with a committed model.py: (its dir, HEAD sha)."""
+  path.mkdir(parents=True)
+  _git(path, 'init', '-q')
+  (path / 'model.py').write_text('x = 1\n')
+  (path / 'docs' / 'results' / 'old').mkdir(parents=True)
+  (path / 'docs' / 'results' / 'old' / 'report.md').write_text('old\n')
+  _git(path, 'add', '.')
+  _git(path, 'commit', '-qm', 'one')
+  return str(path), _git(path, 'rev-parse', 'HEAD')
+
+
+# The revision and the dirty tree ---------------------------------------------------------------
+def test_changes_to_the_source_count_and_results_do_not(tmp_path):
+  source, sha = _repo(tmp_path / 'repo')
+  workdir = os.path.join(source, 'runs', 'mine')
+  assert sweeps.checked_revision([workdir], False, source) == sha
+  # Regenerating writes under docs/results and the sweep's own workdir: still clean.
+  (tmp_path / 'repo' / 'docs' / 'results' / 'old' / 'report.md').write_text('new\n')
+  (tmp_path / 'repo' / 'docs' / 'results' / 'new').mkdir()
+  (tmp_path / 'repo' / 'docs' / 'results' / 'new' / 'results.jsonl').write_text('{}\n')
+  os.makedirs(workdir)
+  open(os.path.join(workdir, 'results.jsonl'), 'w').close()
+  assert sweeps.source_state([workdir], source) == (sha, [])
+  # A changed and an untracked source file are named; --allow_dirty records '<sha>-dirty'.
+  (tmp_path / 'repo' / 'model.py').write_text('x = 2\n')
+  (tmp_path / 'repo' / 'extra.py').write_text('')
+  assert sweeps.source_state([workdir], source) == (sha, ['extra.py', 'model.py'])
+  with pytest.raises(ValueError, match=r'uncommitted changes \(extra.py, model.py\); commit'):
+    sweeps.checked_revision([workdir], False, source)
+  assert sweeps.checked_revision([workdir], True, source) == f'{sha}-dirty'
+  # Outside git the revision is unknown: refused too, unless allowed.
+  with pytest.raises(ValueError, match='not in a git checkout'):
+    sweeps.checked_revision([], False, str(tmp_path))
+  assert sweeps.checked_revision([], True, str(tmp_path)) == 'unknown'
+
+
+def test_a_sweep_does_not_start_from_a_dirty_tree(tmp_path):
+  source, _ = _repo(tmp_path / 'repo')
+  (tmp_path / 'repo' / 'model.py').write_text('x = 2\n')
+  path = tmp_path / 'one.py'
+  path.write_text(_ONE_RUN_SWEEP)
+  workdir = str(tmp_path / 'out')
+  with pytest.raises(ValueError, match=r'uncommitted changes \(model.py\)'):
+    sweeps.run_sweep(spec.load_sweep(str(path)), workdir, log=lambda _: None, source_dir=source)
+  assert not os.path.exists(workdir)  # refused before anything was written
+
+
+# results.jsonl ---------------------------------------------------------------------------------
+def _append_many(workdir, worker, count):
+  for i in range(count):  # lines far longer than one write of a pipe or a page
+    results_lib.append_result(workdir, {'variant': f'w{worker}', 'seed': i, 'pad': 'x' * 20000})
+
+
+def test_parallel_writers_lose_and_interleave_no_line(tmp_path):
+  workdir = str(tmp_path)
+  with open(tmp_path / 'results.jsonl', 'w') as f:
+    f.write('{"variant": "w0", "seed": 99, "pa')  # a line a kill cut short
+  context = multiprocessing.get_context('spawn')
+  workers = [context.Process(target=_append_many, args=(workdir, w, 40)) for w in range(4)]
+  for w in workers:
+    w.start()
+  for w in workers:
+    w.join()
+  assert [w.exitcode for w in workers] == [0] * 4
+  lines = results_lib.read_results(workdir)  # the cut line is skipped, every other one whole
+  assert sorted((r['variant'], r['seed']) for r in lines) == [
+    (f'w{w}', i) for w in range(4) for i in range(40)
+  ]
+  with open(tmp_path / 'sweep.json', 'w') as f:
+    json.dump({'variants': {'w3': {}, 'w1': {}, 'w0': {}, 'w2': {}}}, f)
+  results_lib.append_result(workdir, {'variant': 'w1', 'seed': 0, 'pad': 'rerun'})
+  ordered = results_lib.write_results(workdir)  # sweep order, the latest line of a run wins
+  assert [(r['variant'], r['seed']) for r in ordered][:41] == [('w3', i) for i in range(40)] + [
+    ('w1', 0)
+  ]
+  assert len(ordered) == 160 and ordered[40]['pad'] == 'rerun'
+  assert results_lib.read_results(workdir) == ordered
+
+
+# Reports name the commit -----------------------------------------------------------------------
+def test_revision_note_says_plainly_when_runs_disagree_or_are_dirty():
+  line = lambda revision: {'git_revision': revision}
+  text, clean = report.revision_note([line('abc'), line('abc')])
+  assert (text, clean) == ('Code: commit `abc` (every run).', True)
+  text, clean = report.revision_note([line('abc-dirty')])
+  assert not clean and 'commit `abc` with uncommitted changes' in text
+  text, clean = report.revision_note([line('abc'), line('def'), line('def')])
+  assert not clean and 'at 2 different revisions**: `abc` (1 run), `def` (2 runs)' in text
+  text, clean = report.revision_note([line('abc'), {}])
+  assert not clean and '(some dirty)' in text and '`unknown` (1 run)' in text
+
+
+# Regeneration ----------------------------------------------------------------------------------
+def test_regenerate_runs_at_one_commit_and_redoes_a_sweep_from_another(tmp_path):
+  source, first = _repo(tmp_path / 'repo')
+  sweeps_dir = tmp_path / 'sweeps'
+  sweeps_dir.mkdir()
+  (sweeps_dir / 'one.py').write_text(_ONE_RUN_SWEEP)
+  root = str(tmp_path / 'results')
+  kwargs = dict(log=lambda _: None, sweeps_dir=str(sweeps_dir), source_dir=source)
+  index = sweeps.regenerate({'one': 1}, root, **kwargs)
+  assert open(index).read().count(f'Code: commit `{first}` (all 1 runs).') == 1
+  assert [r['git_revision'] for r in results_lib.read_results(f'{root}/one')] == [first]
+  # At a new commit the sweep's old runs are removed and rerun, not mixed in.
+  (tmp_path / 'repo' / 'model.py').write_text('x = 2\n')
+  _git(source, 'commit', '-qam', 'two')
+  second = _git(source, 'rev-parse', 'HEAD')
+  messages = []
+  sweeps.regenerate({'one': 1}, root, **{**kwargs, 'log': messages.append})
+  assert any(
+    m.startswith(f'removing {root}/one: its runs are from revision {first}') for m in messages
+  )
+  assert [r['git_revision'] for r in results_lib.read_results(f'{root}/one')] == [second]
+  assert f'Code: commit `{second}` (every run).' in open(f'{root}/one/report.md').read()
+  # Bad input, each before anything runs.
+  with pytest.raises(ValueError, match="unknown sweep 'two'; choose from one"):
+    sweeps.regenerate({'one': 1}, root, only=['two'], **kwargs)
+  (tmp_path / 'repo' / 'model.py').write_text('x = 3\n')
+  with pytest.raises(ValueError, match='uncommitted changes'):
+    sweeps.regenerate({'one': 1}, root, **kwargs)
+
+
+def test_the_seeds_table_covers_every_sweep_and_the_readme_agrees():
+  names = {os.path.basename(p)[:-3] for p in spec.available_sweeps()}
+  assert set(regenerate_cli.SEEDS) == names
+  with open(os.path.join(ROOT, 'README.md')) as f:
+    readme = f.read()
+  pattern = r'--sweep=configs/sweeps/(\w+)\.py --workdir=docs/results/(\w+) --seeds=(\d+)'
+  found = re.findall(pattern, readme)
+  assert {name for name, _, _ in found} == names
+  for name, workdir, seeds in found:
+    assert (workdir, int(seeds)) == (name, regenerate_cli.SEEDS[name]), name
+
+
+# Sweeps whose GPU_SCALE is in place (others add theirs); every one set must load at that scale.
+_GPU_SCALED = (
+  'attention_memory', 'bidirectional_vs_causal', 'cross_attention_alignment', 'default_recipe',
+  'label_smoothing', 'positions',
+)  # fmt: skip
+
+
+def test_gpu_scale_of_the_sweep_files():
+  for path in spec.available_sweeps():
+    name = os.path.basename(path)[:-3]
+    try:
+      scale = spec.gpu_scale(path)
+    except ValueError:
+      assert name not in _GPU_SCALED, f'{name} must set GPU_SCALE'
+      continue
+    assert spec.load_sweep(path, scale).scale == scale  # every key, model and rule checked
+
+
+def test_the_readme_gpu_commands_use_each_sweeps_gpu_scale():
+  with open(os.path.join(ROOT, 'README.md')) as f:
+    readme = f.read()
+  pattern = (
+    r'--sweep=(configs/sweeps/(\w+)\.py) --workdir=docs/results_gpu/(\w+) --seeds=(\d+) '
+    r'--scale=(\d+)'
+  )
+  found = re.findall(pattern, readme)
+  assert {name for _, name, *_ in found} >= set(_GPU_SCALED)
+  for path, name, workdir, seeds, scale in found:
+    assert (workdir, int(seeds)) == (name, regenerate_cli.SEEDS[name]), name
+    assert int(scale) == spec.gpu_scale(os.path.join(ROOT, path)), name
