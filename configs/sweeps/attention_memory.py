@@ -1,6 +1,10 @@
 """Claim: the memory of the 'xla' attention grows quadratically with the sequence length and that
 of 'chunked' and 'pallas' linearly. Forward + backward of one attention call, no training."""
 
+# --scale of the one-GPU run (an estimate, not measured: one H200, lengths 1024-8192 (x4), the
+# pallas variant runs on the GPU; 3 variants, no training: ~3 min).
+GPU_SCALE = 4
+
 _LENGTHS = (256, 512, 1024, 2048)
 
 

@@ -1,6 +1,9 @@
 """Claim: on the numbers task the cross-attention maps show the source-target alignment: most
 attention mass sits on the digits that decide each output word."""
 
+# --scale of the one-GPU run (an estimate, not measured: one H200, 3200 steps (x4); 1 run: ~2 min).
+GPU_SCALE = 4
+
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 800 * scale

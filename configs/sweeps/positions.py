@@ -1,6 +1,10 @@
 """Claim (Table 3 row E): learned positions do about as well as sinusoidal ones; some position
 information is needed. Sinusoidal, learned, RoPE, ALiBi and none on the numbers task."""
 
+# --scale of the one-GPU run (an estimate, not measured: one H200, 1600 steps (x4); 15 runs (5
+# variants x 3 seeds) of ~1 min: ~5 min at --parallel=4).
+GPU_SCALE = 4
+
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 400 * scale
