@@ -102,7 +102,7 @@ def test_parallel_writers_lose_and_interleave_no_line(tmp_path):
   workdir = str(tmp_path)
   with open(tmp_path / 'results.jsonl', 'w') as f:
     f.write('{"variant": "w0", "seed": 99, "pa')  # a line a kill cut short
-  context = multiprocessing.get_context('spawn')
+  context = multiprocessing.get_context('fork')  # the workers only write files
   workers = [context.Process(target=_append_many, args=(workdir, w, 40)) for w in range(4)]
   for w in workers:
     w.start()
@@ -138,33 +138,41 @@ def test_revision_note_says_plainly_when_runs_disagree_or_are_dirty():
 
 
 # Regeneration ----------------------------------------------------------------------------------
-def test_regenerate_runs_at_one_commit_and_redoes_a_sweep_from_another(tmp_path):
-  source, first = _repo(tmp_path / 'repo')
+def test_regenerate_redoes_a_sweep_from_another_commit_and_keeps_one_from_this(tmp_path):
+  source, sha = _repo(tmp_path / 'repo')
   sweeps_dir = tmp_path / 'sweeps'
   sweeps_dir.mkdir()
   (sweeps_dir / 'one.py').write_text(_ONE_RUN_SWEEP)
-  root = str(tmp_path / 'results')
-  kwargs = dict(log=lambda _: None, sweeps_dir=str(sweeps_dir), source_dir=source)
-  index = sweeps.regenerate({'one': 1}, root, **kwargs)
-  assert open(index).read().count(f'Code: commit `{first}` (all 1 runs).') == 1
-  assert [r['git_revision'] for r in results_lib.read_results(f'{root}/one')] == [first]
-  # At a new commit the sweep's old runs are removed and rerun, not mixed in.
-  (tmp_path / 'repo' / 'model.py').write_text('x = 2\n')
-  _git(source, 'commit', '-qam', 'two')
-  second = _git(source, 'rev-parse', 'HEAD')
+  root = tmp_path / 'results'
+  (root / 'one' / 'base' / 'seed_0').mkdir(parents=True)  # as a sweep at an older commit left it
+  (root / 'one' / 'sweep.json').write_text(json.dumps({'git_revision': 'abc123', 'scale': 1}))
+  old_line = {'variant': 'base', 'seed': 0, 'git_revision': 'abc123'}
+  (root / 'one' / 'results.jsonl').write_text(json.dumps(old_line) + '\n')
   messages = []
-  sweeps.regenerate({'one': 1}, root, **{**kwargs, 'log': messages.append})
-  assert any(
-    m.startswith(f'removing {root}/one: its runs are from revision {first}') for m in messages
+  kwargs = dict(log=messages.append, sweeps_dir=str(sweeps_dir), source_dir=source)
+  index = sweeps.regenerate({'one': 1}, str(root), **kwargs)
+  assert (
+    f'removing {root}/one: its runs are from revision abc123 at scale 1, not {sha}'
+    in ' '.join(messages)
   )
-  assert [r['git_revision'] for r in results_lib.read_results(f'{root}/one')] == [second]
-  assert f'Code: commit `{second}` (every run).' in open(f'{root}/one/report.md').read()
+  assert [r['git_revision'] for r in results_lib.read_results(f'{root}/one')] == [sha]
+  assert f'Code: commit `{sha}` (all 1 runs).' in open(index).read()
+  assert f'Code: commit `{sha}` (every run).' in open(f'{root}/one/report.md').read()
+  # At the same commit (after an interruption, say) the finished run is kept, not redone.
+  messages.clear()
+  sweeps.regenerate({'one': 1}, str(root), **kwargs)
+  assert 'sweep one: 1 runs, 1 already finished' in messages
+  assert not any(m.startswith('removing') for m in messages)
   # Bad input, each before anything runs.
   with pytest.raises(ValueError, match="unknown sweep 'two'; choose from one"):
-    sweeps.regenerate({'one': 1}, root, only=['two'], **kwargs)
+    sweeps.regenerate({'one': 1}, str(root), only=['two'], **kwargs)
+  (sweeps_dir / 'one.py').write_text(_ONE_RUN_SWEEP.replace('GPU_SCALE = 2', ''))
+  with pytest.raises(ValueError, match="one.py' has GPU_SCALE=None; set a module-level"):
+    sweeps.regenerate({'one': 1}, str(tmp_path / 'gpu'), gpu=True, **kwargs)
   (tmp_path / 'repo' / 'model.py').write_text('x = 3\n')
-  with pytest.raises(ValueError, match='uncommitted changes'):
-    sweeps.regenerate({'one': 1}, root, **kwargs)
+  with pytest.raises(ValueError, match=r'uncommitted changes \(model.py\)'):
+    sweeps.regenerate({'one': 1}, str(root), **kwargs)
+  assert not os.path.exists(tmp_path / 'gpu')
 
 
 def test_the_seeds_table_covers_every_sweep_and_the_readme_agrees():
