@@ -180,11 +180,26 @@ def test_the_seeds_table_covers_every_sweep_and_the_readme_agrees():
   assert set(regenerate_cli.SEEDS) == names
   with open(os.path.join(ROOT, 'README.md')) as f:
     readme = f.read()
-  pattern = r'--sweep=configs/sweeps/(\w+)\.py --workdir=docs/results/(\w+) --seeds=(\d+)'
+  pattern = (
+    r'--sweep=configs/sweeps/(\w+)\.py --workdir=docs/results/(\w+) --seeds=(\d+)'
+    r'(?: --variants=([\w.,-]+))?'
+  )
   found = re.findall(pattern, readme)
-  assert {name for name, _, _ in found} == names
-  for name, workdir, seeds in found:
-    assert (workdir, int(seeds)) == (name, regenerate_cli.SEEDS[name]), name
+  assert {name for name, *_ in found} == names
+  passes = {}
+  for name, workdir, seeds, variants in found:
+    assert workdir == name
+    passes.setdefault(name, set()).add((variants, int(seeds)))
+  for name, plan in regenerate_cli.SEEDS.items():
+    sweep = spec.load_sweep(os.path.join(ROOT, 'configs', 'sweeps', f'{name}.py'))
+    want = {(','.join(v) if v else '', n) for v, n in sweeps.seed_passes(sweep, plan)}
+    if len(want) > 1:  # README names the rest by omission: the pass over every variant
+      want = {('', n) if v == ','.join(_rest(sweep, plan)) else (v, n) for v, n in want}
+    assert passes[name] == want, name
+
+
+def _rest(sweep, plan):
+  return [v for v in sweep.all_variants if v not in plan and v not in sweep.eval_variants]
 
 
 # Sweeps whose GPU_SCALE is in place (others add theirs); every one set must load at that scale.
@@ -215,5 +230,18 @@ def test_the_readme_gpu_commands_use_each_sweeps_gpu_scale():
   found = re.findall(pattern, readme)
   assert {name for _, name, *_ in found} >= set(_GPU_SCALED)
   for path, name, workdir, seeds, scale in found:
-    assert (workdir, int(seeds)) == (name, regenerate_cli.SEEDS[name]), name
+    plan = regenerate_cli.SEEDS[name]
+    assert workdir == name
+    assert int(seeds) in (plan.values() if isinstance(plan, dict) else [plan]), name
     assert int(scale) == spec.gpu_scale(os.path.join(ROOT, path)), name
+
+
+def test_seed_passes_give_named_variants_more_seeds_and_the_rest_the_default():
+  sweep = spec.load_sweep(os.path.join(ROOT, 'configs', 'sweeps', 'default_recipe.py'))
+  assert sweeps.seed_passes(sweep, 3) == [(None, 3)]
+  rest = [v for v in sweep.all_variants if v not in ('cos3e-3_w100', 'rsqrt')]
+  assert rest  # the screened candidates
+  plan = {'cos3e-3_w100': 5, 'rsqrt': 5, '*': 1}
+  assert sweeps.seed_passes(sweep, plan) == [(rest, 1), (['cos3e-3_w100', 'rsqrt'], 5)]
+  with pytest.raises(ValueError, match="unknown variant 'nope'"):
+    sweeps.seed_passes(sweep, {'nope': 2})

@@ -364,8 +364,22 @@ def _run_parallel(sweep: Sweep, workdir: str, todo: list, parallel: int, log, re
 
 
 # Regenerating a results root -------------------------------------------------------------------
+def seed_passes(sweep: Sweep, seeds: int | Mapping[str, int]) -> list[tuple[list | None, int]]:
+  """[(variants or None for all, seeds)]: an int is every variant at that many seeds; a mapping
+  gives some variants more seeds, '*' the rest (e.g. {'chosen': 5, '*': 1})."""
+  if isinstance(seeds, int):
+    return [(None, seeds)]
+  named = {v: n for v, n in seeds.items() if v != '*'}
+  select_variants(sweep, list(named))  # an unknown variant is one error
+  passes = [([v for v in named if named[v] == n], n) for n in sorted(set(named.values()))]
+  rest = [v for v in sweep.all_variants if v not in named and v not in sweep.eval_variants]
+  if rest and '*' in seeds:
+    passes.insert(0, (rest, seeds['*']))
+  return passes
+
+
 def regenerate(
-  seeds: Mapping[str, int],
+  seeds: Mapping[str, int | Mapping[str, int]],
   root: str,
   *,
   only: Sequence[str] | None = None,
@@ -400,8 +414,10 @@ def regenerate(
         log(f'removing {workdir}: its runs are from revision {meta.get("git_revision")} at scale '
             f'{meta.get("scale")}, not {revision} at scale {scales[name]}')  # fmt: skip
         shutil.rmtree(workdir)
-    log(f'[{i + 1}/{len(names)}] {name}: --seeds={seeds[name]} --scale={scales[name]} -> {workdir}')
     sweep = spec.load_sweep(paths[name], scales[name])
-    run_sweep(sweep, workdir, seeds=seeds[name], parallel=parallel, log=log,
-              allow_dirty=allow_dirty, ignore_changes=[root], source_dir=source_dir)  # fmt: skip
+    for variants, n in seed_passes(sweep, seeds[name]):
+      which = f' --variants={",".join(variants)}' if variants else ''
+      log(f'[{i + 1}/{len(names)}] {name}: --seeds={n}{which} --scale={scales[name]} -> {workdir}')
+      run_sweep(sweep, workdir, seeds=n, parallel=parallel, log=log, variants=variants,
+                allow_dirty=allow_dirty, ignore_changes=[root], source_dir=source_dir)  # fmt: skip
   return report.write_report(root)
