@@ -483,7 +483,11 @@ def _apply_where(rule: Mapping, table: Table) -> tuple[dict, Table, Verdict | No
   condition = f'{where["metric"]} = {where["value"]:g} at every seed'
   failing = sorted(v for v in table if not _passes(table, v, where))
   named = [rule[k] for k in ('a', 'b', 'variant') if k in rule]
-  out = [v for v in named if v in failing or v not in table]
+  unknown = [v for v in named if not (table.get(v) or {}).get(where['metric'])]
+  if unknown:
+    text = f'no recorded {where["metric"]} for variant {unknown[0]}, the condition of where'
+    return dict(rule), table, Verdict(NOT_RUN, text, dict(rule))
+  out = [v for v in named if v in failing]
   if out:
     text = f'not compared: {", ".join(out)} fails the condition {condition}'
     return dict(rule), table, Verdict(NOT_RUN, text, dict(rule))
