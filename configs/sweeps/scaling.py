@@ -16,7 +16,8 @@ def get_sweep(scale: int = 1) -> dict:
     f'built-in numbers task, {steps} steps; rsqrt schedule with 300 warmup steps. The training '
     'loss is logged at every step. "Less stable" is read per run as `train.oscillation`: the std '
     'of the step-to-step change of log(loss) over the second half of the run (a steady fall '
-    'does not count; a zigzag does), compared over seeds. The spread of the final eval loss '
+    'does not count; a zigzag does), compared over seeds; `train.oscillation_detrended`, the '
+    'std of log(loss) about its straight-line fit there, also counts slow swings. The spread of the final eval loss '
     'over seeds is a second reading (needs --seeds >= 2). `train.loss_rise` (the largest rise '
     'of the training loss above its lowest value so far) is shown for spikes.',
     base='configs/default.py',
@@ -34,7 +35,13 @@ def get_sweep(scale: int = 1) -> dict:
       'train.eval_decode_examples': 128,
     },
     variants={'scaled': {}, 'unscaled': {'model.attention_scale': False}},
-    metrics=['eval.loss', 'eval.bleu', 'train.oscillation', 'train.loss_rise'],
+    metrics=[
+      'eval.loss',
+      'eval.bleu',
+      'train.oscillation',
+      'train.oscillation_detrended',
+      'train.loss_rise',
+    ],
     rules=[
       dict(
         kind='less',

@@ -32,13 +32,20 @@ def test_oscillation_is_the_std_of_log_loss_changes_over_the_second_half():
   changes = -0.01 + 2 * a * (-1.0) ** (t[101:] + 1)
   assert changes.std(ddof=1) == pytest.approx(2 * a, rel=0.01)
   assert m['train.oscillation'] == pytest.approx(changes.std(ddof=1))
+  # about the line of log(loss), the second half is -0.01 t +- a: a std of a (ddof = 2)
+  assert m['train.oscillation_detrended'] == pytest.approx(a * math.sqrt(100 / 98), rel=1e-3)
   smooth = results_lib.final_metrics(_curve(np.exp(-0.01 * t)))
   assert smooth['train.oscillation'] == pytest.approx(0.0, abs=1e-9)  # the trend does not count
+  assert smooth['train.oscillation_detrended'] == pytest.approx(0.0, abs=1e-9)
+  slow = np.exp(0.2 * np.sin(2 * np.pi * t / 50))  # a slow swing: small steps, a large detour
+  m = results_lib.final_metrics(_curve(slow))
+  assert m['train.oscillation'] < 0.03 < 0.1 < m['train.oscillation_detrended']
   early = np.where(t < 100, zigzag * 3.0 ** ((-1.0) ** t), np.exp(-0.01 * t))
   assert results_lib.final_metrics(_curve(early))['train.oscillation'] < 1e-6  # first half only
   broken = np.exp(-0.01 * t)
   broken[150] = math.inf
-  assert results_lib.final_metrics(_curve(broken))['train.oscillation'] == math.inf
+  m = results_lib.final_metrics(_curve(broken))
+  assert m['train.oscillation'] == m['train.oscillation_detrended'] == math.inf
 
 
 def test_learned_and_learned_early_compare_the_cross_entropy_with_its_first_value():

@@ -56,7 +56,8 @@ def final_metrics(curve: Mapping[str, list[dict]]) -> dict[str, float]:
   train.oscillation: the std of the step-to-step changes of log(loss) over the second half of
   the logged curve (how much it zigzags, relative to its level; a steady trend only shifts the
   mean change, which the std ignores). Log often (train.log_every of a few steps) to see it; inf
-  when a loss there was not finite.
+  when a loss there was not finite. train.oscillation_detrended: the std of log(loss) about its
+  least-squares line over that second half (slow swings count too, not only step-to-step ones).
   train.learned: 1 if train.nll (train.loss without a perplexity) is below LEARNED_FRACTION x
   the first logged one, else 0; train.learned_early: 1 if a logged one in the first half of the
   curve is. With train.log_every = 1 the first logged value is that of the initial parameters.
@@ -82,6 +83,12 @@ def final_metrics(curve: Mapping[str, list[dict]]) -> dict[str, float]:
     if len(half) >= 3:
       ok = np.all(np.isfinite(half)) and np.all(half > 0)
       out['train.oscillation'] = float(np.std(np.diff(np.log(half)), ddof=1)) if ok else math.inf
+      if ok:
+        t = np.arange(len(half))
+        residual = np.log(half) - np.polyval(np.polyfit(t, np.log(half), 1), t)
+        out['train.oscillation_detrended'] = float(np.std(residual, ddof=2))
+      else:
+        out['train.oscillation_detrended'] = math.inf
     threshold = LEARNED_FRACTION * nll[0]
     with np.errstate(invalid='ignore'):  # NaN compares False: not learned
       out['train.learned'] = float(np.mean(nll[-tail:]) < threshold)
