@@ -17,9 +17,10 @@ def get_sweep(scale: int = 1) -> dict:
     'loss is logged at every step. "Less stable" is read per run as `train.oscillation`: the std '
     'of the step-to-step change of log(loss) over the second half of the run (a steady fall '
     'does not count; a zigzag does), compared over seeds; `train.oscillation_detrended`, the '
-    'std of log(loss) about its straight-line fit there, also counts slow swings. The spread of the final eval loss '
-    'over seeds is a second reading (needs --seeds >= 2). `train.loss_rise` (the largest rise '
-    'of the training loss above its lowest value so far) is shown for spikes.',
+    'std of log(loss) about its straight-line fit there, also counts slow swings. The spread '
+    'of the final eval loss over seeds is a second reading (needs --seeds >= 2). '
+    '`train.loss_rise` (the largest rise of the training loss above its lowest value so far) '
+    'is shown for spikes.',
     base='configs/default.py',
     overrides={
       # The paper's rsqrt schedule (peak 0.0051 at step 300), which these results were run
