@@ -27,8 +27,9 @@ def config_dict(config: ml_collections.ConfigDict) -> dict:
 
 
 def read_curve(workdir: str) -> dict[str, list[dict]]:
-  """{'train': [...], 'eval': [...]} from the run's metrics.jsonl (resumes included, once each)."""
-  curve = {'train': [], 'eval': []}
+  """{'train': [...], 'eval': [...], 'event': [...]} from the run's metrics.jsonl (resumes
+  included, once each)."""
+  curve = {'train': [], 'eval': [], 'event': []}
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):
     return curve
@@ -44,6 +45,9 @@ def read_curve(workdir: str) -> dict[str, list[dict]]:
   return curve
 
 
+LEARNED_FRACTION = 0.25  # a run has learned once its cross-entropy is below this x its first
+
+
 def final_metrics(curve: Mapping[str, list[dict]]) -> dict[str, float]:
   """The run's numbers from its curve.
 
@@ -51,6 +55,16 @@ def final_metrics(curve: Mapping[str, list[dict]]) -> dict[str, float]:
   cross-entropies (log of the logged perplexity); train.loss_final: the last one;
   train.loss_rise: the largest rise of the loss above its lowest value so far (a spike; inf
   when a loss was not finite).
+  train.oscillation: the std of the step-to-step changes of log(loss) over the second half of
+  the logged curve (how much it zigzags, relative to its level; a steady trend only shifts the
+  mean change, which the std ignores). Log often (train.log_every of a few steps) to see it; inf
+  when a loss there was not finite. train.oscillation_detrended: the std of log(loss) about its
+  least-squares line over that second half (slow swings count too, not only step-to-step ones).
+  train.learned: 1 if train.nll (train.loss without a perplexity) is below LEARNED_FRACTION x
+  the first logged one, else 0; train.learned_early: 1 if a logged one in the first half of the
+  curve is. With train.log_every = 1 the first logged value is that of the initial parameters.
+  train.spikes: the number of loss_spike events (training.faults.SpikeDetector, on when
+  train.spike_factor > 0; 0 when it is off).
   eval.*: the last evaluation (loss and perplexity without label smoothing).
   """
   out: dict[str, float] = {}
@@ -60,12 +74,29 @@ def final_metrics(curve: Mapping[str, list[dict]]) -> dict[str, float]:
     tail = max(1, len(losses) // 10)
     out['train.loss'] = float(np.mean(losses[-tail:]))
     out['train.loss_final'] = float(losses[-1])
+    nll = losses
     if all('perplexity' in h for h in train):
       nll = np.log(np.maximum([h['perplexity'] for h in train], 1.0))
       out['train.nll'] = float(np.mean(nll[-tail:]))
     finite = np.all(np.isfinite(losses))
     out['train.loss_rise'] = float(np.max(losses - np.minimum.accumulate(losses)))
     out['train.loss_rise'] = out['train.loss_rise'] if finite else math.inf
+    half = losses[len(losses) // 2 :]
+    if len(half) >= 3:
+      ok = np.all(np.isfinite(half)) and np.all(half > 0)
+      out['train.oscillation'] = float(np.std(np.diff(np.log(half)), ddof=1)) if ok else math.inf
+      if ok:
+        t = np.arange(len(half))
+        residual = np.log(half) - np.polyval(np.polyfit(t, np.log(half), 1), t)
+        out['train.oscillation_detrended'] = float(np.std(residual, ddof=2))
+      else:
+        out['train.oscillation_detrended'] = math.inf
+    threshold = LEARNED_FRACTION * nll[0]
+    with np.errstate(invalid='ignore'):  # NaN compares False: not learned
+      out['train.learned'] = float(np.mean(nll[-tail:]) < threshold)
+      out['train.learned_early'] = float(np.any(nll[: max(1, len(nll) // 2)] < threshold))
+    events = curve.get('event', [])
+    out['train.spikes'] = float(sum(e.get('event') == 'loss_spike' for e in events))
   evals = curve.get('eval', [])
   if evals:
     for key, value in evals[-1].items():

@@ -5,6 +5,9 @@ A sweep file states each rule as a dict, for example
 loss of `scaled` is below that of `unscaled` by more than 2 standard deviations over seeds".
 `evaluate(rule, table)` applies it to `table[variant][metric] -> [one value per seed]` and returns
 a `Verdict`; nothing here is ever written by hand. The kinds and their keys are in `KINDS`.
+
+Any rule may add `where={'metric': m, 'value': v}`: only the variants whose every seed has m == v
+take part (dropped from its lists; a rule whose `a`, `b` or `variant` fails it does not run).
 """
 
 from __future__ import annotations
@@ -38,10 +41,22 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   # the std over seeds of a exceeds factor x that of b (needs >= 2 seeds).
   'variance_greater': (('metric', 'a', 'b'), ('factor',)),
   # least-squares fit log y = log c + slope * log x, across variants (x, y metrics) or within one
-  # variant (x values, y metrics); checks slope_sign and/or slope_between.
+  # variant (x values, y metrics); checks slope_sign and/or slope_between. floor=E fits
+  # log(y - E) instead (a power law above an irreducible loss E); floor='free' also fits E.
   'fit_power_law': (
     (),
-    ('variants', 'x', 'y', 'variant', 'xs', 'metrics', 'slope_sign', 'slope_between', 'min_r2'),
+    (
+      'variants',
+      'x',
+      'y',
+      'variant',
+      'xs',
+      'metrics',
+      'slope_sign',
+      'slope_between',
+      'min_r2',
+      'floor',
+    ),
   ),
   # mean(a) / mean(b) lies in [low, high].
   'ratio_between': (('metric', 'a', 'b', 'low', 'high'), ('metric_a', 'metric_b')),
@@ -53,7 +68,7 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   'at_least': (('metric', 'variants', 'value'), ('every_seed',)),
   'at_most': (('metric', 'variants', 'value'), ('every_seed',)),
 }
-_COMMON = ('kind', 'text')
+_COMMON = ('kind', 'text', 'where')
 _LOWER_IS_BETTER_WORDS = ('loss', 'perplexity', 'nll', '_ms', 'ms@', 'mib', 'time', 'rise', 'std')
 
 
@@ -111,6 +126,16 @@ def check_rule(rule: Mapping[str, Any], variants: Sequence[str] | None = None) -
       raise ValueError(
         f'fit_power_law: xs {rule["xs"]} and metrics {rule["metrics"]} differ in size'
       )
+  floor = rule.get('floor')
+  if floor is not None and floor != 'free' and not isinstance(floor, int | float):
+    raise ValueError(f"fit_power_law: floor={floor!r} must be a number or 'free'")
+  where = rule.get('where')
+  if where is not None and (
+    not isinstance(where, Mapping)
+    or set(where) != {'metric', 'value'}
+    or not isinstance(where['value'], int | float)
+  ):
+    raise ValueError(f"where={where!r} must be {{'metric': a metric, 'value': a number}}")
   if rule.get('direction', 'increasing') not in ('increasing', 'decreasing'):
     raise ValueError(f"direction={rule['direction']!r} must be 'increasing' or 'decreasing'")
 
@@ -285,14 +310,31 @@ def _variance_greater(rule: Mapping, table: Table) -> Verdict:
   return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
 
 
-def fit_power_law(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float]:
-  """Least squares of log y = log c + slope * log x; returns slope, c and r2 (of the log fit)."""
-  lx, ly = np.log(np.asarray(xs, np.float64)), np.log(np.asarray(ys, np.float64))
+def fit_power_law(xs: Sequence[float], ys: Sequence[float], floor: float = 0.0) -> dict[str, float]:
+  """Least squares of log(y - floor) = log c + slope * log x; returns slope, c, r2 (of the log
+  fit) and floor. Every y must be above the floor."""
+  lx = np.log(np.asarray(xs, np.float64))
+  ly = np.log(np.asarray(ys, np.float64) - floor)
   slope, intercept = np.polyfit(lx, ly, 1)
   predicted = intercept + slope * lx
   total = float(np.sum((ly - ly.mean()) ** 2))
   r2 = 1.0 - float(np.sum((ly - predicted) ** 2)) / total if total > 0 else 1.0
-  return {'slope': float(slope), 'c': float(math.exp(intercept)), 'r2': r2}
+  return {'slope': float(slope), 'c': float(math.exp(intercept)), 'r2': r2, 'floor': float(floor)}
+
+
+def fit_power_law_free_floor(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float]:
+  """y = floor + c * x^slope with the floor fitted too: over a grid of floors in [0, min y), the
+  log-log fit (`fit_power_law`) whose curve has the least squared error in y itself (the log
+  residuals of different floors are not comparable: the log stretches as y - floor shrinks)."""
+  x, y = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+  lowest = float(y.min())
+  best, best_sse = None, math.inf
+  for floor in lowest * (1.0 - np.geomspace(1.0, 1e-4, 241)):  # denser near min y
+    fit = fit_power_law(x, y, floor)
+    sse = float(np.sum((floor + fit['c'] * x ** fit['slope'] - y) ** 2))
+    if sse < best_sse:
+      best, best_sse = fit, sse
+  return best
 
 
 def power_law_points(rule: Mapping, table: Table) -> tuple[list[str], list[float], list[float]]:
@@ -317,7 +359,15 @@ def _fit_power_law(rule: Mapping, table: Table) -> Verdict:
   labels, xs, ys = power_law_points(rule, table)
   if len(xs) < 3:
     return Verdict(NOT_RUN, f'needs >= 3 finite positive points to fit; has {len(xs)}', dict(rule))
-  fit = fit_power_law(xs, ys)
+  floor = rule.get('floor')
+  if floor == 'free':
+    fit = fit_power_law_free_floor(xs, ys)
+  else:
+    below = [(label, y) for label, y in zip(labels, ys) if y <= float(floor or 0.0)]
+    if below:  # log(y - floor) does not exist: no power law above this floor
+      text = f'{below[0][0]} has y = {fmt(below[0][1])}, not above the floor {floor:g}'
+      return Verdict(NOT_REPRODUCED, text, dict(rule), {'points': dict(zip(labels, zip(xs, ys)))})
+    fit = fit_power_law(xs, ys, float(floor or 0.0))
   checks = []
   if 'slope_sign' in rule:
     checks.append(
@@ -334,6 +384,10 @@ def _fit_power_law(rule: Mapping, table: Table) -> Verdict:
     x_name = f'x = {", ".join(f"{x:g}" for x in rule["xs"])}'
   else:
     y_name, x_name = rule['y'], rule['x']
+  if floor == 'free':
+    y_name = f'({y_name} - E), E fitted = {fit["floor"]:.4g},'
+  elif floor:
+    y_name = f'({y_name} - {float(floor):g})'
   text = (
     f'{y_name} ∝ ({x_name})^slope over {len(xs)} points: slope {fit["slope"]:.3f}, r2 '
     f'{fit["r2"]:.3f}; expected slope {", ".join(t for _, t in checks) or "(no condition)"}'
@@ -417,10 +471,43 @@ _EVALUATORS = {
 }
 
 
+def _passes(table: Table, variant: str, where: Mapping) -> bool:
+  values = (table.get(variant) or {}).get(where['metric']) or []
+  return bool(values) and all(v is not None and v == where['value'] for v in values)
+
+
+def _apply_where(rule: Mapping, table: Table) -> tuple[dict, Table, Verdict | None]:
+  """The rule and table restricted to the variants that pass rule['where'] (see the module
+  docstring), or a NOT_RUN verdict when a variant the rule compares directly fails it."""
+  where = rule['where']
+  condition = f'{where["metric"]} = {where["value"]:g} at every seed'
+  failing = sorted(v for v in table if not _passes(table, v, where))
+  named = [rule[k] for k in ('a', 'b', 'variant') if k in rule]
+  unknown = [v for v in named if not (table.get(v) or {}).get(where['metric'])]
+  if unknown:
+    text = f'no recorded {where["metric"]} for variant {unknown[0]}, the condition of where'
+    return dict(rule), table, Verdict(NOT_RUN, text, dict(rule))
+  out = [v for v in named if v in failing]
+  if out:
+    text = f'not compared: {", ".join(out)} fails the condition {condition}'
+    return dict(rule), table, Verdict(NOT_RUN, text, dict(rule))
+  kept = dict(rule)
+  for key in ('variants', 'among'):
+    if key in rule:
+      kept[key] = [v for v in rule[key] if v not in failing]
+  return kept, {v: m for v, m in table.items() if v not in failing}, None
+
+
 def evaluate(rule: Mapping[str, Any], table: Table) -> Verdict:
   """Applies one rule (see `KINDS`) to `table[variant][metric] -> per-seed values`."""
   check_rule(rule)
-  return _EVALUATORS[rule['kind']](rule, table)
+  if rule.get('where') is None:
+    return _EVALUATORS[rule['kind']](rule, table)
+  kept, table, skipped = _apply_where(rule, table)
+  if skipped is not None:
+    return skipped
+  verdict = _EVALUATORS[rule['kind']](kept, table)
+  return dataclasses.replace(verdict, rule=dict(rule))
 
 
 def overall(verdicts: Sequence[Verdict]) -> str:

@@ -1,0 +1,156 @@
+"""The per-run metrics of issue 19 (oscillation, learned, spikes) on hand-built curves, and the
+rule options `floor` (fit_power_law) and `where` (any rule) on numbers with known answers."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from transformer.research import results as results_lib
+from transformer.research import verdicts
+
+R, N, X = verdicts.REPRODUCED, verdicts.NOT_REPRODUCED, verdicts.NOT_RUN
+
+
+def _curve(losses, nll=None, events=()):
+  nll = losses if nll is None else nll
+  train = [
+    {'step': i + 1, 'loss': float(x), 'perplexity': float(np.exp(y))}
+    for i, (x, y) in enumerate(zip(losses, nll))
+  ]
+  return {'train': train, 'eval': [], 'event': list(events)}
+
+
+# Metrics from a run's curve --------------------------------------------------------------------
+def test_oscillation_is_the_std_of_log_loss_changes_over_the_second_half():
+  t = np.arange(200)
+  a = 0.05
+  zigzag = np.exp(-0.01 * t + a * (-1.0) ** t)  # a steady fall times a factor exp(+-a)
+  m = results_lib.final_metrics(_curve(zigzag))
+  # the 100 points of the second half have 99 changes -0.01 -+ 2a, alternating
+  changes = -0.01 + 2 * a * (-1.0) ** (t[101:] + 1)
+  assert changes.std(ddof=1) == pytest.approx(2 * a, rel=0.01)
+  assert m['train.oscillation'] == pytest.approx(changes.std(ddof=1))
+  # about the line of log(loss), the second half is -0.01 t +- a: a std of a (ddof = 2)
+  assert m['train.oscillation_detrended'] == pytest.approx(a * math.sqrt(100 / 98), rel=1e-3)
+  smooth = results_lib.final_metrics(_curve(np.exp(-0.01 * t)))
+  assert smooth['train.oscillation'] == pytest.approx(0.0, abs=1e-9)  # the trend does not count
+  assert smooth['train.oscillation_detrended'] == pytest.approx(0.0, abs=1e-9)
+  slow = np.exp(0.2 * np.sin(2 * np.pi * t / 50))  # a slow swing: small steps, a large detour
+  m = results_lib.final_metrics(_curve(slow))
+  assert m['train.oscillation'] < 0.03 < 0.1 < m['train.oscillation_detrended']
+  early = np.where(t < 100, zigzag * 3.0 ** ((-1.0) ** t), np.exp(-0.01 * t))
+  assert results_lib.final_metrics(_curve(early))['train.oscillation'] < 1e-6  # first half only
+  broken = np.exp(-0.01 * t)
+  broken[150] = math.inf
+  m = results_lib.final_metrics(_curve(broken))
+  assert m['train.oscillation'] == m['train.oscillation_detrended'] == math.inf
+
+
+def test_learned_and_learned_early_compare_the_cross_entropy_with_its_first_value():
+  steps = 40
+  falls = np.geomspace(6.0, 0.2, steps)  # below 6.0 / 4 before half way
+  stuck = np.concatenate([[6.0], np.full(steps - 1, 3.1)])  # the plateau of post-LN, never < 1.5
+  relapses = np.concatenate([np.linspace(6.0, 1.0, steps // 2), np.full(steps // 2, 3.0)])
+  late = np.concatenate([np.full(steps // 2 + 1, 3.0), np.full(steps // 2 - 1, 1.0)])
+  late[0] = 6.0
+  got = {}
+  for name, nll in [('falls', falls), ('stuck', stuck), ('relapses', relapses), ('late', late)]:
+    m = results_lib.final_metrics(_curve(nll + 0.8, nll))  # loss: label-smoothed, above the nll
+    got[name] = (m['train.learned'], m['train.learned_early'])
+  assert got == {
+    'falls': (1.0, 1.0),
+    'stuck': (0.0, 0.0),
+    'relapses': (0.0, 1.0),
+    'late': (1.0, 0.0),
+  }
+  diverged = np.concatenate([np.linspace(6.0, 1.0, steps // 2), np.full(steps // 2, np.nan)])
+  m = results_lib.final_metrics(_curve(diverged, diverged))
+  assert (m['train.learned'], m['train.learned_early']) == (0.0, 1.0)
+
+
+def test_spikes_count_the_loss_spike_events_the_loop_writes(tmp_path):
+  lines = [
+    {'step': 1, 'kind': 'train', 'loss': 3.0, 'perplexity': 20.0},
+    {'step': 2, 'kind': 'event', 'event': 'loss_spike', 'loss': 9.0, 'ratio': 3.0},
+    {'step': 3, 'kind': 'event', 'event': 'nonfinite'},
+    {'step': 4, 'kind': 'event', 'event': 'loss_spike', 'loss': 8.0, 'ratio': 2.5},
+    {'step': 4, 'kind': 'train', 'loss': 2.0, 'perplexity': 7.0},
+  ]
+  (tmp_path / 'metrics.jsonl').write_text(''.join(json.dumps(x) + '\n' for x in lines))
+  curve = results_lib.read_curve(str(tmp_path))
+  assert [e['step'] for e in curve['event']] == [2, 3, 4]
+  assert results_lib.final_metrics(curve)['train.spikes'] == 2.0
+  assert results_lib.final_metrics(_curve([3.0, 2.0]))['train.spikes'] == 0.0
+
+
+# fit_power_law with a floor --------------------------------------------------------------------
+def _floor_table(floor=1.5, alpha=0.3):
+  ns = np.geomspace(1e3, 1e6, 8)
+  return {f'n{i}': {'n': [n], 'loss': [floor + 20.0 * n**-alpha]} for i, n in enumerate(ns)}
+
+
+def test_power_law_above_a_fixed_floor_recovers_its_exponent():
+  table = _floor_table()
+  rule = dict(kind='fit_power_law', x='n', y='loss', slope_sign=-1, min_r2=0.99)
+  plain = verdicts.evaluate(rule, table)  # the floor bends the log-log line
+  assert plain.numbers['slope'] > -0.3 + 0.05 and plain.numbers['r2'] < 0.999
+  fixed = verdicts.evaluate({**rule, 'floor': 1.5}, table)
+  assert fixed.status == R and fixed.numbers['slope'] == pytest.approx(-0.3)
+  assert fixed.numbers['r2'] == pytest.approx(1.0) and fixed.numbers['floor'] == 1.5
+  assert '(loss - 1.5)' in fixed.text
+  too_high = verdicts.evaluate({**rule, 'floor': 1.9}, table)  # the largest ns are below it
+  assert too_high.status == N and 'not above the floor 1.9' in too_high.text
+
+
+def test_power_law_with_a_free_floor_finds_it():
+  table = _floor_table(floor=1.54, alpha=0.45)
+  rule = dict(kind='fit_power_law', x='n', y='loss', slope_sign=-1, min_r2=0.99, floor='free')
+  free = verdicts.evaluate(rule, table)
+  assert free.status == R
+  assert free.numbers['floor'] == pytest.approx(1.54, abs=0.005)
+  assert free.numbers['slope'] == pytest.approx(-0.45, abs=0.02)
+  assert 'E fitted = 1.54' in free.text
+  with pytest.raises(ValueError, match="floor='x' must be a number or 'free'"):
+    verdicts.check_rule({**rule, 'floor': 'x'})
+
+
+# where: only the variants that pass a condition ------------------------------------------------
+def _lr_table():
+  # lr 1e-3: both arms learn at first; lr 1e-2: no_warmup never does
+  return {
+    'lr1e-3_warmup': {'learned_early': [1.0], 'spikes': [0.0], 'loss': [0.2]},
+    'lr1e-3_no_warmup': {'learned_early': [1.0], 'spikes': [3.0], 'loss': [0.3]},
+    'lr1e-2_warmup': {'learned_early': [1.0, 1.0], 'spikes': [1.0, 1.0], 'loss': [0.2, 0.2]},
+    'lr1e-2_no_warmup': {'learned_early': [0.0, 1.0], 'spikes': [0.0, 0.0], 'loss': [3.1, 0.2]},
+  }
+
+
+def test_where_runs_a_rule_only_when_its_variants_pass():
+  table, where = _lr_table(), {'metric': 'learned_early', 'value': 1}
+  rule = dict(kind='greater', metric='spikes', a='lr1e-3_no_warmup', b='lr1e-3_warmup')
+  verdict = verdicts.evaluate({**rule, 'where': where}, table)
+  assert verdict.status == R and verdict.rule['where'] == where
+  high = {**rule, 'a': 'lr1e-2_no_warmup', 'b': 'lr1e-2_warmup'}
+  assert verdicts.evaluate(high, table).status == N  # without the condition: compared, fails
+  skipped = verdicts.evaluate({**high, 'where': where}, table)  # one seed of no_warmup fails it
+  assert skipped.status == X
+  assert skipped.text == (
+    'not compared: lr1e-2_no_warmup fails the condition learned_early = 1 at every seed'
+  )
+  assert verdicts.overall([verdict, skipped]) == R
+
+
+def test_where_drops_failing_variants_from_lists():
+  table, where = _lr_table(), {'metric': 'learned_early', 'value': 1}
+  rule = dict(kind='at_most', metric='loss', variants=list(table), value=0.5)
+  assert verdicts.evaluate(rule, table).status == N  # lr1e-2_no_warmup's mean is 1.65
+  kept = verdicts.evaluate({**rule, 'where': where}, table)
+  assert kept.status == R and set(kept.numbers) == set(table) - {'lr1e-2_no_warmup'}
+  worst = dict(kind='worst', metric='loss', expect=['lr1e-2_no_warmup'])
+  assert verdicts.evaluate(worst, table).status == R
+  assert verdicts.evaluate({**worst, 'where': where}, table).status == N  # no longer among them
+  for bad in ({'metric': 'learned_early'}, {'metric': 'm', 'value': 'yes'}, ['m', 1]):
+    with pytest.raises(ValueError, match='must be'):
+      verdicts.check_rule({**rule, 'where': bad})
