@@ -2,10 +2,10 @@
 writers, and regenerating a results root (with the one table of seeds the README agrees with)."""
 
 import json
-import multiprocessing
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -93,22 +93,26 @@ def test_a_sweep_does_not_start_from_a_dirty_tree(tmp_path):
 
 
 # results.jsonl ---------------------------------------------------------------------------------
-def _append_many(workdir, worker, count):
-  for i in range(count):  # lines far longer than one write of a pipe or a page
-    results_lib.append_result(workdir, {'variant': f'w{worker}', 'seed': i, 'pad': 'x' * 20000})
+_APPEND_MANY = """
+import sys
+from transformer.research import results
+workdir, worker, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for i in range(count):  # lines far longer than one write of a pipe or a page
+  results.append_result(workdir, {'variant': f'w{worker}', 'seed': i, 'pad': 'x' * 20000})
+"""
 
 
 def test_parallel_writers_lose_and_interleave_no_line(tmp_path):
   workdir = str(tmp_path)
   with open(tmp_path / 'results.jsonl', 'w') as f:
     f.write('{"variant": "w0", "seed": 99, "pa')  # a line a kill cut short
-  context = multiprocessing.get_context('fork')  # the workers only write files
-  workers = [context.Process(target=_append_many, args=(workdir, w, 40)) for w in range(4)]
-  for w in workers:
-    w.start()
-  for w in workers:
-    w.join()
-  assert [w.exitcode for w in workers] == [0] * 4
+  # Separate processes (not fork: JAX is multithreaded here), as sweep workers are.
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
+  workers = [
+    subprocess.Popen([sys.executable, '-c', _APPEND_MANY, workdir, str(w), '40'], env=env)
+    for w in range(4)
+  ]
+  assert [w.wait(timeout=120) for w in workers] == [0] * 4
   lines = results_lib.read_results(workdir)  # the cut line is skipped, every other one whole
   assert sorted((r['variant'], r['seed']) for r in lines) == [
     (f'w{w}', i) for w in range(4) for i in range(40)
