@@ -206,11 +206,8 @@ def _rest(sweep, plan):
   return [v for v in sweep.all_variants if v not in plan and v not in sweep.eval_variants]
 
 
-# Sweeps whose GPU_SCALE is in place (others add theirs); every one set must load at that scale.
-_GPU_SCALED = (
-  'attention_memory', 'bidirectional_vs_causal', 'cross_attention_alignment', 'default_recipe',
-  'label_smoothing', 'positions',
-)  # fmt: skip
+# Every sweep sets its GPU_SCALE, and must load at that scale.
+_GPU_SCALED = tuple(sorted(regenerate_cli.SEEDS))  # fmt: skip
 
 
 def test_gpu_scale_of_the_sweep_files():
