@@ -1,6 +1,9 @@
 """Test-wide setup, before any test module imports JAX."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # XLA:CPU compiles about twice as fast without LLVM's backend optimisations, and the suite is
 # mostly compile time on tiny models. Results stay within every test's tolerance; benchmarks
@@ -8,6 +11,17 @@ import os
 _FAST_COMPILE = '--xla_backend_optimization_level=0'
 if _FAST_COMPILE not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _FAST_COMPILE).strip()
+
+# One persistent compilation cache for the whole run, subprocesses included (they inherit the
+# environment): many tests build the same tiny Run, each with its own jit, and its second compile
+# is a cache read of well under a second. A fresh directory per run keeps timings honest; set
+# JAX_COMPILATION_CACHE_DIR yourself to share one across runs.
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  _CACHE_DIR = tempfile.mkdtemp(prefix='sparrow-test-jax-cache-')
+  atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE_DIR
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'  # default 1 s: most here are less
+os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
 
 # Shared tiny configs ----------------------------------------------------------------------------

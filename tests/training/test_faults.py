@@ -1,8 +1,9 @@
 """Faults in a run: SIGTERM/SIGINT (preemption), non-finite steps, loss spikes, out of memory.
 
 The kill tests run `python -m experiments.train` in subprocesses and compare their losses, read
-from workdir/metrics.jsonl, with an uninterrupted run. Every test shares one persistent
-compilation cache (a temp dir), so each run after the first compiles from it in about a second.
+from workdir/metrics.jsonl, with an uninterrupted run. Every test shares the suite's persistent
+compilation cache (tests/conftest.py), so each run after the first compiles from it in about a
+second.
 """
 
 import json
@@ -20,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from configs import gpt_tiny
 from transformer.data import batching
@@ -53,27 +53,13 @@ OVERRIDES = {
   'optim.schedule': 'rsqrt',
   'optim.warmup_steps': 10,
 }
-_CACHE_OPTIONS = {
-  'jax_compilation_cache_dir': None,
-  'jax_persistent_cache_min_compile_time_secs': 0.0,
-  'jax_persistent_cache_min_entry_size_bytes': 0,
-}
 
 
 @pytest.fixture(scope='module')
-def compile_cache(tmp_path_factory):
-  """A persistent compilation cache for this module and its subprocesses; the env they get."""
-  directory = str(tmp_path_factory.mktemp('jax_cache'))
-  before = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
-  for name, value in {**_CACHE_OPTIONS, 'jax_compilation_cache_dir': directory}.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
-  env = dict(os.environ, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2')
-  env.update({name.upper(): str(getattr(jax.config, name)) for name in _CACHE_OPTIONS})
-  yield env
-  for name, value in before.items():
-    jax.config.update(name, value)
-  compilation_cache.reset_cache()
+def compile_cache():
+  """The environment of this module's subprocesses. They share the suite's persistent compilation
+  cache (tests/conftest.py sets it in os.environ), so each run after the first compiles from it."""
+  return dict(os.environ, JAX_PLATFORMS='cpu', TF_CPP_MIN_LOG_LEVEL='2')
 
 
 def kill_config(**train_overrides):
