@@ -60,3 +60,26 @@ def make_tiny_config(family='encoder_decoder', task=None, **train_overrides):
 def tiny_config():
   """`make_tiny_config`, the factory: tiny_config('causal_lm', steps=8) -> ConfigDict."""
   return make_tiny_config
+
+
+def make_untrained_workdir(path, family: str, **model) -> str:
+  """A workdir as training leaves it (config.json, tokenizer/, a checkpoint at step 0) of the
+  tiny config, without training: for tests of loading and using a saved model."""
+  from transformer.training import checkpoint
+  from transformer.training.run import Run
+
+  config = make_tiny_config(family)
+  config.model.update(model)
+  run = Run(config, str(path))
+  run.task.tokenizer.save(os.path.join(path, 'tokenizer'))
+  checkpoint.write_run_metadata(str(path), run.config)
+  ckpt = checkpoint.Checkpointer(str(path))
+  ckpt.save(0, run.init_state(), {})
+  ckpt.close()
+  return str(path)
+
+
+@pytest.fixture(scope='session')
+def untrained_workdir():
+  """`make_untrained_workdir`, the factory: untrained_workdir(path, 'causal_lm') -> path."""
+  return make_untrained_workdir

@@ -390,17 +390,14 @@ _FAMILIES = ('causal_lm', 'encoder_decoder', 'bidirectional_lm')
 
 
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory, tiny_config):
-  """family -> (workdir, Model) of a 2-step training run of the tiny config."""
+def trained(tmp_path_factory, untrained_workdir):
+  """family -> (workdir, Model) of a saved tiny-config workdir (its step-0 parameters: the calls
+  and loads under test do not depend on training, and a run costs compiles)."""
   import transformer
-  from transformer.training.loop import train_and_evaluate
 
   out = {}
   for family in _FAMILIES:
-    workdir = str(tmp_path_factory.mktemp(family))
-    config = tiny_config(family, steps=2, eval_every=2, checkpoint_every=2)
-    config.train.eval_decode_examples = 0
-    train_and_evaluate(config, workdir)
+    workdir = untrained_workdir(tmp_path_factory.mktemp(family), family)
     out[family] = (workdir, transformer.load(workdir))
   return out
 

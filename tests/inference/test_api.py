@@ -10,39 +10,23 @@ from transformer import data
 from transformer.model import decode
 from transformer.training import checkpoint
 from transformer.training.loop import train_and_evaluate
-from transformer.training.run import Run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _workdir(tiny_config, path, family, **model):
-  """A workdir as training leaves it (config.json, tokenizer/, a checkpoint), without training."""
-  config = tiny_config(family)
-  config.model.update(model)
-  run = Run(config, str(path))
-  run.task.tokenizer.save(os.path.join(path, 'tokenizer'))
-  checkpoint.write_run_metadata(str(path), run.config)
-  ckpt = checkpoint.Checkpointer(str(path))
-  ckpt.save(0, run.init_state(), {})
-  ckpt.close()
-  return str(path)
+@pytest.fixture(scope='module')
+def gpt(tmp_path_factory, untrained_workdir):
+  return transformer.load(untrained_workdir(tmp_path_factory.mktemp('gpt'), 'causal_lm'))
 
 
 @pytest.fixture(scope='module')
-def gpt(tmp_path_factory, tiny_config):
-  return transformer.load(_workdir(tiny_config, tmp_path_factory.mktemp('gpt'), 'causal_lm'))
+def translator(tmp_path_factory, untrained_workdir):
+  return transformer.load(untrained_workdir(tmp_path_factory.mktemp('ed'), 'encoder_decoder'))
 
 
 @pytest.fixture(scope='module')
-def translator(tmp_path_factory, tiny_config):
-  return transformer.load(_workdir(tiny_config, tmp_path_factory.mktemp('ed'), 'encoder_decoder'))
-
-
-@pytest.fixture(scope='module')
-def bert(tmp_path_factory, tiny_config):
-  return transformer.load(
-    _workdir(tiny_config, tmp_path_factory.mktemp('bert'), 'bidirectional_lm')
-  )
+def bert(tmp_path_factory, untrained_workdir):
+  return transformer.load(untrained_workdir(tmp_path_factory.mktemp('bert'), 'bidirectional_lm'))
 
 
 def test_generate_matches_uncached_greedy_decoding(gpt):
