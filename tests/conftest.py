@@ -16,17 +16,14 @@ if _FAST_COMPILE not in os.environ.get('XLA_FLAGS', ''):
 # environment): many tests build the same tiny Run, each with its own jit, and its second compile
 # is a cache read of well under a second. A fresh directory per run keeps timings honest; set
 # JAX_COMPILATION_CACHE_DIR yourself to share one across runs.
-# Under README's `-n 2` the workers inherit the main process's directory and each takes a
-# subdirectory of its own: JAX writes entries in place, so another process could read one half
-# written (it would warn on stderr, which tests of one-line errors read).
+# README's `-n 2` workers and every subprocess share it. JAX writes an entry in place, so one
+# process could read another's half-written entry (and warn on stderr, which tests of one-line
+# errors read); with a size limit set, JAX takes a file lock around each read and write.
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   _CACHE_DIR = tempfile.mkdtemp(prefix='sparrow-test-jax-cache-')
   atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
-  os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ['SPARROW_TEST_JAX_CACHE'] = _CACHE_DIR
-elif os.environ.get('PYTEST_XDIST_WORKER') and os.environ.get('SPARROW_TEST_JAX_CACHE'):
-  os.environ['JAX_COMPILATION_CACHE_DIR'] = os.path.join(
-    os.environ['SPARROW_TEST_JAX_CACHE'], os.environ['PYTEST_XDIST_WORKER']
-  )
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE_DIR
+  os.environ['JAX_COMPILATION_CACHE_MAX_SIZE'] = str(64 << 30)  # a limit only for the lock
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'  # default 1 s: most here are less
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
