@@ -15,15 +15,15 @@ if _FAST_COMPILE not in os.environ.get('XLA_FLAGS', ''):
 # One persistent compilation cache for the whole run, subprocesses included (they inherit the
 # environment): many tests build the same tiny Run, each with its own jit, and its second compile
 # is a cache read of well under a second. A fresh directory per run keeps timings honest; set
-# JAX_COMPILATION_CACHE_DIR yourself to share one across runs.
-# README's `-n 2` workers and every subprocess share it. JAX writes an entry in place, so one
-# process could read another's half-written entry (and warn on stderr, which tests of one-line
-# errors read); with a size limit set, JAX takes a file lock around each read and write.
+# JAX_COMPILATION_CACHE_DIR yourself to share one across runs. README's `-n 2` workers inherit
+# the directory and share it too. Measured on 2 cores (3.11): shared, 568 s; a subdirectory per
+# worker, 652 s; shared with JAX's file lock (set by a size limit: each write then scans the
+# directory), 944 s. JAX writes an entry in place, so a process could read one half written; it
+# then warns and compiles; no such warning appeared in these runs.
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   _CACHE_DIR = tempfile.mkdtemp(prefix='sparrow-test-jax-cache-')
   atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
   os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE_DIR
-  os.environ['JAX_COMPILATION_CACHE_MAX_SIZE'] = str(64 << 30)  # a limit only for the lock
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'  # default 1 s: most here are less
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
