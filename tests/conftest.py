@@ -16,7 +16,7 @@ if _FAST_COMPILE not in os.environ.get('XLA_FLAGS', ''):
 # environment): many tests build the same tiny Run, each with its own jit, and its second compile
 # is a cache read of well under a second. A fresh directory per run keeps timings honest; set
 # JAX_COMPILATION_CACHE_DIR yourself to share one across runs. README's `-n 2` workers inherit
-# the directory and share it too. Measured on 2 cores (3.11): shared, 568 s; a subdirectory per
+# the directory and share it too. Measured on 2 cores (3.11): shared, 568 and 611 s; one per
 # worker, 652 s; shared with JAX's file lock (set by a size limit: each write then scans the
 # directory), 944 s. JAX writes an entry in place, so a process could read one half written; it
 # then warns and compiles; no such warning appeared in these runs.
