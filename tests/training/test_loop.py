@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from tensorboard.backend.event_processing import event_accumulator
 
 from transformer.training.loop import train_and_evaluate
 from transformer.training.run import Run
@@ -30,7 +31,30 @@ def test_each_family_trains_evaluates_and_checkpoints(family, tmp_path, tiny_con
   names = set(os.listdir(tmp_path))
   assert {'checkpoints', 'config.json', 'git_revision.txt', 'tensorboard', 'tokenizer'} <= names
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '4']
-  assert os.listdir(tmp_path / 'tensorboard')  # event files
+  # TensorBoard's own reader (what `tensorboard --logdir` runs) finds every logged step.
+  events = event_accumulator.EventAccumulator(str(tmp_path / 'tensorboard'), {'tensors': 0})
+  events.Reload()
+  logged = [(e.step, e.tensor_proto.float_val[0]) for e in events.Tensors('train/loss')]
+  assert logged == [(h['step'], pytest.approx(h['loss'])) for h in result['train']]
+  (eval_loss,) = events.Tensors('eval/loss')
+  assert eval_loss.step == 4 and eval_loss.tensor_proto.float_val == [
+    pytest.approx(result['eval']['loss'])
+  ]
+  if family != 'bidirectional_lm':  # the masked LM decodes no samples
+    assert events.SummaryMetadata('eval/samples').plugin_data.plugin_name == 'text'
+    assert b'reference: ' in events.Tensors('eval/samples')[0].tensor_proto.string_val[0]
+
+
+def test_event_files_are_written_without_tensorflow(tmp_path):
+  # flax.metrics.tensorboard went through tf.summary: every run imported TensorFlow (~3 s).
+  code = (
+    'import sys; from transformer.training import events, loop; '
+    f'w = events.SummaryWriter({str(tmp_path)!r}); w.scalar("a", 1.0, 1); w.text("b", "c", 1); '
+    'w.close(); print(sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"))'
+  )
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == '[]'
+  assert [name.startswith('events.out.tfevents.') for name in os.listdir(tmp_path)] == [True]
 
 
 def test_a_run_shorter_than_its_warmup_trains_with_one_warning(tmp_path, tiny_config, caplog):

@@ -20,7 +20,7 @@ from transformer import util
 from transformer.config import ModelConfig
 from transformer.model import models
 from transformer.model.capture import capture, entropy_by_layer
-from transformer.training import checkpoint, faults, peers
+from transformer.training import checkpoint, events, faults, peers
 from transformer.training.faults import (  # noqa: F401 - the loop's outcomes
   EXIT_PREEMPTED,
   NonFiniteError,
@@ -347,7 +347,7 @@ class _Loop:
     self.ckpt.wait()
     self.metrics_log.close()
     if self.writer is not None:
-      self.writer.flush()
+      self.writer.close()
     return {'step': step, 'train': self.history, 'eval': self.eval_metrics}
 
 
@@ -414,9 +414,7 @@ class _MetricsLog:
 def _summary_writer(workdir: str):
   if jax.process_index() != 0:
     return None
-  from flax.metrics import tensorboard
-
-  return tensorboard.SummaryWriter(os.path.join(workdir, 'tensorboard'))
+  return events.SummaryWriter(os.path.join(workdir, 'tensorboard'))
 
 
 def _write_scalars(writer, step: int, scalars: dict, prefix: str) -> None:
