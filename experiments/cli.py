@@ -23,13 +23,50 @@ def define_config(default: str = 'configs/default.py') -> flags.FlagHolder:
     sys.exit(f'error: bad --config override: {message}')
 
 
+def huge_page_tunables() -> str | None:
+  """GLIBC_TUNABLES with glibc's malloc asking for transparent huge pages; None where that
+  changes nothing or the variable already sets it.
+
+  XLA:CPU allocates a step's scratch buffer afresh and returns it after the step; above 32 MB
+  glibc always maps such a buffer with mmap, so each step faults in its pages one 4 KiB page at a
+  time. gpt_tiny's train step maps 114 MB a step: 29k page faults and ~65 ms of kernel time per
+  step on 2 cores. Where the kernel gives huge pages only to memory that asks (`madvise`, the
+  usual default), `glibc.malloc.hugetlb=1` makes malloc ask: ~500 faults a step, and 400 steps of
+  the default run took 49.6 s instead of 66.5 s, with the same losses.
+  """
+  tunables = os.environ.get('GLIBC_TUNABLES', '')
+  if 'glibc.malloc.hugetlb' in tunables:
+    return None
+  try:
+    with open('/sys/kernel/mm/transparent_hugepage/enabled') as f:
+      if '[madvise]' not in f.read():  # [always]: every mapping gets them; [never]: none can
+        return None
+  except OSError:  # not Linux
+    return None
+  return ':'.join(filter(None, [tunables, 'glibc.malloc.hugetlb=1']))
+
+
+def _with_huge_pages(main: Callable[[], None]) -> None:
+  """Starts this command again, once, under `huge_page_tunables()`: glibc reads its tunables only
+  when a process starts. Not when `main` was called from other code."""
+  tunables = huge_page_tunables() if main.__module__ == '__main__' else None
+  if tunables is not None:
+    os.environ['GLIBC_TUNABLES'] = tunables
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
 def run(main: Callable[[], None]) -> None:
   """Runs `main` under absl; user errors print `error: ...` and exit with status 2.
+
+  On Linux it first starts the command again with huge pages for large host buffers (see
+  `huge_page_tunables`): on a CPU that makes a training step up to 1.4x faster.
 
   A run stopped by SIGTERM/SIGINT after its checkpoint prints `preempted: ...` and exits with
   status `transformer.training.faults.EXIT_PREEMPTED` (75): rerun the same command to resume.
   One that lost a peer process prints `lost peer: ...` and exits with 75 too.
   """
+
+  _with_huge_pages(main)
 
   def wrapped(argv):
     if len(argv) > 1:

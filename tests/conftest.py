@@ -12,6 +12,14 @@ _FAST_COMPILE = '--xla_backend_optimization_level=0'
 if _FAST_COMPILE not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _FAST_COMPILE).strip()
 
+# Huge pages for XLA:CPU's per-step scratch buffers (experiments/cli.py, `huge_page_tunables`,
+# which every command line does for itself): glibc reads the setting when a process starts, so it
+# reaches README's `-n 2` workers and every subprocess, but not a run without -n.
+from experiments.cli import huge_page_tunables  # noqa: E402 - absl and ml_collections only
+
+if huge_page_tunables() is not None:
+  os.environ['GLIBC_TUNABLES'] = huge_page_tunables()
+
 # One persistent compilation cache for the whole run, subprocesses included (they inherit the
 # environment): many tests build the same tiny Run, each with its own jit, and its second compile
 # is a cache read of well under a second. A fresh directory per run keeps timings honest; set

@@ -266,6 +266,55 @@ def test_cli_errors_are_one_line(tmp_path):
     assert 'nmu_heads' in lines[0] or '/nonexistent/file.txt' in lines[0]
 
 
+_HUGE_PAGES_OF_A_BLOCK = """
+import ctypes, os
+from experiments import cli
+
+def main():  # a 64 MiB malloc block, as XLA:CPU's scratch buffers are: kB of it on huge pages
+  libc = ctypes.CDLL(None)
+  libc.malloc.restype = ctypes.c_void_p
+  block = libc.malloc(64 << 20)
+  ctypes.memset(block, 1, 64 << 20)
+  huge, inside = 0, False
+  for line in open('/proc/self/smaps').read().splitlines():
+    head = line.split()[0]
+    if '-' in head and not head.endswith(':'):  # a mapping: start-end perms ...
+      start, end = (int(x, 16) for x in head.split('-'))
+      inside = start <= block < end
+    elif inside and head == 'AnonHugePages:':
+      huge = int(line.split()[1])
+  print(os.environ.get('GLIBC_TUNABLES'), huge)
+
+cli.run(main)
+"""
+
+
+def test_commands_start_again_with_huge_pages_where_the_kernel_has_them_on_request():
+  def run(tunables=None):
+    env = {k: v for k, v in os.environ.items() if k != 'GLIBC_TUNABLES'}
+    env.update({'GLIBC_TUNABLES': tunables} if tunables else {})
+    out = subprocess.run(
+      [sys.executable, '-c', _HUGE_PAGES_OF_A_BLOCK], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    value, huge_kb = out.stdout.split()
+    return value, int(huge_kb)
+
+  # The user's own choice stands (no exec): the block is on 4 KiB pages, so the check can fail.
+  assert run('glibc.malloc.hugetlb=0') == ('glibc.malloc.hugetlb=0', 0)
+  try:
+    on_request = '[madvise]' in open('/sys/kernel/mm/transparent_hugepage/enabled').read()
+  except OSError:
+    on_request = False
+  if not on_request:  # [always] or [never]: nothing to ask for, so no exec
+    assert run()[0] == 'None'
+    return
+  value, huge_kb = run()
+  assert value == 'glibc.malloc.hugetlb=1' and huge_kb >= 32 << 10  # most of the 64 MiB
+  value, huge_kb = run('glibc.malloc.arena_max=2')  # other tunables are kept
+  assert value == 'glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1' and huge_kb >= 32 << 10
+
+
 @pytest.mark.parametrize('family', ['encoder_decoder', 'bidirectional_lm'])
 def test_train_step_compiles_once(family, tmp_path, tiny_config):
   run, _ = _run_and_batch(tiny_config(family), tmp_path)
