@@ -32,10 +32,9 @@ def _bench(tunables: str | None) -> tuple[float, float, int]:
   if tunables:
     env['GLIBC_TUNABLES'] = tunables
   command = [sys.executable, '-m', 'experiments.bench_train', f'--config={_CONFIG.value}']
+  command.append(f'--steps={_STEPS.value}')
   faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
-  out = subprocess.run(
-    [*command, f'--steps={_STEPS.value}'], env=env, capture_output=True, text=True, check=True
-  ).stdout
+  out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
   faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults
   step = float(re.search(r'step time \(median\)\s+([0-9.]+) ms', out).group(1))
   cpu = float(re.search(r'CPU-s/step \(process\)\s+([0-9.]+)', out).group(1))

@@ -17,8 +17,9 @@ if _FAST_COMPILE not in os.environ.get('XLA_FLAGS', ''):
 # reaches README's `-n 2` workers and every subprocess, but not a run without -n.
 from experiments.cli import huge_page_tunables  # noqa: E402 - absl and ml_collections only
 
-if huge_page_tunables() is not None:
-  os.environ['GLIBC_TUNABLES'] = huge_page_tunables()
+_TUNABLES = huge_page_tunables()
+if _TUNABLES is not None:
+  os.environ['GLIBC_TUNABLES'] = _TUNABLES
 
 # One persistent compilation cache for the whole run, subprocesses included (they inherit the
 # environment): many tests build the same tiny Run, each with its own jit, and its second compile

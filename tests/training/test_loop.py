@@ -50,10 +50,13 @@ def test_event_files_are_written_without_tensorflow(tmp_path):
   code = (
     'import sys; from transformer.training import events, loop; '
     f'w = events.SummaryWriter({str(tmp_path)!r}); w.scalar("a", 1.0, 1); w.text("b", "c", 1); '
+    'import os; print(os.path.getsize(w.path)); '  # on disk before close: a killed run keeps them
     'w.close(); print(sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"))'
   )
   out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
-  assert out.stdout.strip() == '[]'
+  size_before_close, modules = out.stdout.strip().splitlines()
+  assert modules == '[]'
+  assert int(size_before_close) == os.path.getsize(next(tmp_path.iterdir()))
   assert [name.startswith('events.out.tfevents.') for name in os.listdir(tmp_path)] == [True]
 
 
