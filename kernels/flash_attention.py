@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import gpu, mosaic_gpu, tpu
+from kernels import gpu, mosaic_gpu, target, tpu
 
 Array = jax.Array
 _MIN_GPU_BLOCK = 16  # Triton's smallest tile for tl.dot
@@ -193,12 +193,12 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def gpu_capability() -> tuple[str, float] | None:
-  """(device kind, compute capability) of the first device when it is an NVIDIA GPU, else None."""
-  device = jax.devices()[0]
-  capability = getattr(device, 'compute_capability', None)
-  if device.platform != 'gpu' or capability is None:
-    return None
-  return device.device_kind, float(capability)
+  """(device kind, compute capability) of the target when it is an NVIDIA GPU, else None.
+
+  The target is the mesh being compiled for, or the first local device (`kernels.target`).
+  """
+  where = target.current()
+  return (where.device_kind, where.compute_capability) if where.nvidia else None
 
 
 def _mosaic_supports(head_dim: int, dtype) -> bool:
@@ -227,12 +227,12 @@ def _check_mosaic(head_dim: int, dtype, interpret: bool) -> None:
 
 def _resolve_backend(backend: str | None, interpret: bool, head_dim: int, dtype) -> str:
   if backend is None:
-    platform, gpu = jax.default_backend(), gpu_capability()
+    platform, gpu = target.current().platform, gpu_capability()
     if platform == 'tpu':
       return 'tpu'
     if gpu is not None:  # Hopper and newer get the Mosaic GPU kernel where it applies
       return 'mosaic_gpu' if gpu[1] >= 9.0 and _mosaic_supports(head_dim, dtype) else 'gpu'
-    if platform in ('gpu', 'cuda', 'rocm'):
+    if platform == 'gpu':
       return 'gpu'
     if not interpret:
       raise ValueError(

@@ -182,11 +182,14 @@ def chunked_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=128):
 
 def cudnn_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
   """cuDNN fused attention through `jax.nn.dot_product_attention` (NVIDIA GPUs only)."""
+  from kernels import target  # the device being compiled for, not this process's backend
+
   del chunk_size
-  if jax.default_backend() != 'gpu':
+  where = target.current()
+  if not where.nvidia:
     raise ValueError(
-      f"implementation='cudnn' needs an NVIDIA GPU, but the backend is "
-      f"'{jax.default_backend()}'; use 'xla' or 'chunked' (or None to choose)"
+      f"implementation='cudnn' needs an NVIDIA GPU, but the target is {where.device_kind!r} "
+      f"('{where.platform}'); use 'xla' or 'chunked' (or None to choose)"
     )
   T, S = q.shape[1], k.shape[1]
   # cuDNN applies is_causal and the window separately; with causal, its right edge is 0 anyway.
@@ -212,7 +215,8 @@ def pallas_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
 
   On any other backend it runs in the Pallas interpreter: exact but slow, for tests only.
   """
-  from kernels import flash_attention  # imported here: importing the model loads no Pallas kernel
+  # Imported here: importing the model loads no Pallas kernel.
+  from kernels import flash_attention, target
 
   del chunk_size  # the kernel picks its own tiles (kernels.BlockSizes)
   if alibi_slopes is not None:
@@ -228,5 +232,5 @@ def pallas_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
     kv_segment_ids=mask.kv_segment_ids,
     window=mask.window,
     scale=float(scale),
-    interpret=jax.default_backend() not in ('gpu', 'tpu'),
+    interpret=not target.current().compiles_kernels,  # the compile target, not this process
   )
