@@ -342,8 +342,34 @@ def markdown(report: dict) -> str:
     ),
     '## Targets',
     _table(report['targets'], ['target', 'value', 'need', 'met']),
+    '',
+    '## Mosaic GPU kernels as built here (compare `gpu_check --deviceless`)',
+    _table(
+      report.get('kernels', []),
+      ['name', 'registers', 'spill_stores', 'spill_loads', 'smem_bytes', 'setmaxnreg_in_sass'],
+    ),
   ]
   return '\n\n'.join(parts) + '\n'
+
+
+def built_kernels(dump_dir: str) -> list[dict]:
+  """Each Mosaic GPU kernel the run built: ptxas's registers and spills, and whether its SASS
+  holds SETMAXNREG (register reallocation that reached the binary)."""
+  import glob
+
+  from transformer.research import ptxas
+
+  rows = []
+  for k in ptxas.mosaic_kernels(dump_dir):
+    base = k.name.removesuffix('_mosaic_gpu_kernel')
+    sass = ''
+    for path in glob.glob(os.path.join(dump_dir, f'{base}_*.sass')):
+      with open(path, errors='replace') as f:
+        sass += f.read()
+    rows.append(
+      k.as_dict() | {'setmaxnreg_in_sass': 'SETMAXNREG' in sass.upper() if sass else None}
+    )
+  return rows
 
 
 def run(out_dir: str, *, smoke: bool = False, budget_s: float = 330.0, repeats: int = 10) -> dict:
@@ -351,6 +377,13 @@ def run(out_dir: str, *, smoke: bool = False, budget_s: float = 330.0, repeats: 
   start = time.time()
   os.makedirs(out_dir, exist_ok=True)
   report = {'command': 'python -m experiments.gpu_check' + (' --smoke' if smoke else '')}
+  # Mosaic GPU writes ptxas's log and the SASS of every kernel it builds here, so the device run
+  # records what `gpu_check --deviceless` reports from the same toolchain, and whether setmaxnreg
+  # reached the binary.
+  dump_dir = os.path.join(out_dir, 'mosaic_dump')
+  os.environ.update(
+    MOSAIC_GPU_DUMP_TO=dump_dir, MOSAIC_GPU_DUMP_PTXAS='1', MOSAIC_GPU_DUMP_SASS='1'
+  )
   report['versions'] = versions()
   report['correctness'] = correctness(smoke)
   # Attention may use what the training steps leave; they take ~2 minutes on one H200.
@@ -365,6 +398,7 @@ def run(out_dir: str, *, smoke: bool = False, budget_s: float = 330.0, repeats: 
       msg = (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
       report['training'].append({'config': name, 'error': f'error: {msg}'})
   report['targets'] = targets(report['attention'], report['training'])
+  report['kernels'] = built_kernels(dump_dir)
   report['wall_s'] = time.time() - start
   with open(os.path.join(out_dir, 'gpu_check.json'), 'w') as f:
     json.dump(report, f, indent=1, default=str)
