@@ -52,11 +52,13 @@ class BlockSizes:
       raise ValueError(f'BlockSizes.num_stages={self.num_stages!r} must be an int >= 1')
 
   @classmethod
-  def default(cls, backend: str, head_dim: int) -> BlockSizes:
-    """Reasonable tiles for `backend` ('mosaic_gpu', 'gpu' or 'tpu') and `head_dim`.
+  def default(cls, backend: str, head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
+    """Reasonable tiles for `backend` ('mosaic_gpu', 'gpu' or 'tpu'), `head_dim` and `dtype`.
 
     Mosaic GPU: block_q, block_q_dq and block_k_dkv are the rows of one warpgroup (64); a CTA
-    covers two of them (one in the backward at head dim 256, to fit 227 KiB of SMEM).
+    covers one or two of them (`kernels.mosaic_gpu.COMPUTE_WGS`). Triton: 8 warps, and halved
+    tiles for float32, whose doubled registers and SMEM spilled, or at head dim 256 overflowed an
+    H200's 227 KiB of SMEM (`python -m experiments.gpu_check --deviceless`).
     """
     if backend == 'mosaic_gpu':
       big = head_dim > 128
@@ -70,13 +72,16 @@ class BlockSizes:
       )
     if backend == 'gpu':
       big = head_dim > 128  # keep [block, H] tiles within shared memory
+      wide = jnp.dtype(dtype).itemsize > 2
+      shrink = (lambda b: max(_MIN_GPU_BLOCK, b // 2)) if wide else (lambda b: b)
       return cls(
-        block_q=64 if big else 128,
-        block_k=32 if big else 64,
-        block_q_dq=64,
-        block_k_dq=32 if big else 64,
-        block_q_dkv=32 if big else 64,
-        block_k_dkv=64,
+        block_q=shrink(64 if big else 128),
+        block_k=shrink(32 if big else 64),
+        block_q_dq=shrink(64),
+        block_k_dq=shrink(32 if big else 64),
+        block_q_dkv=shrink(32 if big else 64),
+        block_k_dkv=shrink(32 if head_dim > 64 else 64),  # dK and dV: two [block, H] accumulators
+        num_warps=8,
       )
     if backend == 'tpu':
       return cls(block_q=128, block_k=128)
@@ -320,7 +325,7 @@ def flash_attention(
     kv_segment_ids: int `[B, S]`.
     window: sliding window `(left, right)`, non-negative ints.
     scale: logit scale; None = 1/sqrt(H).
-    block_sizes: kernel tiles; None = `BlockSizes.default(backend, H)`.
+    block_sizes: kernel tiles; None = `BlockSizes.default(backend, H, q.dtype)`.
     backend: 'mosaic_gpu' (Hopper: head dims 64/128/256, bf16/fp16), 'gpu' (Triton) or 'tpu'
       picks the kernel; None = from the device (Mosaic GPU on sm90+ where it applies).
     interpret: run the kernel in the Pallas interpreter (slow; for CPU tests).
@@ -333,7 +338,7 @@ def flash_attention(
   backend = _resolve_backend(backend, interpret, H, q.dtype)
   S = k.shape[1]
   scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
-  blocks = block_sizes or BlockSizes.default(backend, H)
+  blocks = block_sizes or BlockSizes.default(backend, H, q.dtype)
   if not isinstance(blocks, BlockSizes):
     raise ValueError(f'block_sizes must be a BlockSizes or None; got {type(blocks).__name__}')
   blocks.check(backend)

@@ -1,7 +1,7 @@
 """Pallas Mosaic GPU flash attention for Hopper (sm90+): forward, dQ and dK/dV, warp-specialised.
 
-Each CTA runs two compute warpgroups (64 rows each, wgmma) and one memory warpgroup that feeds
-them through a TMA ring. `interpret=True` runs the same kernels in Pallas's GPU interpreter.
+Each CTA runs one or two compute warpgroups (64 rows each, wgmma) and one memory warpgroup that
+feeds them through a TMA ring. `interpret=True` runs the same kernels in Pallas's GPU interpreter.
 """
 
 from __future__ import annotations
@@ -23,7 +23,20 @@ Array = jax.Array
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ('bfloat16', 'float16')
 ROWS = 64  # rows per compute warpgroup: the M of one wgmma
-COMPUTE_WGS = 2  # compute warpgroups per CTA; a third one issues the TMA copies
+# Compute warpgroups per CTA (a further one issues the TMA copies), by kernel and head dim.
+# Every thread of a CTA gets the same registers, 65536 / threads: 168 with two compute warpgroups
+# (384 threads), 255 with one (256). Hopper's setmaxnreg could move the memory warpgroup's share
+# to the compute ones, but JAX's pip builds link Mosaic GPU kernels with nvJitLink, which compiles
+# PTX as a separate compilation unit, where ptxas ignores it ("C7504: 'setmaxnreg' ignored to
+# maintain compatibility across compilation units"), so the kernels do not use it. Two warpgroups
+# share each streamed block where their tiles fit 168 registers without spilling; elsewhere one
+# warpgroup gets 255 (`python -m experiments.gpu_check --deviceless` shows each kernel's report).
+COMPUTE_WGS = {
+  # kernel: {head_dim: warpgroups}
+  'forward': {64: 2, 128: 1, 256: 1},
+  'dq': {64: 2, 128: 1, 256: 1},
+  'dkv': {64: 1, 128: 1, 256: 1},
+}
 LOG2E = math.log2(math.e)
 MASK_VALUE = -1e30  # finite: a fully masked row never computes inf - inf
 EMPTY_LSE = 1e30  # logsumexp of a row that sees no key: exp2(s - EMPTY_LSE) == 0 in backward
@@ -83,6 +96,14 @@ def _iota(shape, dim, interpret):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
+def _iota_vector(shape, dim, interpret):
+  """0, 1, ... along `dim` of a wgmma tile `shape`, as the tile's row (dim 0) or column vector."""
+  if interpret:
+    return lax.iota(jnp.int32, shape[dim])
+  layout = plgpu.Layout.WGMMA.reduce(1 - dim)
+  return plgpu.broadcasted_iota(jnp.int32, (shape[dim],), 0, layout=layout)
+
+
 def _load_vector(ref, reduce_axis, interpret):
   """An SMEM vector as the per-row (reduce_axis=1) or per-column (0) slice of a wgmma tile."""
   if interpret:
@@ -102,8 +123,15 @@ def _visible(shape, q_first, k_first, q_seg, kv_seg, cfg, *, keys_on_rows=False)
   q_dim, k_dim = (1, 0) if keys_on_rows else (0, 1)
   conds = []
   if cfg.causal or cfg.window is not None or cfg.kv_len is not None:
-    q_pos = q_first + _iota(shape, q_dim, cfg.interpret)
-    k_pos = k_first + _iota(shape, k_dim, cfg.interpret)
+    # Positions as a per-row and a per-column vector, broadcast where compared: a thread holds
+    # 2 rows and 16 columns of a [64, 64] tile, so that is 18 values instead of two 32-value
+    # tiles, which the dK/dV kernel at head dim 128 cannot keep beside its accumulators.
+    q_pos = lax.broadcast_in_dim(
+      q_first + _iota_vector(shape, q_dim, cfg.interpret), shape, [q_dim]
+    )
+    k_pos = lax.broadcast_in_dim(
+      k_first + _iota_vector(shape, k_dim, cfg.interpret), shape, [k_dim]
+    )
     if cfg.kv_len is not None:
       conds.append(k_pos < cfg.kv_len)  # the padded tail of the keys
     if cfg.causal:
@@ -247,20 +275,23 @@ def _launch(body, operands, out_type, scratch, grid, grid_names, interpret, name
 
 
 def _compute_wg(fn, wgs):
-  """Runs `fn(wg)` on the `wgs` compute warpgroups, with the registers the memory one gives up."""
+  """Runs `fn(wg)` on the `wgs` compute warpgroups."""
   wg = lax.axis_index('wg')
 
   @pl.when(wg < wgs)
   def _():
-    plgpu.set_max_registers(232, action='increase')
     fn(wg)
 
 
 def _memory_wg(fn, wgs):
   @pl.when(lax.axis_index('wg') == wgs)
   def _():
-    plgpu.set_max_registers(40, action='decrease')
     fn()
+
+
+def compute_wgs(kernel: str, head_dim: int) -> int:
+  """Compute warpgroups per CTA of `kernel` ('forward', 'dq' or 'dkv') at `head_dim`."""
+  return COMPUTE_WGS[kernel][head_dim]
 
 
 class _Static(NamedTuple):
@@ -290,11 +321,6 @@ def _feed_keys(ring, union, bk, b, kv_head, k_ref, v_ref, kv_seg_ref):
     return k_ref.at[b, keys, kv_head], v_ref.at[b, keys, kv_head], seg
 
   ring.feed(union[1] - union[0], sources)
-
-
-def backward_wgs(head_dim: int) -> int:
-  """Compute warpgroups per backward CTA: one at head dim 256, where two overflow SMEM."""
-  return 1 if head_dim > 128 else COMPUTE_WGS
 
 
 def _forward_kernel(*refs, cfg, bq, bk, depth, group, has_seg, wgs):
@@ -356,7 +382,7 @@ def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, in
   bq, bk, depth = blocks.block_q, blocks.block_k, max(2, blocks.num_stages)
   cfg = _Static(scale, causal, window, kv_len, interpret, q.dtype, H)
   has_seg = q_seg is not None
-  W = COMPUTE_WGS
+  W = compute_wgs('forward', H)
   scratch = (
     _smem((W, bq, H), q.dtype, True),  # q, then the output
     _smem((W, bq), jnp.int32, False) if has_seg else None,
@@ -534,14 +560,14 @@ def backward(
   """Returns `(dq, dk, dv)` shaped like `(q, k, v)` for padded inputs (lse from `forward`)."""
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
-  group, W, depth = N // K, backward_wgs(H), max(2, blocks.num_stages)
+  group, depth = N // K, max(2, blocks.num_stages)
   cfg = _Static(scale, causal, window, kv_len, interpret, q.dtype, H)
   has_seg = q_seg is not None
   delta = jnp.einsum('btnh,btnh->bnt', out.astype(jnp.float32), do.astype(jnp.float32))  # [B,N,T]
   ids = (q_seg, kv_seg) if has_seg else ()
   operands = (q, k, v, *ids, do, lse, delta)
 
-  def launch(kernel_fn, out_type, scratch, grid, grid_names, name):
+  def launch(kernel_fn, out_type, scratch, grid, grid_names, name, W):
     return _launch(
       lambda *refs: kernel_fn(*refs[: -len(scratch)], tuple(refs[-len(scratch) :])),
       operands,
@@ -554,7 +580,7 @@ def backward(
       W,
     )
 
-  bq, bk = blocks.block_q_dq, blocks.block_k_dq
+  bq, bk, W = blocks.block_q_dq, blocks.block_k_dq, compute_wgs('dq', H)
   dq_scratch = (
     _smem((W, bq, H), q.dtype, True),  # q, then dq
     _smem((W, bq, H), do.dtype, True),
@@ -577,9 +603,10 @@ def backward(
     (B, N, T // (W * bq)),
     ('batch', 'heads', 'q_tiles'),
     'sparrow_mgpu_dq',
+    W,
   )
 
-  bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
+  bq, bk, W = blocks.block_q_dkv, blocks.block_k_dkv, compute_wgs('dkv', H)
   dkv_scratch = (
     _smem((W, bk, H), k.dtype, True),  # k, then dk
     _smem((W, bk, H), v.dtype, True),  # v, then dv
@@ -602,5 +629,6 @@ def backward(
     (B, K, S // (W * bk)),
     ('batch', 'heads', 'k_tiles'),
     'sparrow_mgpu_dkv',
+    W,
   )
   return dq, dk, dv
