@@ -254,8 +254,13 @@ def _memory(stats) -> dict:
 
 
 # --- Training steps ----------------------------------------------------------------------------
-PRESETS = {  # config file, its overrides here (bf16 everywhere: the GPU recipe)
-  'gpt2_small': ('configs/gpt2_small.py', {'model.dtype': 'bfloat16', 'data.batch_size': 16}),
+# Config file and its overrides here: bf16 (the GPU recipe) and GPT-2's vocabulary padded to
+# 50304 (as gpt_1b has it), so that 4-way tensor parallelism splits it.
+PRESETS = {
+  'gpt2_small': (
+    'configs/gpt2_small.py',
+    {'model.dtype': 'bfloat16', 'data.batch_size': 16, 'model.vocab_size': 50304},
+  ),
   'gpt_1b': ('configs/gpt_1b.py', {}),
   'llama_7b': ('configs/llama_7b.py', {}),
 }
@@ -315,6 +320,8 @@ def compile_step(preset: str, mesh_name: str, implementation: str, gpu: Gpu, dum
     'mesh_shape': list(shape),
     'attention': config.model.attention_impl,
     'dtype': config.model.dtype,
+    'remat': config.model.remat,
+    'scan_layers': config.model.scan_layers,
     'batch': config.data.batch_size,
     'length': config.data.max_length,
     'must_fit': (preset, mesh_name) in MUST_FIT and implementation == 'config',
