@@ -392,7 +392,7 @@ def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, in
     _smem((depth, bk), jnp.int32, False) if has_seg else None,
     _barriers(2 * W),  # q (and q segment ids) per warpgroup
     (_barriers(depth), _barriers(depth), _barriers(depth) if has_seg else None),
-    _barriers(depth, arrivals=W),  # released by both compute warpgroups
+    _barriers(depth, arrivals=W),  # released by every compute warpgroup
   )
   kernel = functools.partial(
     _forward_kernel, cfg=cfg, bq=bq, bk=bk, depth=depth, group=N // K, has_seg=has_seg, wgs=W

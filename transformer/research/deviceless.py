@@ -256,13 +256,10 @@ def _memory(stats) -> dict:
 # --- Training steps ----------------------------------------------------------------------------
 # Config file and its overrides here: bf16 (the GPU recipe) and GPT-2's vocabulary padded to
 # 50304 (as gpt_1b has it), so that 4-way tensor parallelism splits it.
-PRESETS = {
-  'gpt2_small': (
-    'configs/gpt2_small.py',
-    {'model.dtype': 'bfloat16', 'data.batch_size': 16, 'model.vocab_size': 50304},
-  ),
-  'gpt_1b': ('configs/gpt_1b.py', {}),
-  'llama_7b': ('configs/llama_7b.py', {}),
+PRESETS = {  # configs/<name>.py and its overrides here
+  'gpt2_small': {'model.dtype': 'bfloat16', 'data.batch_size': 16, 'model.vocab_size': 50304},
+  'gpt_1b': {},
+  'llama_7b': {},
 }
 # (data, fsdp, tensor) meshes of 8 GPUs; tensor parallelism splits heads, so 4 ways with data 2.
 MESHES = {'1 GPU': (1, 1, 1), 'dp 8': (8, 1, 1), 'fsdp 8': (1, 8, 1), 'dp 2 x tp 4': (2, 1, 4)}
@@ -285,13 +282,11 @@ def step_cases() -> list[tuple[str, str, str]]:
 
 
 def load_preset(preset: str, implementation: str = 'config'):
-  import importlib.util
+  """The preset's config (`configs/<preset>.py`) with this check's overrides."""
+  import importlib
 
-  path, overrides = PRESETS[preset]
-  spec = importlib.util.spec_from_file_location(f'_preset_{preset}', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  overrides = PRESETS[preset]
+  config = importlib.import_module(f'configs.{preset}').get_config()
   for key, value in overrides.items():
     section, name = key.split('.')
     config[section][name] = value
