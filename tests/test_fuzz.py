@@ -153,7 +153,12 @@ _CLI_CASES = {  # flags -> a piece of the one error line
   ('--config.model.norm_eps=nan',): 'norm_eps=nan must be a finite number',
   ('--config.data.bad_lines=maybe',): "bad_lines='maybe' is not valid",
   ('--config.data.task=text', '--config.data.train_path=BINARY'): 'binary.txt:1: invalid UTF-8',
+  ('--config.train.eval_every=0',): 'train.eval_every=0 must be an integer >= 1',
+  ('--config.train.checkpoint_every=-5',): 'train.checkpoint_every=-5 must be an integer >= 1',
+  ('--config.data.batch_size=0',): 'data.batch_size=0 must be an integer >= 1',
+  ('--config.data.max_length=1',): 'data.max_length=1 must be an integer >= 2',
 }
+_BEFORE_ANY_WORK = ('train.', 'data.batch_size', 'data.max_length')  # refused, nothing written
 
 
 def test_fuzz_cli_flags_give_one_clear_line(tmp_path):
@@ -163,17 +168,21 @@ def test_fuzz_cli_flags_give_one_clear_line(tmp_path):
   running = []
   for index, (flags, expected) in enumerate(_CLI_CASES.items()):
     flags = [f.replace('BINARY', str(binary)) for f in flags]
-    command = [sys.executable, '-m', 'experiments.train', f'--workdir={tmp_path / str(index)}']
+    workdir = tmp_path / str(index)
+    command = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}']
     proc = subprocess.Popen(
       command + flags, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    running.append((flags, expected, proc))
-  for flags, expected, proc in running:  # run side by side: each one mostly imports JAX
+    running.append((flags, expected, proc, workdir))
+  for flags, expected, proc, workdir in running:  # run side by side: each one mostly imports JAX
     _, stderr = proc.communicate(timeout=120)
     lines = [line for line in stderr.splitlines() if line.strip() and 'WARNING' not in line]
     assert proc.returncode != 0 and 'Traceback' not in stderr, (flags, stderr[-2000:])
     assert lines and lines[0].startswith(('error: ', 'FATAL Flags parsing error')), (flags, stderr)
     assert expected in lines[0], (flags, lines[0])
+    if expected.startswith(_BEFORE_ANY_WORK):
+      assert proc.returncode == 2, (flags, proc.returncode)
+      assert not workdir.exists(), f'{flags} wrote {sorted(os.listdir(workdir))}'
 
 
 # (b) Data files ----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from transformer import util
 from transformer.config import ModelConfig
 from transformer.model import models
 from transformer.model.capture import capture, entropy_by_layer
-from transformer.training import checkpoint, events, faults, peers
+from transformer.training import checkpoint, events, faults, knobs, peers
 from transformer.training.faults import (  # noqa: F401 - the loop's outcomes
   EXIT_PREEMPTED,
   NonFiniteError,
@@ -53,7 +53,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   config = ml_collections.ConfigDict(config.to_dict())  # never mutate the caller's config
   tcfg = config.train
   ModelConfig.from_config(config.model)  # bad shapes and names fail before anything is written
-  faults.check_config(tcfg)
+  knobs.check_config(config)  # train.* and data.* knobs that cannot work, before any data work
   saved = checkpoint.read_run_config(workdir)
   if saved is not None:  # compare before touching anything; the vocabulary is checked below
     config.model.vocab_size = saved['model']['vocab_size']
