@@ -37,7 +37,8 @@ _REFUSED = {
   'data.grammar_join': [0],
   'data.vocab_size': [0, 6],
   'data.mlm_prob': [0.0, 1.5, float('nan')],
-  'data.shard_tokens': [0, -1],
+  'data.prepare_workers': [0, -1],
+  'data.prepare_chunk_mb': [0],
   'data.eval_batches': [-1],
 }
 _ACCEPTED = {  # the smallest values that work

@@ -21,7 +21,8 @@ MIN_INT = {
   'grammar_join': 1,
   'grammar_seed': 0,
   'vocab_size': 7,  # more than the 5 special ids + 1
-  'shard_tokens': 1,
+  'prepare_workers': 1,
+  'prepare_chunk_mb': 1,
   'eval_batches': 0,
 }
 
