@@ -154,20 +154,37 @@ _CLI_CASES = {  # flags -> a piece of the one error line
   ('--config.data.bad_lines=maybe',): "bad_lines='maybe' is not valid",
   ('--config.data.task=text', '--config.data.train_path=BINARY'): 'binary.txt:1: invalid UTF-8',
   ('--config.train.eval_every=0',): 'train.eval_every=0 must be an integer >= 1',
-  ('--config.train.checkpoint_every=-5',): 'train.checkpoint_every=-5 must be an integer >= 1',
   ('--config.data.batch_size=0',): 'data.batch_size=0 must be an integer >= 1',
   ('--config.data.max_length=1',): 'data.max_length=1 must be an integer >= 2',
+  (
+    '--config=configs/gpt_tiny.py',
+    '--config.data.task=corpus',
+    '--config.data.train_path=NOTEXT',
+  ): ("notext.jsonl:2: no string 'text' field"),
+  (
+    '--config=configs/gpt_tiny.py',
+    '--config.data.task=corpus',
+    '--config.data.train_path=SHARD',
+    '--config.data.eval_path=SHARD',
+  ): ('magic 1 version 1; not a token shard'),
 }
-_BEFORE_ANY_WORK = ('train.', 'data.batch_size', 'data.max_length')  # refused, nothing written
+# Refused with status 2 and no workdir left behind: bad knobs, and bad corpora met on first use.
+_BEFORE_ANY_WORK = ('train.', 'data.batch_size', 'data.max_length', 'notext', 'magic')
 
 
 def test_fuzz_cli_flags_give_one_clear_line(tmp_path):
   binary = tmp_path / 'binary.txt'
   binary.write_bytes(bytes(np.random.default_rng(0).integers(128, 256, 500, dtype=np.uint8)))
+  inputs = {'NOTEXT': tmp_path / 'notext.jsonl'}
+  inputs['NOTEXT'].write_text('{"text": "a"}\n{"body": "b"}\n')
+  inputs['SHARD'] = tmp_path / 'train_000000.bin'  # llm.c's header with a wrong magic
+  inputs['SHARD'].write_bytes(np.array([1, 1, 0] + [0] * 253, np.int32).tobytes())
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   running = []
   for index, (flags, expected) in enumerate(_CLI_CASES.items()):
     flags = [f.replace('BINARY', str(binary)) for f in flags]
+    for name, path in inputs.items():
+      flags = [f.replace(name, str(path)) for f in flags]
     workdir = tmp_path / str(index)
     command = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}']
     proc = subprocess.Popen(

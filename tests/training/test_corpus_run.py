@@ -1,0 +1,57 @@
+"""Training on llm.c shards with configs/gpt2_speedrun.py (shrunk): it trains, validates on the
+val shards, and a run resumed from its checkpoint matches an uninterrupted one step for step."""
+
+import os
+
+import numpy as np
+import pytest
+
+from configs import gpt2_speedrun
+from transformer.training.loop import train_and_evaluate
+
+VOCAB = 50257  # GPT-2's ids, as in the speedrun's shards
+
+
+def _shard(path, tokens):
+  header = np.zeros(256, np.int32)
+  header[:3] = 20240520, 1, len(tokens)  # llm.c's magic, version and token count
+  with open(path, 'wb') as f:
+    f.write(header.tobytes() + np.asarray(tokens, np.uint16).tobytes())
+
+
+@pytest.fixture(scope='module')
+def shard_dir(tmp_path_factory):
+  directory = tmp_path_factory.mktemp('fineweb')
+  rng = np.random.default_rng(0)
+  for split, count in (('train', 2), ('val', 1)):
+    for i in range(count):
+      tokens = rng.integers(0, 1000, 3000)
+      tokens[::50] = VOCAB - 1  # <|endoftext|>
+      _shard(directory / f'fineweb_{split}_{i:06d}.bin', tokens)
+  return directory
+
+
+def _config(shard_dir, steps):
+  config = gpt2_speedrun.get_config()
+  m, d, t = config.model, config.data, config.train
+  m.d_model, m.num_heads, m.d_ff, m.num_layers, m.max_length = 32, 2, 64, 1, 32
+  m.dtype = 'float32'
+  d.train_path = str(shard_dir / 'fineweb_train_*.bin')
+  d.eval_path = str(shard_dir / 'fineweb_val_*.bin')
+  d.max_length, d.batch_size, d.eval_batch_size, d.eval_batches = 32, 4, 4, 2
+  t.steps, t.grad_accum_steps, t.log_every, t.eval_every, t.checkpoint_every = steps, 1, 1, 2, 2
+  config.optim.warmup_steps = 1
+  return config
+
+
+def test_speedrun_preset_trains_validates_and_resumes_exactly(shard_dir, tmp_path):
+  whole = train_and_evaluate(_config(shard_dir, 4), str(tmp_path / 'whole'))
+  assert np.isfinite(whole['eval']['loss']) and whole['eval']['loss'] < 1.5 * np.log(VOCAB)
+  cut = str(tmp_path / 'cut')
+  train_and_evaluate(_config(shard_dir, 2), cut)
+  resumed = train_and_evaluate(_config(shard_dir, 4), cut)
+  losses = lambda result: [h['loss'] for h in result['train'] if h['step'] > 2]
+  np.testing.assert_allclose(losses(resumed), losses(whole), rtol=1e-5)
+  assert [h['step'] for h in resumed['train']] == [3, 4]
+  assert resumed['eval']['loss'] == pytest.approx(whole['eval']['loss'], rel=1e-5)
+  assert os.path.exists(os.path.join(cut, 'tokenizer', 'tokenizer.json'))  # the ids 'tokenizer'
