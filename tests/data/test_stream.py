@@ -10,7 +10,7 @@ import pytest
 from test_prepare import llmc_shard
 
 from transformer import data
-from transformer.data import stream
+from transformer.data import sources, stream
 from transformer.training import checkpoint
 
 SEP = 9  # the document separator of these hand-made streams
@@ -238,3 +238,18 @@ def test_corpus_is_prepared_on_first_use_into_the_workdir(tmp_path):
     data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
   with pytest.raises(ValueError, match="family='encoder_decoder' needs pairs"):
     data.build(cfg, family='encoder_decoder', workdir=workdir, seed=0)
+
+
+def test_tfds_split_is_prepared_and_streamed(tmp_path):
+  tfds = pytest.importorskip('tensorflow_datasets')
+  cfg = data.default_config()
+  cfg.update(dict(task='corpus', tfds_name='lm1b', tfds_data_dir=str(tmp_path / 'tfds')))
+  cfg.update(dict(prepared_dir=str(tmp_path / 'out'), max_length=16, batch_size=2))
+  cfg.update(dict(eval_batch_size=2))
+  with tfds.testing.mock_data(num_examples=30):
+    task = data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    texts = list(sources.tfds_examples('lm1b', 'train', str(tmp_path / 'tfds'), ('text',)))
+  tok = data.ByteTokenizer()
+  want = [t for text in texts if text.strip() for t in [data.EOS_ID, *tok.encode(text)]]
+  assert task.info['train_tokens'] == len(want)
+  np.testing.assert_array_equal(task._train.read(0, len(want)), want)

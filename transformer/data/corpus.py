@@ -1,8 +1,9 @@
 """The documents of a corpus, read in pieces that workers prepare side by side.
 
 Inputs: text (a document per line), `.jsonl`, `.jsonl.gz` and `.jsonl.zst` with a `text` field,
-and Parquet with a `text` column (how FineWeb ships). A piece ("unit") is a byte range of a plain
-file (cut at line starts), a whole compressed file, or one Parquet row group.
+Parquet with a `text` column (how FineWeb ships), and a TFDS split's text feature. A piece
+("unit") is a byte range of a plain file (cut at line starts), a whole compressed file, one
+Parquet row group, or a whole TFDS split.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import io
 import json
 import os
 from collections.abc import Iterator
+
+from transformer.data import sources
 
 TEXT_KEY = 'text'
 _JSONL = ('.jsonl', '.jsonl.gz', '.jsonl.zst', '.json.gz', '.json.zst')
@@ -33,11 +36,13 @@ def kind(path: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Unit:
   """One piece of work: bytes [start, end) of a plain file (lines that start there), a whole
-  compressed file (start=end=0), or Parquet row group `start`."""
+  compressed file (start=end=0), Parquet row group `start`, or a TFDS split: `tfds` = (name,
+  split, data_dir, text feature)."""
 
   path: str
   start: int = 0
   end: int = 0
+  tfds: tuple = ()
 
   def describe(self) -> str:
     return f'{self.path} [{self.start}:{self.end}]' if self.end else self.path
@@ -63,8 +68,15 @@ def units(paths: list[str], chunk_bytes: int) -> list[Unit]:
   return out
 
 
+def tfds_unit(name: str, split: str, data_dir: str, key: str) -> Unit:
+  return Unit(f'tfds:{name}:{split}', tfds=(name, split, data_dir, key))
+
+
 def unit_bytes(unit: Unit) -> int:
-  """Input bytes of a unit (a compressed file or a row group: its share of the file)."""
+  """Input bytes of a unit (a compressed file or a row group: its share of the file; TFDS: 0,
+  unknown before it is read)."""
+  if unit.tfds:
+    return 0
   if unit.end:
     return unit.end - unit.start
   if kind(unit.path) == 'parquet':
@@ -104,6 +116,12 @@ def _lines(unit: Unit) -> Iterator[tuple[str, bytes]]:
 
 def documents(unit: Unit) -> Iterator[str]:
   """The documents of one unit; blank ones are skipped. One ValueError for a bad line."""
+  if unit.tfds:
+    name, split, data_dir, key = unit.tfds
+    for text in sources.tfds_examples(name, split, data_dir or None, (key,)):
+      if text.strip():
+        yield text
+    return
   if kind(unit.path) == 'parquet':
     yield from _parquet(unit)
     return

@@ -68,6 +68,7 @@ def _plan(cfg, train: list[str], evaluation: list[str]) -> dict:
     'tokenizer_path': os.path.abspath(cfg.tokenizer_path) if cfg.tokenizer_path else '',
     'spm_train_lines': cfg.spm_train_lines,
     'prepare_chunk_mb': cfg.prepare_chunk_mb,
+    'tfds': [] if train else [cfg.tfds_name, cfg.tfds_train_split, cfg.tfds_eval_split],
   }
 
 
@@ -225,7 +226,8 @@ def prepare(cfg, out: str, *, workers: int = 1, log: Callable[[str], None] | Non
   """
   if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
     raise ValueError(f'workers={workers!r} must be an integer >= 1')
-  train = sources._paths(cfg.train_path, 'data.train_path')
+  from_tfds = not cfg.train_path  # the TFDS split that the config names (tfds_name)
+  train = [] if from_tfds else sources._paths(cfg.train_path, 'data.train_path')
   evaluation = sources._paths(cfg.eval_path, 'data.eval_path') if cfg.eval_path else []
   for path in train + evaluation:
     if corpus.kind(path) == 'llmc':
@@ -249,7 +251,13 @@ def _prepare(cfg, out, train, evaluation, workers, log) -> dict:
   _check_plan(out, _plan(cfg, train, evaluation))
   chunk = cfg.prepare_chunk_mb * 2**20
   train_units, eval_units = corpus.units(train, chunk), corpus.units(evaluation, chunk)
-  tokenizer = _tokenizer(cfg, train_units, out, f'data.train_path={cfg.train_path!r}')
+  where = f'data.train_path={cfg.train_path!r}'
+  if not train:  # one piece per split: TFDS reads it with its own threads
+    split = lambda name: corpus.tfds_unit(cfg.tfds_name, name, cfg.tfds_data_dir, cfg.tfds_text_key)
+    train_units, eval_units = [split(cfg.tfds_train_split)], [split(cfg.tfds_eval_split)]
+    evaluation, where = [cfg.tfds_eval_split], f'TFDS {cfg.tfds_name} {cfg.tfds_train_split}'
+    workers = 1  # in this process: TFDS's test mocks and its download live here
+  tokenizer = _tokenizer(cfg, train_units, out, where)
   jobs = [
     (f'train_{i:05d}.bin', u, out, '' if evaluation else f'eval_{i:05d}.bin')
     for i, u in enumerate(train_units)
@@ -308,6 +316,9 @@ def _write_dataset(out, jobs, tokenizer, cfg, evaluation) -> dict:
   for split, what in (('train', 'data.train_path'), ('eval', 'data.eval_path')):
     if not sum(s['documents'] for s in splits[split]):
       path = cfg.eval_path if split == 'eval' and evaluation else cfg.train_path
+      if not cfg.train_path:
+        chosen = cfg.tfds_train_split if split == 'train' else cfg.tfds_eval_split
+        what, path = 'TFDS split', f'{cfg.tfds_name} {chosen}'
       shortly = '' if split == 'train' or evaluation else ' to hold out every 200th'
       raise ValueError(
         f'{what}={path!r} has no documents{shortly} (blank lines are skipped); give it text'

@@ -36,6 +36,8 @@ def prepared_dir(cfg, workdir: str | None) -> str:
 
 def _llmc(cfg) -> tuple[list[str], list[str]] | None:
   """(train shards, eval shards) when data.train_path names llm.c shards, else None."""
+  if not cfg.train_path:
+    return None  # the TFDS dataset of data.tfds_name
   train = sources._paths(cfg.train_path, 'data.train_path')
   kinds = {corpus.kind(p) == 'llmc' for p in train}
   if kinds == {False}:
