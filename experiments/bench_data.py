@@ -1,6 +1,6 @@
 """The data pipeline at scale: prepare throughput, start-up, memory, loader speed, tokens kept.
 
-  python -m experiments.bench_data --dir=/tmp/bench_data --size_mb=200 [--repeat=10]
+  python -m experiments.bench_data --dir=/tmp/bench_data --size_mb=200 [--repeat=10] [--chunk_mb=16]
 
 Generates a corpus of --size_mb MB (10^6 bytes; made-up words with Zipf frequencies, a document
 per line, lognormal lengths), trains one SentencePiece tokenizer on a sample, then measures:
@@ -25,8 +25,10 @@ from experiments import cli
 _DIR = flags.DEFINE_string('dir', '/tmp/bench_data', 'Where the corpus and shards are written.')
 _SIZE = flags.DEFINE_integer('size_mb', 200, 'Corpus size in MB.')
 _REPEAT = flags.DEFINE_integer('repeat', 10, 'Start-up and RSS also on the shards this many times.')
+_CHUNK = flags.DEFINE_integer('chunk_mb', 16, 'MB of text per shard (data.prepare_chunk_mb).')
 _VOCAB = 8000  # SentencePiece vocabulary of the benchmark's tokenizer
 _SAMPLE = 20_000  # documents it is trained on
+_ROUNDS = 2  # start-up measurements of each size
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -143,6 +145,7 @@ def main():
     rows.append((f'SentencePiece on {_SAMPLE:,} documents', f'{time.time() - start:.1f} s', ''))
   cfg = data.default_config()
   cfg.update(dict(task='corpus', train_path=corpus, tokenizer_path=tokenizer))
+  cfg.update(dict(prepare_chunk_mb=_CHUNK.value, max_length=128, batch_size=32))
   for workers in (1, 2):
     out = os.path.join(root, f'prepared_w{workers}_{_SIZE.value}mb')
     shutil.rmtree(out, ignore_errors=True)
@@ -150,17 +153,26 @@ def main():
     meta = prepare.prepare(cfg, out, workers=workers, log=lambda line: None)
     took = time.time() - start
     rate = f'{size / took / 1e6:.2f} MB/s, {meta["tokens"] / took / 1e6:.2f}M tokens/s'
-    rows.append((f'prepare, {workers} worker(s)', f'{took:.1f} s: {rate}', f'--workers={workers}'))
+    note = f'--workers={workers}, {len(meta["splits"]["train"])} pieces'
+    rows.append((f'prepare, {workers} worker(s)', f'{took:.1f} s: {rate}', note))
   shards = [os.path.join(out, s['file']) for s in meta['splits']['train']]
   rows.append(('train tokens', f'{meta["tokens"]:,} in {len(shards)} shards', out))
-  for name, prepared in (
-    (f'{size / 1e6:.0f} MB', out),
-    (f'x{_REPEAT.value}', _repeated(out, os.path.join(root, f'x{_REPEAT.value}'), _REPEAT.value)),
-  ):
-    workdir = os.path.join(root, 'run')
-    shutil.rmtree(workdir, ignore_errors=True)
-    first, rss = _start_and_rss(_train_command(corpus, prepared, tokenizer, workdir))
-    rows.append((f'train start -> step 1, {name}', f'{first:.1f} s, peak RSS {rss:.2f} GB', ''))
+  big = _repeated(out, os.path.join(root, f'x{_REPEAT.value}'), _REPEAT.value)
+  tokens = {out: meta['tokens'], big: meta['tokens'] * _REPEAT.value}
+  for round_ in range(_ROUNDS):  # alternating, so that both sizes meet the same machine load
+    for prepared in (out, big):
+      workdir = os.path.join(root, 'run')
+      shutil.rmtree(workdir, ignore_errors=True)
+      first, rss = _start_and_rss(_train_command(corpus, prepared, tokenizer, workdir))
+      name = f'train start -> step 1, {tokens[prepared] / 1e6:.0f}M tokens, round {round_ + 1}'
+      rows.append((name, f'{first:.1f} s, peak RSS {rss:.2f} GB', ''))
+  for prepared in (out, big):
+    cfg.prepared_dir = prepared
+    start = time.time()
+    data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    rows.append(
+      (f'data.build, {tokens[prepared] / 1e6:.0f}M tokens', f'{time.time() - start:.2f} s', '')
+    )
   os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
   for batch, length in ((32, 128), (64, 1024)):
     speed = _loader_speed(shards, batch, length)
