@@ -1,7 +1,12 @@
 """Training on llm.c shards with configs/gpt2_speedrun.py (shrunk): it trains, validates on the
 val shards, and a run resumed from its checkpoint matches an uninterrupted one step for step."""
 
+import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,6 +15,8 @@ from configs import gpt2_speedrun
 from transformer.training.loop import train_and_evaluate
 
 VOCAB = 50257  # GPT-2's ids, as in the speedrun's shards
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_WORKER = os.path.join(_ROOT, 'tests', 'corpus_worker.py')
 
 
 def _shard(path, tokens):
@@ -55,3 +62,51 @@ def test_speedrun_preset_trains_validates_and_resumes_exactly(shard_dir, tmp_pat
   assert [h['step'] for h in resumed['train']] == [3, 4]
   assert resumed['eval']['loss'] == pytest.approx(whole['eval']['loss'], rel=1e-5)
   assert os.path.exists(os.path.join(cut, 'tokenizer', 'tokenizer.json'))  # the ids 'tokenizer'
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _start(args):
+  return subprocess.Popen(
+    [sys.executable, '-u', _WORKER, *map(str, args)],
+    cwd=_ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    env={**os.environ, 'PYTHONPATH': _ROOT},  # this checkout's packages, not an installed copy
+    start_new_session=True,  # its own process group: a timeout kills it and its children
+  )
+
+
+def _wait(procs, timeout=300):
+  try:
+    for proc in procs:
+      out, _ = proc.communicate(timeout=timeout)
+      assert proc.returncode == 0, out[-3000:]
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_two_processes_then_one_see_the_tokens_of_one_uninterrupted_run(shard_dir, tmp_path):
+  """Steps 1-2 on 2 processes (4 devices each), resumed for steps 3-4 on 1 process (8 devices):
+  the same losses as 4 steps on 1 process, so every process read the same next tokens."""
+  whole, cut = tmp_path / 'whole', tmp_path / 'cut'
+  reference = _start(['single', shard_dir, whole, 4, tmp_path / 'whole.json'])
+  port = _free_port()
+  first = [_start(['host', i, port, shard_dir, cut, 2, tmp_path / 'a.json']) for i in range(2)]
+  _wait([reference, *first])
+  _wait([_start(['single', shard_dir, cut, 4, tmp_path / 'b.json'])])
+  losses = json.loads((tmp_path / 'a.json').read_text())
+  second = json.loads((tmp_path / 'b.json').read_text())
+  assert sorted(losses) == ['1', '2'] and sorted(second) == ['3', '4']
+  losses.update(second)
+  expected = json.loads((tmp_path / 'whole.json').read_text())
+  for step in expected:
+    np.testing.assert_allclose(losses[step], expected[step], rtol=1e-5)
