@@ -24,6 +24,7 @@ from transformer.data.tokenizers import (
 
 _WAIT_SECONDS = 2.0  # how often a process polls for the corpus that process 0 prepares
 _VOCAB_PROBE = 2**20  # tokens of the first shard checked against the vocabulary at start
+_EXAMPLE_CHUNK = 2**16  # eval tokens read at a time for the decoded examples
 
 
 def prepared_dir(cfg, workdir: str | None) -> str:
@@ -138,8 +139,13 @@ class StreamTask:
     if self.tokenizer.kind == 'ids' or not n:
       return []
     process, count = self._options['process'], self._options['process_count']
-    separator = self._options['separator']
-    tokens = self._eval.read(0, min(len(self._eval), 64 * self._options['length'] * n * count))
+    separator, tokens, start = self._options['separator'], [], 0
+    while start < len(self._eval):  # read on until n documents of this process are whole
+      tokens.append(self._eval.read(start, min(_EXAMPLE_CHUNK, len(self._eval) - start)))
+      start += len(tokens[-1])
+      if np.count_nonzero(np.concatenate(tokens) == separator) > (n + 1) * count:
+        break
+    tokens = np.concatenate(tokens)
     docs = np.split(tokens, np.flatnonzero(tokens == separator))
     docs = [d[1:] for d in docs if len(d) > 1][process::count][:n]
     out = []
