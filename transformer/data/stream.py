@@ -15,6 +15,8 @@ import numpy as np
 from transformer.data import batching, masking, shards
 from transformer.data.tokenizers import MASK_ID, PAD_ID
 
+_EVAL_MASK_SEED = 7  # eval masks are the same for every run seed, so eval losses compare
+
 
 class TokenStream:
   """The tokens of some shards, in order, as one sequence; only what is read is paged in."""
@@ -105,7 +107,15 @@ def rows(
   }
 
 
-def mask_rows(batch: dict, first: int, seed: int, vocab_size: int, special: tuple, prob: float):
+def mask_rows(
+  batch: dict,
+  first: int,
+  seed: int,
+  vocab_size: int,
+  special: tuple,
+  prob: float,
+  mask_id: int = MASK_ID,
+):
   """BERT-masks each real row with its own generator, seeded by its global row number (so masks
   do not depend on the number of processes); weights are 1 where a token is to be predicted."""
   for i in range(len(batch['inputs'])):
@@ -115,7 +125,7 @@ def mask_rows(batch: dict, first: int, seed: int, vocab_size: int, special: tupl
     inputs, _, weights = masking.mlm_mask(
       rng,
       batch['targets'][i : i + 1],  # [1, T]
-      mask_id=MASK_ID,
+      mask_id=mask_id,
       vocab_size=vocab_size,
       special_ids=special,
       mask_prob=prob,
@@ -146,12 +156,14 @@ class StreamIterator:
     seed,
     mlm_prob=0.15,
     special=(),
+    mask_id=MASK_ID,
   ):
     self.stream, self.family, self.length = stream, family, length
     self.global_rows, self.separator, self.pack = global_rows, separator, pack
     self.rows = global_rows // process_count
     self.offset = process * self.rows
     self.vocab_size, self.seed, self.mlm_prob, self.special = vocab_size, seed, mlm_prob, special
+    self.mask_id = mask_id
     self.row = 0
 
   def __iter__(self) -> StreamIterator:
@@ -172,7 +184,7 @@ class StreamIterator:
     first = self.row + self.offset
     batch = rows(self.stream, first, self.rows, self.length, self.family, self.separator, self.pack)
     if self.family == 'bidirectional_lm':
-      mask_rows(batch, first, self.seed, self.vocab_size, self.special, self.mlm_prob)
+      mask_rows(batch, first, self.seed, self.vocab_size, self.special, self.mlm_prob, self.mask_id)
     batching.check_token_ids(
       batch, self.vocab_size, f'training rows {first}..{first + self.rows - 1} of the shards'
     )
@@ -194,6 +206,7 @@ def eval_batches(
   num_batches,
   special=(),
   mlm_prob=0.15,
+  mask_id=MASK_ID,
 ) -> list[dict]:
   """The first `num_batches` global batches of the eval split (0 = all of it), this process's
   rows of each; rows past the end of the split are padding. The same count on every process."""
@@ -207,7 +220,7 @@ def eval_batches(
     first = b * global_rows + process * per
     batch = rows(stream, first, per, length, family, separator, pack, limit=limit)
     if family == 'bidirectional_lm':
-      mask_rows(batch, first, 7, vocab_size, special, mlm_prob)  # fixed masks for every seed
+      mask_rows(batch, first, _EVAL_MASK_SEED, vocab_size, special, mlm_prob, mask_id)
     batching.check_token_ids(batch, vocab_size, f'eval rows {first}..{first + per - 1}')
     out.append(batch)
   return out

@@ -14,7 +14,6 @@ import numpy as np
 
 from transformer.data import corpus, prepare, shards, sources, stream
 from transformer.data.tokenizers import (
-  SPECIAL_IDS,
   IdsTokenizer,
   Tokenizer,
   load_tokenizer,
@@ -57,10 +56,10 @@ def _llmc(cfg) -> tuple[list[str], list[str]] | None:
   return train, evaluation
 
 
-def ready(cfg, workdir: str | None, process_index: int, *, workers: int | None = None) -> dict:
+def ready(cfg, workdir: str | None, process_index: int) -> dict:
   """Makes the corpus of `cfg` ready to stream: checks llm.c shards' headers, or prepares the
   corpus on first use (process 0; the others wait for it). Returns {'train', 'eval': shard paths,
-  'tokenizer', 'separator', 'vocab_size'}."""
+  'tokenizer', 'separator'} (and 'meta', dataset.json, for a prepared corpus)."""
   found = _llmc(cfg)
   if found is not None:
     train, evaluation = found
@@ -189,7 +188,8 @@ def build(cfg, *, family: str, workdir, seed: int, process_index: int, process_c
     pack=bool(cfg.pack),
     vocab_size=tokenizer.vocab_size,
     mlm_prob=cfg.mlm_prob,
-    special=SPECIAL_IDS,
+    mask_id=getattr(tokenizer, 'mask_id', None),
+    special=_special_ids(tokenizer, separator),
   )
   info = {
     'tokenizer': tokenizer.kind,
@@ -206,6 +206,13 @@ def build(cfg, *, family: str, workdir, seed: int, process_index: int, process_c
   return StreamTask(
     'corpus', family, tokenizer, info, train, evaluation, options, eval_options, seed
   )
+
+
+def _special_ids(tokenizer: Tokenizer, separator: int) -> tuple[int, ...]:
+  """Ids that MLM never masks: the tokenizer's specials and the document separator."""
+  names = ('pad_id', 'bos_id', 'eos_id', 'mask_id', 'unk_id')
+  found = {getattr(tokenizer, n, None) for n in names} | {separator}
+  return tuple(sorted(i for i in found if i is not None))
 
 
 def _cache_tokenizer(tokenizer: Tokenizer, workdir: str, process_index: int) -> None:
