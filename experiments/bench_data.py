@@ -127,6 +127,26 @@ def _share_reaching_model(paths: list[str], rows: int, length: int) -> float:
   return float(np.minimum(seen, wanted).sum() / wanted.sum())
 
 
+def _share_of_text_task(corpus: str, tokenizer: str, root: str, length: int) -> float:
+  """The same for task='text' (documents cut at max_length) on the first _SAMPLE documents."""
+  from transformer import data
+
+  sample = os.path.join(root, 'sample.txt')
+  with open(corpus) as f, open(sample, 'w') as out:
+    out.writelines(line for _, line in zip(range(_SAMPLE), f))
+  workdir = os.path.join(root, 'text_task')
+  shutil.rmtree(workdir, ignore_errors=True)
+  shutil.copytree(tokenizer, os.path.join(workdir, 'tokenizer'))  # the same SentencePiece model
+  cfg = data.default_config()
+  cfg.update(dict(task='text', train_path=sample, eval_path=sample, tokenizer='sentencepiece'))
+  cfg.update(dict(vocab_size=_VOCAB, max_length=length, batch_size=32, eval_batch_size=32))
+  task = data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
+  kept = task._train.parts[0].lengths() + 1  # targets: the document as cut, then eos
+  docs = [line.rstrip('\n') for line in open(sample)]
+  total = sum(len(ids) + 1 for ids in task.tokenizer.encode_batch(docs))
+  return float(kept.sum() / total)
+
+
 def main():
   from transformer import data
   from transformer.data import prepare
@@ -179,6 +199,9 @@ def main():
     rows.append((f'loader, 1 core, {batch}x{length}', f'{speed / 1e6:.1f}M tokens/s', ''))
   share = _share_reaching_model(shards, 32, 128)
   rows.append(('corpus tokens reaching the model', f'{100 * share:.2f}%', 'one epoch'))
+  share = _share_of_text_task(corpus, tokenizer, root, 128)
+  note = f"task='text', first {_SAMPLE:,} documents"
+  rows.append(('the same with documents cut at 128', f'{100 * share:.2f}%', note))
   width = max(len(r[0]) for r in rows)
   for name, value, note in rows:
     print(f'{name:<{width}}  {value}  {note}'.rstrip())
