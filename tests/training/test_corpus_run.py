@@ -64,6 +64,26 @@ def test_speedrun_preset_trains_validates_and_resumes_exactly(shard_dir, tmp_pat
   assert os.path.exists(os.path.join(cut, 'tokenizer', 'tokenizer.json'))  # the ids 'tokenizer'
 
 
+def test_train_prepares_a_text_corpus_on_first_use(tmp_path):
+  from configs import gpt_tiny
+
+  docs = [f'document {i}: ' + 'the river runs ' * (i % 40) for i in range(400)]
+  (tmp_path / 'c.txt').write_text(''.join(d + '\n' for d in docs))
+  config = gpt_tiny.get_config()
+  d, t = config.data, config.train
+  d.task, d.train_path, d.tokenizer = 'corpus', str(tmp_path / 'c.txt'), 'byte'
+  d.max_length, d.batch_size, d.eval_batch_size, d.eval_batches = 32, 4, 4, 1
+  config.model.d_model, config.model.num_layers, config.model.max_length = 32, 1, 32
+  t.steps, t.eval_every, t.checkpoint_every, t.eval_decode_examples = 2, 2, 2, 2
+  t.max_decode_length = 8  # the prompt (half a row) and its continuation fit 32 positions
+  workdir = str(tmp_path / 'run')
+  result = train_and_evaluate(config, workdir)
+  meta = json.load(open(os.path.join(workdir, 'corpus', 'dataset.json')))
+  assert meta['documents'] == 398 and meta['tokenizer'] == 'byte'  # 2 of 400 held out
+  assert np.isfinite(result['eval']['loss']) and result['step'] == 2
+  assert os.path.exists(os.path.join(workdir, 'checkpoints', '2'))
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
