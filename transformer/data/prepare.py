@@ -33,6 +33,7 @@ DATASET = 'dataset.json'  # written last: the list of shards, their counts and t
 _PLAN = 'plan.json'  # written first: the inputs and knobs this directory is being prepared from
 HOLD_OUT_EVERY = 200  # without eval_path, every 200th document of each piece is held out
 _SAMPLE_CHARS = 4096  # characters of each document in the tokenizer's training sample
+_SAMPLE_TOTAL_CHARS = 10**8  # and of the whole sample (SentencePiece holds it in memory)
 _BATCH = 1024  # documents tokenised at a time
 
 
@@ -110,13 +111,14 @@ def _tokenizer(cfg, units: list[corpus.Unit], out: str, where: str) -> Tokenizer
   elif cfg.tokenizer == 'byte':
     tokenizer = ByteTokenizer()
   elif cfg.tokenizer == 'sentencepiece':
-    sample = []  # a bounded sample: the first spm_train_lines documents, each cut short
+    sample, chars = [], 0  # a bounded sample: the first spm_train_lines documents, cut short
     for unit in units:
       for text in corpus.documents(unit):
         sample.append(text[:_SAMPLE_CHARS])
-        if len(sample) >= cfg.spm_train_lines:
+        chars += len(sample[-1])
+        if len(sample) >= cfg.spm_train_lines or chars >= _SAMPLE_TOTAL_CHARS:
           break
-      if len(sample) >= cfg.spm_train_lines:
+      if len(sample) >= cfg.spm_train_lines or chars >= _SAMPLE_TOTAL_CHARS:
         break
     if not sample:
       raise ValueError(f'{where} has no documents (blank lines are skipped); nothing to prepare')

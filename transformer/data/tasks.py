@@ -2,6 +2,7 @@
 
 Every source is tokenised into memory once (a process keeps only its shard), then shuffled,
 packed or bucketed by the same NumPy code, so all tasks are deterministic and resumable.
+task='corpus' instead streams token shards prepared once (`stream_task`).
 """
 
 from __future__ import annotations
