@@ -253,3 +253,18 @@ def test_tfds_split_is_prepared_and_streamed(tmp_path):
   want = [t for text in texts if text.strip() for t in [data.EOS_ID, *tok.encode(text)]]
   assert task.info['train_tokens'] == len(want)
   np.testing.assert_array_equal(task._train.read(0, len(want)), want)
+
+
+def test_mlm_task_masks_with_the_tokenizers_mask_id(tmp_path):
+  docs = [f'word{i} ' * (1 + i % 30) for i in range(400)]
+  (tmp_path / 'c.txt').write_text(''.join(d + '\n' for d in docs))
+  cfg = data.default_config()
+  cfg.update(dict(task='corpus', train_path=str(tmp_path / 'c.txt'), max_length=64, pack=True))
+  cfg.update(dict(batch_size=8, eval_batch_size=8, prepared_dir=str(tmp_path / 'out')))
+  task = data.build(cfg, family='bidirectional_lm', workdir=None, seed=0)
+  batch = next(task.train_iterator())
+  masked = batch['weights'] > 0
+  assert 0.05 < masked.mean() < 0.3  # mlm_prob=0.15
+  assert (batch['inputs'][masked] == data.MASK_ID).mean() > 0.6  # 80% become the mask token
+  assert not (masked & (batch['targets'] == data.EOS_ID)).any()  # the separator is never masked
+  assert ((batch['inputs'] != batch['targets']) <= masked).all()
