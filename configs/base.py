@@ -72,7 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
   # once into token shards, then streamed), or of llm.c .bin shards (read in place).
   d.prepared_dir = ''  # corpus: where the token shards are prepared; '' = <workdir>/corpus
   d.prepare_workers = 1  # corpus: processes that tokenise the corpus (experiments.train's prepare)
-  d.prepare_chunk_mb = 64  # corpus: MB of plain text per shard (a .gz/.zst file, row group: one)
+  d.prepare_chunk_mb = 16  # corpus: MB of plain text per shard (a .gz/.zst file, row group: one)
   d.tokenizer_path = ''  # corpus: an existing SentencePiece .model or HF tokenizer.json to use
   d.eval_batches = 20  # corpus: eval batches from the start of the eval split; 0 = all of it
   d.bad_lines = 'error'  # text/tsv/tfds: error | skip (bad UTF-8, columns; counted); blanks skip
