@@ -65,9 +65,16 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Data: transformer.data.build(config.data, ...) -------------------------------------------
   d = config.data = ml_collections.ConfigDict()
-  d.task = 'numbers'  # numbers | grammar (built-in, generated) | text | tsv (local files) | tfds
+  d.task = 'numbers'  # numbers | grammar (built-in) | text | tsv (local files) | tfds | corpus
   d.train_path = ''  # text/tsv: file path or glob; text = a document per line, tsv = src<TAB>tgt
   d.eval_path = ''  # text/tsv: '' holds out the last max(64, 1%) training lines instead
+  # corpus: train_path/eval_path are globs of text, .jsonl(.gz/.zst) or Parquet files (prepared
+  # once into token shards, then streamed), or of llm.c .bin shards (read in place).
+  d.prepared_dir = ''  # corpus: where the token shards are prepared; '' = <workdir>/corpus
+  d.prepare_workers = 1  # corpus: processes that tokenise the corpus (experiments.train's prepare)
+  d.prepare_chunk_mb = 16  # corpus: MB of plain text per shard (a .gz/.zst file, row group: one)
+  d.tokenizer_path = ''  # corpus: an existing SentencePiece .model or HF tokenizer.json to use
+  d.eval_batches = 20  # corpus: eval batches from the start of the eval split; 0 = all of it
   d.bad_lines = 'error'  # text/tsv/tfds: error | skip (bad UTF-8, columns; counted); blanks skip
   d.tfds_name = 'wmt14_translate/de-en'  # tfds: dataset name, e.g. 'wmt17_translate/de-en', 'lm1b'
   d.tfds_data_dir = ''  # tfds: where datasets are stored; '' = TFDS default (~/tensorflow_datasets)

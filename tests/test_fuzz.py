@@ -10,6 +10,7 @@ import collections
 import contextlib
 import dataclasses
 import faulthandler
+import json
 import logging
 import os
 import shutil
@@ -153,27 +154,53 @@ _CLI_CASES = {  # flags -> a piece of the one error line
   ('--config.model.norm_eps=nan',): 'norm_eps=nan must be a finite number',
   ('--config.data.bad_lines=maybe',): "bad_lines='maybe' is not valid",
   ('--config.data.task=text', '--config.data.train_path=BINARY'): 'binary.txt:1: invalid UTF-8',
+  ('--config.train.eval_every=0',): 'train.eval_every=0 must be an integer >= 1',
+  ('--config.data.batch_size=0',): 'data.batch_size=0 must be an integer >= 1',
+  ('--config.data.max_length=1',): 'data.max_length=1 must be an integer >= 2',
+  (
+    '--config=configs/gpt_tiny.py',
+    '--config.data.task=corpus',
+    '--config.data.train_path=NOTEXT',
+  ): ("notext.jsonl:2: no string 'text' field"),
+  (
+    '--config=configs/gpt_tiny.py',
+    '--config.data.task=corpus',
+    '--config.data.train_path=SHARD',
+    '--config.data.eval_path=SHARD',
+  ): ('magic 1 version 1; not a token shard'),
 }
+# Refused with status 2 and no workdir left behind: bad knobs, and bad corpora met on first use.
+_BEFORE_ANY_WORK = ('train.', 'data.batch_size', 'data.max_length', 'notext', 'magic')
 
 
 def test_fuzz_cli_flags_give_one_clear_line(tmp_path):
   binary = tmp_path / 'binary.txt'
   binary.write_bytes(bytes(np.random.default_rng(0).integers(128, 256, 500, dtype=np.uint8)))
+  inputs = {'NOTEXT': tmp_path / 'notext.jsonl'}
+  inputs['NOTEXT'].write_text('{"text": "a"}\n{"body": "b"}\n')
+  inputs['SHARD'] = tmp_path / 'train_000000.bin'  # llm.c's header with a wrong magic
+  inputs['SHARD'].write_bytes(np.array([1, 1, 0] + [0] * 253, np.int32).tobytes())
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   running = []
   for index, (flags, expected) in enumerate(_CLI_CASES.items()):
     flags = [f.replace('BINARY', str(binary)) for f in flags]
-    command = [sys.executable, '-m', 'experiments.train', f'--workdir={tmp_path / str(index)}']
+    for name, path in inputs.items():
+      flags = [f.replace(name, str(path)) for f in flags]
+    workdir = tmp_path / str(index)
+    command = [sys.executable, '-m', 'experiments.train', f'--workdir={workdir}']
     proc = subprocess.Popen(
       command + flags, cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    running.append((flags, expected, proc))
-  for flags, expected, proc in running:  # run side by side: each one mostly imports JAX
+    running.append((flags, expected, proc, workdir))
+  for flags, expected, proc, workdir in running:  # run side by side: each one mostly imports JAX
     _, stderr = proc.communicate(timeout=120)
     lines = [line for line in stderr.splitlines() if line.strip() and 'WARNING' not in line]
     assert proc.returncode != 0 and 'Traceback' not in stderr, (flags, stderr[-2000:])
     assert lines and lines[0].startswith(('error: ', 'FATAL Flags parsing error')), (flags, stderr)
     assert expected in lines[0], (flags, lines[0])
+    if expected.startswith(_BEFORE_ANY_WORK):
+      assert proc.returncode == 2, (flags, proc.returncode)
+      assert not workdir.exists(), f'{flags} wrote {sorted(os.listdir(workdir))}'
 
 
 # (b) Data files ----------------------------------------------------------------------------------
@@ -262,6 +289,101 @@ def test_fuzz_data_files_through_build(tmp_path, caplog):
   with caplog.at_level(logging.ERROR):  # 'skip' warns per file
     outcomes = _run_cases(list(_data_cases(28, seed=2)), check, seconds=20)
   assert outcomes['built'] >= 10 and outcomes['ValueError'] >= 5, outcomes
+
+
+# (b2) Token shards and corpora for task='corpus' ----------------------------------------------
+def _shard_bytes(rng) -> bytes:
+  """llm.c's layout (256 int32s: magic, version, count; then uint16 tokens), often damaged."""
+  tokens = rng.integers(0, 500, int(rng.integers(0, 400))).astype(np.uint16)
+  header = np.zeros(256, np.int32)
+  header[:3] = 20240520, 1, len(tokens)
+  kinds = ['fine', 'fine', 'magic', 'version', 'count', 'cut', 'header only', 'bytes', 'ids']
+  how = kinds[int(rng.integers(len(kinds)))]
+  if how == 'ids' and len(tokens):
+    tokens[int(rng.integers(len(tokens)))] = int(rng.integers(500, 2**16))  # another vocabulary
+  if how == 'magic':
+    header[0] = int(rng.integers(-(2**31), 2**31))
+  elif how == 'version':
+    header[1] = int(rng.integers(-5, 10))
+  elif how == 'count':
+    header[2] = int(rng.integers(-(2**31), 2**31))
+  content = header.tobytes() + tokens.tobytes()
+  if how == 'cut':
+    content = content[: int(rng.integers(len(content) + 1))]
+  elif how == 'header only':
+    content = content[:1024]
+  elif how == 'bytes':
+    content = bytes(rng.integers(0, 256, int(rng.integers(0, 3000)), dtype=np.uint8))
+  return content
+
+
+def test_fuzz_token_shards_through_build(tmp_path):
+  """Damaged llm.c shards: a task that streams in-vocabulary tokens, or one clear error."""
+  rng, counter = np.random.default_rng(3), iter(range(10**6))
+
+  def check(content):
+    directory = tmp_path / f'case{next(counter)}'
+    directory.mkdir()
+    (directory / 'train_000000.bin').write_bytes(content)
+    val = np.zeros(256 + 50, np.int32)
+    val[:3] = 20240520, 1, 100  # 100 uint16 tokens in the 50 int32s
+    (directory / 'val_000000.bin').write_bytes(val.tobytes())
+    cfg = data.default_config()
+    cfg.update(dict(task='corpus', train_path=str(directory / 'train_*.bin'), vocab_size=500))
+    cfg.update(dict(eval_path=str(directory / 'val_*.bin'), batch_size=2, eval_batch_size=2))
+    cfg.update(dict(max_length=16, pack=True, eval_batches=2))
+    task = data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    for _ in range(3):
+      batch = next(task.train_iterator())
+      assert batch['targets'].max() < 500 and batch['weights'].all()
+    return 'built'
+
+  cases = [(f'shard case {i}', _shard_bytes(rng)) for i in range(60)]
+  outcomes = _run_cases(cases, check, seconds=10)
+  assert outcomes['built'] >= 3 and outcomes['ValueError'] >= 30, outcomes
+
+
+def _jsonl_cases(count: int, seed: int):
+  rng = np.random.default_rng(seed)
+  records = ['{"text": "TEXT"}', '{"text": ""}', '{"body": "TEXT"}', '{"text": 3}', '[1, 2]', '{']
+  records += ['{"text": "TEXT", "id": 7}', '"TEXT"', '', '   ', '{"text": null}']
+  for index in range(count):
+    lines, bad = [], [0.0, 0.01, 0.1][index % 3]
+    for _ in range(int(rng.integers(0, 300))):
+      record = records[int(rng.integers(len(records)))] if rng.random() < bad else records[0]
+      nice = json.dumps(_NICE[int(rng.integers(len(_NICE)))])[1:-1]  # escaped for JSON
+      lines.append(record.replace('TEXT', nice))
+    content = '\n'.join(lines).encode()
+    if rng.random() < 0.2:
+      at = int(rng.integers(len(content) + 1))
+      content = content[:at] + _BAD_BYTES[int(rng.integers(len(_BAD_BYTES)))] + content[at:]
+    yield f'jsonl case {index}', content
+
+
+def test_fuzz_jsonl_corpora_through_prepare(tmp_path):
+  """Random jsonl corpora: prepared and streamed, or one error naming the file; a corpus that
+  fails leaves no output directory behind."""
+  counter = iter(range(10**6))
+
+  def check(content):
+    case = tmp_path / f'case{next(counter)}'
+    case.mkdir()
+    (case / 'c.jsonl').write_bytes(content)
+    cfg = data.default_config()
+    cfg.update(dict(task='corpus', train_path=str(case / 'c.jsonl'), prepared_dir=str(case / 'o')))
+    cfg.eval_path = cfg.train_path  # no held-out documents needed
+    cfg.update(dict(batch_size=2, eval_batch_size=2, max_length=16))
+    try:
+      task = data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    except ValueError as e:
+      assert 'c.jsonl' in str(e), f'the message names no file: {e}'
+      assert not (case / 'o').exists(), 'a failed prepare left its directory'
+      raise
+    next(task.train_iterator())
+    return 'built'
+
+  outcomes = _run_cases(list(_jsonl_cases(40, seed=4)), check, seconds=20)
+  assert outcomes['built'] >= 5 and outcomes['ValueError'] >= 10, outcomes
 
 
 # (c) Checkpoint files ----------------------------------------------------------------------------

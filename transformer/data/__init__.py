@@ -5,6 +5,7 @@ Usage: `task = data.build(config.data, family=..., workdir=..., seed=...)`.
 
 from transformer.data.grammar import Grammar, make_grammar
 from transformer.data.number_words import numbers_to_words, words_to_numbers
+from transformer.data.stream_task import ready as prepare_corpus
 from transformer.data.tasks import Task, build, default_config
 from transformer.data.tokenizers import (
   BOS_ID,
@@ -35,6 +36,7 @@ __all__ = [
   'load_tokenizer',
   'make_grammar',
   'numbers_to_words',
+  'prepare_corpus',
   'train_sentencepiece',
   'words_to_numbers',
 ]

@@ -2,6 +2,7 @@
 
 Every source is tokenised into memory once (a process keeps only its shard), then shuffled,
 packed or bucketed by the same NumPy code, so all tasks are deterministic and resumable.
+task='corpus' instead streams token shards prepared once (`stream_task`).
 """
 
 from __future__ import annotations
@@ -10,22 +11,21 @@ import dataclasses
 import itertools
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable
 
 import ml_collections
 import numpy as np
 
-from transformer.data import batching, grammar, number_words, sources
+from transformer.data import batching, grammar, number_words, sources, stream_task
 from transformer.data.tokenizers import (
   ByteTokenizer,
   Tokenizer,
   load_tokenizer,
   train_sentencepiece,
 )
+from transformer.data.tokenizers import save_whole as _save_whole
 
-TASKS = ('numbers', 'grammar', 'text', 'tsv', 'tfds')
+TASKS = ('numbers', 'grammar', 'text', 'tsv', 'tfds', 'corpus')  # corpus: streamed token shards
 TOKENIZERS = ('byte', 'sentencepiece', 'hf')  # hf: an imported model's own, in workdir/tokenizer
 _CHUNK = 4096  # examples tokenised at a time
 _CHARS_PER_TOKEN = 64  # texts are cut to this many characters per allowed token (see max_chars)
@@ -190,32 +190,6 @@ def _cached_tokenizer(cache: str, cfg) -> Tokenizer:
   return tokenizer
 
 
-def _save_whole(tokenizer: Tokenizer, cache: str) -> bool:
-  """Saves into a temp directory beside `cache`, then renames it to `cache`: never half a tokenizer.
-
-  Returns False (saving nothing) when `cache` appeared meanwhile, e.g. from a concurrent run.
-  """
-  parent = os.path.dirname(cache)
-  os.makedirs(parent, exist_ok=True)
-  prefix = f'.{os.path.basename(cache)}.tmp-'
-  for name in os.listdir(parent):  # left by a save that was cut short
-    if name.startswith(prefix):
-      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-  tmp = tempfile.mkdtemp(dir=parent, prefix=prefix)
-  try:
-    tokenizer.save(tmp)
-    for name in os.listdir(tmp):  # on disk before the rename makes them visible
-      with open(os.path.join(tmp, name), 'rb+') as f:
-        os.fsync(f.fileno())
-    os.rename(tmp, cache)  # fails if `cache` is a non-empty directory by now
-  except OSError:
-    shutil.rmtree(tmp, ignore_errors=True)
-    if os.path.exists(cache):
-      return False
-    raise
-  return True
-
-
 def _has_checkpoints(workdir: str) -> bool:
   """Whether workdir/checkpoints holds a step (as transformer.training.checkpoint names them)."""
   directory = os.path.join(workdir, 'checkpoints')
@@ -352,6 +326,9 @@ def build(
     raise ValueError(f'seed={seed} must be >= 0')
   if cfg.get('bad_lines', 'error') not in sources.BAD_LINES:
     raise ValueError(f'bad_lines={cfg.bad_lines!r} is not valid; choose one of {sources.BAD_LINES}')
+  if cfg.task == 'corpus':
+    shard = dict(process_index=process_index, process_count=process_count)
+    return stream_task.build(cfg, family=family, workdir=workdir, seed=seed, **shard)
   target_length = cfg.max_target_length if family == 'encoder_decoder' else cfg.max_length
   target_key = 'max_target_length' if family == 'encoder_decoder' else 'max_length'
   for key in ('max_source_length', target_key):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -166,7 +168,59 @@ class HFTokenizer:
         json.dump(self._config, f)
 
 
-Tokenizer = ByteTokenizer | SentencePieceTokenizer | HFTokenizer
+class IdsTokenizer:
+  """Token ids with no text behind them: llm.c shards read without their tokenizer.json.
+
+  Decoding writes the ids out ('15496 11 995'); there is no encoding.
+  """
+
+  kind = 'ids'
+  pad_id = bos_id = mask_id = unk_id = None
+
+  def __init__(self, vocab_size: int, eos_id: int):
+    self.vocab_size, self.eos_id = int(vocab_size), int(eos_id)
+
+  def encode(self, text: str) -> list[int]:
+    raise ValueError(
+      'token-id shards have no tokenizer to encode text with; pass the one that made them '
+      "(config.data.tokenizer_path, e.g. GPT-2's tokenizer.json)"
+    )
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    return ' '.join(str(int(i)) for i in ids)
+
+  def save(self, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, _JSON), 'w') as f:
+      json.dump({'kind': self.kind, 'vocab_size': self.vocab_size, 'eos_id': self.eos_id}, f)
+
+
+Tokenizer = ByteTokenizer | SentencePieceTokenizer | HFTokenizer | IdsTokenizer
+
+
+def tokenizer_from_file(path: str) -> Tokenizer:
+  """An existing tokenizer: a SentencePiece `.model` file, a Hugging Face `tokenizer.json` (such
+  as GPT-2's), or a directory holding either (or one that sparrow saved)."""
+  if os.path.isdir(path):
+    if os.path.exists(os.path.join(path, _JSON)):
+      return load_tokenizer(path)
+    models = sorted(n for n in os.listdir(path) if n.endswith('.model'))
+    if not models:
+      raise FileNotFoundError(f'tokenizer_path={path!r} holds no tokenizer.json and no .model file')
+    path = os.path.join(path, models[0])
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'tokenizer_path={path!r}: no such file or directory')
+  if path.endswith('.json'):
+    return load_tokenizer(os.path.dirname(os.path.abspath(path)))
+  with open(path, 'rb') as f:
+    proto = f.read()
+  try:
+    return SentencePieceTokenizer(proto)
+  except (RuntimeError, TypeError) as e:
+    raise ValueError(f'tokenizer_path={path!r} is not a SentencePiece model: {e}') from None
 
 
 def train_sentencepiece(lines: Iterable[str], vocab_size: int) -> SentencePieceTokenizer:
@@ -216,9 +270,13 @@ def load_tokenizer(directory: str) -> Tokenizer:
   if 'kind' not in meta and 'model' in meta:  # a Hugging Face tokenizer.json (inference.hf)
     return HFTokenizer(directory)
   if 'kind' not in meta:
-    raise ValueError(f'the tokenizer file {path!r} has no "kind"; valid: byte, sentencepiece, hf')
+    raise ValueError(
+      f'the tokenizer file {path!r} has no "kind"; valid: byte, sentencepiece, hf, ids'
+    )
   if meta['kind'] == 'byte':
     return ByteTokenizer()
+  if meta['kind'] == 'ids':
+    return IdsTokenizer(meta['vocab_size'], meta['eos_id'])
   if meta['kind'] == 'sentencepiece':
     model_file = os.path.join(directory, str(meta.get('model_file')))
     try:
@@ -227,5 +285,31 @@ def load_tokenizer(directory: str) -> Tokenizer:
     except (OSError, RuntimeError) as e:  # RuntimeError: SentencePiece cannot parse it
       raise ValueError(f'the SentencePiece model {model_file!r} is unreadable: {e}') from e
   raise ValueError(
-    f'unknown tokenizer kind={meta["kind"]!r} in {path!r}; valid: byte, sentencepiece, hf'
+    f'unknown tokenizer kind={meta["kind"]!r} in {path!r}; valid: byte, sentencepiece, hf, ids'
   )
+
+
+def save_whole(tokenizer: Tokenizer, cache: str) -> bool:
+  """Saves into a temp directory beside `cache`, then renames it to `cache`: never half a tokenizer.
+
+  Returns False (saving nothing) when `cache` appeared meanwhile, e.g. from a concurrent run.
+  """
+  parent = os.path.dirname(cache)
+  os.makedirs(parent, exist_ok=True)
+  prefix = f'.{os.path.basename(cache)}.tmp-'
+  for name in os.listdir(parent):  # left by a save that was cut short
+    if name.startswith(prefix):
+      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+  tmp = tempfile.mkdtemp(dir=parent, prefix=prefix)
+  try:
+    tokenizer.save(tmp)
+    for name in os.listdir(tmp):  # on disk before the rename makes them visible
+      with open(os.path.join(tmp, name), 'rb+') as f:
+        os.fsync(f.fileno())
+    os.rename(tmp, cache)  # fails if `cache` is a non-empty directory by now
+  except OSError:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.exists(cache):
+      return False
+    raise
+  return True

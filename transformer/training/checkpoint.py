@@ -406,6 +406,8 @@ def _this_process_state(saved: dict, where: str) -> dict:
   if 'processes' not in saved:  # written without per-process entries (e.g. a weight import)
     return saved
   states = saved['processes']
+  if states and states[0].get('global') and all(s == states[0] for s in states):
+    return states[0]  # one global position (a streamed corpus): any number of processes resumes it
   if len(states) != jax.process_count():
     logging.getLogger(__name__).warning(
       'checkpoint %s holds the data positions of %d processes, but this run has %d: the data '

@@ -9,6 +9,7 @@ import collections
 import json
 import math
 import os
+import shutil
 import time
 from typing import Any
 
@@ -16,11 +17,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from transformer import util
+from transformer import data, util
 from transformer.config import ModelConfig
 from transformer.model import models
 from transformer.model.capture import capture, entropy_by_layer
-from transformer.training import checkpoint, events, faults, peers
+from transformer.training import checkpoint, events, faults, knobs, peers
 from transformer.training.faults import (  # noqa: F401 - the loop's outcomes
   EXIT_PREEMPTED,
   NonFiniteError,
@@ -53,11 +54,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   config = ml_collections.ConfigDict(config.to_dict())  # never mutate the caller's config
   tcfg = config.train
   ModelConfig.from_config(config.model)  # bad shapes and names fail before anything is written
-  faults.check_config(tcfg)
+  knobs.check_config(config)  # train.* and data.* knobs that cannot work, before any data work
   saved = checkpoint.read_run_config(workdir)
   if saved is not None:  # compare before touching anything; the vocabulary is checked below
     config.model.vocab_size = saved['model']['vocab_size']
   checkpoint.check_resume_compatible(workdir, config)
+  if config.data.task == 'corpus':
+    _prepare_corpus(config.data, workdir)
   ckpt, lost = None, None
   directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
   try:
@@ -78,6 +81,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   finally:
     if ckpt is not None and lost is None:  # a lost peer would never answer orbax's barriers
       ckpt.close()  # waits for pending saves and stops orbax's threads, also after an error
+
+
+def _prepare_corpus(data_cfg: ml_collections.ConfigDict, workdir: str) -> None:
+  """task='corpus': tokenises the corpus into shards on first use, before the workdir is set up;
+  a bad corpus (empty, a jsonl line without text, a bad shard) leaves no new workdir behind."""
+  existed = os.path.exists(workdir)
+  try:
+    data.prepare_corpus(data_cfg, workdir, jax.process_index())
+  except (ValueError, FileNotFoundError):
+    if not existed and jax.process_index() == 0:
+      shutil.rmtree(workdir, ignore_errors=True)
+    raise
 
 
 def _train_loop(

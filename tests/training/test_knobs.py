@@ -1,0 +1,95 @@
+"""Knobs of config.train and config.data that cannot work are one ValueError naming them."""
+
+import re
+
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import base
+from transformer.training import knobs
+
+# Written out here, not read from the module: a knob and the values it must refuse.
+_REFUSED = {
+  'train.steps': [0, -1, 2.5, True, 'ten', None],
+  'train.eval_every': [0, -500, 1.0, False],
+  'train.log_every': [0, -1],
+  'train.checkpoint_every': [0, -1],
+  'train.keep_checkpoints': [0],
+  'train.grad_accum_steps': [0, -2],
+  'train.loss_chunk_size': [0],
+  'train.max_decode_length': [0],
+  'train.loss_scale_period': [0],
+  'train.head_entropy_every': [-1],
+  'train.num_samples': [-1],
+  'train.eval_decode_examples': [-3],
+  'train.label_smoothing': [1.0, -0.1, float('nan')],
+  'train.loss_scale': [0.0, -1.0, float('inf')],
+  'data.batch_size': [0, -64, 8.0],
+  'data.eval_batch_size': [0],
+  'data.max_length': [0, 1],
+  'data.max_source_length': [1],
+  'data.max_target_length': [0],
+  'data.vocab_multiple': [0],
+  'data.spm_train_lines': [0],
+  'data.num_train_examples': [0, -1],
+  'data.num_eval_examples': [0],
+  'data.grammar_join': [0],
+  'data.vocab_size': [0, 6],
+  'data.mlm_prob': [0.0, 1.5, float('nan')],
+  'data.prepare_workers': [0, -1],
+  'data.prepare_chunk_mb': [0],
+  'data.eval_batches': [-1],
+}
+_ACCEPTED = {  # the smallest values that work
+  'train.steps': 1,
+  'train.eval_every': 1,
+  'train.head_entropy_every': 0,
+  'train.num_samples': 0,
+  'train.label_smoothing': 0.0,
+  'data.batch_size': 1,
+  'data.max_length': 2,
+  'data.mlm_prob': 1.0,
+  'data.eval_batches': 0,
+}
+
+
+def _with(key: str, value):
+  """The base config with one knob set, past ConfigDict's type checks (as code may set it)."""
+  config = ml_collections.ConfigDict(base.get_config().to_dict(), type_safe=False)
+  section, name = key.split('.')
+  config[section][name] = value
+  return config
+
+
+def test_base_config_passes():
+  knobs.check_config(base.get_config())
+
+
+@pytest.mark.parametrize('key, value', [(k, v) for k, vs in _REFUSED.items() for v in vs])
+def test_refused_knob_is_one_error_naming_it(key, value):
+  with pytest.raises(ValueError, match='^' + re.escape(f'{key}={value!r} must be')):
+    knobs.check_config(_with(key, value))
+
+
+@pytest.mark.parametrize('key, value', sorted(_ACCEPTED.items()))
+def test_smallest_working_value_passes(key, value):
+  knobs.check_config(_with(key, value))
+
+
+def test_fuzz_train_and_data_knobs():
+  """Random values in random knobs: either accepted or one ValueError that names the knob."""
+  rng = np.random.default_rng(0)
+  values = [-(2**40), -1, 0, 1, 2, 7, 0.5, -0.5, float('nan'), True, '', 'x', None, [1], 2**40]
+  keys = list(_REFUSED)
+  outcomes = {'accepted': 0, 'refused': 0}
+  for _ in range(300):
+    key, value = keys[rng.integers(len(keys))], values[rng.integers(len(values))]
+    try:
+      knobs.check_config(_with(key, value))
+      outcomes['accepted'] += 1
+    except ValueError as e:
+      assert str(e).startswith(f'{key}='), (key, value, str(e))
+      assert '\n' not in str(e)
+      outcomes['refused'] += 1
+  assert outcomes['accepted'] > 20 and outcomes['refused'] > 100, outcomes

@@ -1,0 +1,339 @@
+"""Tokenise a corpus once into token shards (see `shards`): `prepare(data_cfg, out, workers=N)`.
+
+As nanoGPT's prepare.py and llm.c's fineweb.py do: every document becomes [separator] + its ids,
+written to uint16/uint32 shards. Pieces of the corpus go to N processes; each shard is written
+whole (a temp file renamed into place), so an interrupted run resumes with the pieces not done.
+`out/dataset.json` is written last: the corpus is ready when it exists.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from transformer import util
+from transformer.data import corpus, shards, sources
+from transformer.data.tokenizers import (
+  ByteTokenizer,
+  Tokenizer,
+  load_tokenizer,
+  save_whole,
+  tokenizer_from_file,
+  train_sentencepiece,
+)
+
+DATASET = 'dataset.json'  # written last: the list of shards, their counts and the vocabulary
+_PLAN = 'plan.json'  # written first: the inputs and knobs this directory is being prepared from
+HOLD_OUT_EVERY = 200  # without eval_path, every 200th document of each piece is held out
+_SAMPLE_CHARS = 4096  # characters of each document in the tokenizer's training sample
+_SAMPLE_TOTAL_CHARS = 10**8  # and of the whole sample (SentencePiece holds it in memory)
+_BATCH = 1024  # documents tokenised at a time
+
+
+def is_prepared(out: str) -> bool:
+  return os.path.exists(os.path.join(out, DATASET))
+
+
+def read_dataset(out: str) -> dict:
+  """The dataset.json of a prepared directory; one ValueError if it is missing or unreadable."""
+  path = os.path.join(out, DATASET)
+  try:
+    with open(path) as f:
+      meta = json.load(f)
+  except FileNotFoundError:
+    raise FileNotFoundError(
+      f'{out!r} is not a prepared corpus (no {DATASET}); run python -m experiments.prepare_data'
+    ) from None
+  except (OSError, ValueError) as e:
+    raise ValueError(f'{path}: unreadable ({e}); prepare the corpus again') from None
+  if not isinstance(meta, dict) or 'splits' not in meta:
+    raise ValueError(f'{path}: not a sparrow dataset description; prepare the corpus again')
+  return meta
+
+
+def _plan(cfg, train: list[str], evaluation: list[str]) -> dict:
+  """What the shards depend on; a directory prepared from another plan is never mixed in."""
+  files = lambda paths: [[os.path.abspath(p), os.path.getsize(p)] for p in paths]
+  return {
+    'train': files(train),
+    'eval': files(evaluation),
+    'tokenizer': cfg.tokenizer,
+    'vocab_size': cfg.vocab_size,
+    'tokenizer_path': os.path.abspath(cfg.tokenizer_path) if cfg.tokenizer_path else '',
+    'spm_train_lines': cfg.spm_train_lines,
+    'prepare_chunk_mb': cfg.prepare_chunk_mb,
+    'tfds': [] if train else [cfg.tfds_name, cfg.tfds_train_split, cfg.tfds_eval_split],
+  }
+
+
+def _check_plan(out: str, plan: dict) -> None:
+  path = os.path.join(out, _PLAN)
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    if old != plan:
+      changed = sorted(k for k in plan if old.get(k) != plan[k])
+      raise ValueError(
+        f'{out!r} is being prepared from other inputs or knobs ({", ".join(changed)} differ); '
+        'use another output directory, or delete it to start over'
+      )
+  else:
+    util.write_atomic(path, json.dumps(plan, indent=1))
+
+
+def separator_id(tokenizer: Tokenizer) -> int:
+  """The token put before every document: eos, or GPT-2's <|endoftext|> for an HF tokenizer."""
+  eos = getattr(tokenizer, 'eos_id', None)
+  if eos is None and tokenizer.kind == 'hf':
+    eos = tokenizer._tok.token_to_id('<|endoftext|>')
+  if eos is None:
+    raise ValueError(
+      f'the {tokenizer.kind} tokenizer has no eos token to separate documents with; give it '
+      'a tokenizer_config.json with eos_token, or use one that has <|endoftext|>'
+    )
+  return int(eos)
+
+
+def _tokenizer(cfg, units: list[corpus.Unit], out: str, where: str) -> Tokenizer:
+  """The saved tokenizer of `out` (a resume), the one at tokenizer_path, or a newly trained one."""
+  cache = os.path.join(out, 'tokenizer')
+  if os.path.exists(cache):
+    return load_tokenizer(cache)
+  if cfg.tokenizer_path:
+    tokenizer = tokenizer_from_file(cfg.tokenizer_path)
+  elif cfg.tokenizer == 'byte':
+    tokenizer = ByteTokenizer()
+  elif cfg.tokenizer == 'sentencepiece':
+    sample, chars = [], 0  # a bounded sample: the first spm_train_lines documents, cut short
+    for unit in units:
+      for text in corpus.documents(unit):
+        sample.append(text[:_SAMPLE_CHARS])
+        chars += len(sample[-1])
+        if len(sample) >= cfg.spm_train_lines or chars >= _SAMPLE_TOTAL_CHARS:
+          break
+      if len(sample) >= cfg.spm_train_lines or chars >= _SAMPLE_TOTAL_CHARS:
+        break
+    if not sample:
+      raise ValueError(f'{where} has no documents (blank lines are skipped); nothing to prepare')
+    tokenizer = train_sentencepiece(sample, cfg.vocab_size)
+  else:
+    raise ValueError(
+      f'tokenizer={cfg.tokenizer!r} needs data.tokenizer_path (a tokenizer.json or SentencePiece '
+      "model) to prepare a corpus; or use 'sentencepiece' (trained on a sample) or 'byte'"
+    )
+  separator_id(tokenizer)
+  save_whole(tokenizer, cache)
+  return load_tokenizer(cache)
+
+
+# Work done in each process -----------------------------------------------------------------------
+_WORKER: dict = {}
+
+
+def _init_worker(out: str, counters) -> None:
+  _WORKER['tokenizer'] = load_tokenizer(os.path.join(out, 'tokenizer'))
+  _WORKER['counters'] = counters
+
+
+def _prepare_unit(job: tuple) -> tuple[str, int, int, int]:
+  """Writes the shard(s) of one piece; returns (shard name, input bytes, documents, tokens)."""
+  name, unit, out, hold_out = job
+  tokenizer, counters = _WORKER['tokenizer'], _WORKER['counters']
+  vocab, separator = tokenizer.vocab_size, separator_id(tokenizer)
+  writers = [shards.ShardWriter(os.path.join(out, name), vocab)]
+  if hold_out:
+    writers.append(shards.ShardWriter(os.path.join(out, hold_out), vocab))
+  total_docs = total_tokens = 0
+  batch = []
+
+  def flush():
+    nonlocal total_docs, total_tokens
+    ids = tokenizer.encode_batch(batch)
+    kept = [[], []]
+    for number, doc in enumerate(ids, start=total_docs):
+      held = hold_out and number % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1
+      kept[1 if held else 0].append(doc)
+    for writer, docs in zip(writers, kept):
+      if not docs:
+        continue
+      lengths = np.array([len(d) + 1 for d in docs])
+      flat = np.full(int(lengths.sum()), separator, np.int64)
+      starts = np.cumsum(lengths) - lengths
+      for start, doc in zip(starts, docs):
+        flat[start + 1 : start + 1 + len(doc)] = doc
+      if flat.size and (flat.min() < 0 or flat.max() >= vocab):
+        raise ValueError(f'the tokenizer gave an id outside its vocab_size={vocab}: rebuild it')
+      writer.add(flat, len(docs))
+    tokens = sum(len(d) + 1 for d in ids)
+    counters.add(sum(len(t.encode('utf-8')) for t in batch), len(batch), tokens)
+    total_docs, total_tokens = total_docs + len(batch), total_tokens + tokens
+    batch.clear()
+
+  try:
+    for text in corpus.documents(unit):
+      batch.append(text)
+      if len(batch) == _BATCH:
+        flush()
+    if batch:
+      flush()
+    for writer in reversed(writers):  # the held-out shard first: the main one marks it done
+      writer.close()
+  except BaseException:
+    for writer in writers:
+      writer.abort()
+    raise
+  return name, corpus.unit_bytes(unit), total_docs, total_tokens
+
+
+class _Counters:
+  """[input bytes, documents, tokens] so far, shared with the worker processes."""
+
+  def __init__(self, shared):
+    self.shared = shared
+
+  def add(self, nbytes: int, documents: int, tokens: int) -> None:
+    with self.shared.get_lock():
+      self.shared[0] += nbytes
+      self.shared[1] += documents
+      self.shared[2] += tokens
+
+  def values(self) -> tuple[int, int, int]:
+    return tuple(self.shared)
+
+
+def _progress_line(done: int, total: int, counts, todo_bytes: int, elapsed: float) -> str:
+  nbytes, docs, tokens = counts
+  rate = nbytes / max(elapsed, 1e-9)
+  eta = (todo_bytes - nbytes) / rate if rate > 0 else float('inf')
+  eta_text = time.strftime('%H:%M:%S', time.gmtime(eta)) if eta < 86400 * 30 else '?'
+  return (
+    f'prepare: {done}/{total} pieces, {docs:,} documents, {tokens:,} tokens, '
+    f'{rate / 1e6:.1f} MB/s, ETA {eta_text}'
+  )
+
+
+def prepare(cfg, out: str, *, workers: int = 1, log: Callable[[str], None] | None = None) -> dict:
+  """Tokenises the corpus of `cfg` (train_path, eval_path, tokenizer knobs) into shards in `out`.
+
+  Returns the dataset description (also written to out/dataset.json). A directory prepared
+  already is returned as is; one cut short resumes. If this call made `out` and the corpus is bad
+  (an empty corpus, a jsonl line without text), `out` is removed again.
+  """
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+    raise ValueError(f'workers={workers!r} must be an integer >= 1')
+  from_tfds = not cfg.train_path  # the TFDS split that the config names (tfds_name)
+  train = [] if from_tfds else sources._paths(cfg.train_path, 'data.train_path')
+  evaluation = sources._paths(cfg.eval_path, 'data.eval_path') if cfg.eval_path else []
+  for path in train + evaluation:
+    if corpus.kind(path) == 'llmc':
+      raise ValueError(
+        f'{path} is an llm.c token shard: it is read in place, not prepared; pass such shards '
+        "as data.train_path/eval_path with data.task='corpus'"
+      )
+  if is_prepared(out):
+    return read_dataset(out)
+  created = not os.path.exists(out)
+  try:
+    return _prepare(cfg, out, train, evaluation, workers, log)
+  except (ValueError, FileNotFoundError):
+    if created:
+      shutil.rmtree(out, ignore_errors=True)
+    raise
+
+
+def _prepare(cfg, out, train, evaluation, workers, log) -> dict:
+  os.makedirs(out, exist_ok=True)
+  _check_plan(out, _plan(cfg, train, evaluation))
+  chunk = cfg.prepare_chunk_mb * 2**20
+  train_units, eval_units = corpus.units(train, chunk), corpus.units(evaluation, chunk)
+  where = f'data.train_path={cfg.train_path!r}'
+  if not train:  # one piece per split: TFDS reads it with its own threads
+    split = lambda name: corpus.tfds_unit(cfg.tfds_name, name, cfg.tfds_data_dir, cfg.tfds_text_key)
+    train_units, eval_units = [split(cfg.tfds_train_split)], [split(cfg.tfds_eval_split)]
+    evaluation, where = [cfg.tfds_eval_split], f'TFDS {cfg.tfds_name} {cfg.tfds_train_split}'
+    workers = 1  # in this process: TFDS's test mocks and its download live here
+  tokenizer = _tokenizer(cfg, train_units, out, where)
+  jobs = [
+    (f'train_{i:05d}.bin', u, out, '' if evaluation else f'eval_{i:05d}.bin')
+    for i, u in enumerate(train_units)
+  ]
+  jobs += [(f'eval_{i:05d}.bin', u, out, '') for i, u in enumerate(eval_units)]
+  for name in os.listdir(out):  # a shard cut short by an interruption
+    if name.endswith('.bin.tmp'):
+      os.remove(os.path.join(out, name))
+  todo = [j for j in jobs if not os.path.exists(os.path.join(out, j[0]))]
+  todo_bytes = sum(corpus.unit_bytes(j[1]) for j in todo)
+  log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+  context = multiprocessing.get_context('spawn')  # never fork a process that may run JAX
+  counters = _Counters(context.Array('q', 3))
+  start, last = time.time(), 0.0
+  done = len(jobs) - len(todo)
+
+  shown = None
+
+  def report(final=False):
+    nonlocal last, shown
+    if (final and shown != counters.values()) or time.time() - last >= 5:
+      last, shown = time.time(), counters.values()
+      log(_progress_line(done, len(jobs), shown, todo_bytes, last - start))
+
+  if workers == 1 or len(todo) <= 1:
+    _init_worker(out, counters)
+    for job in todo:
+      _prepare_unit(job)
+      done += 1
+      report()
+  elif todo:
+    with context.Pool(workers, _init_worker, (out, counters)) as pool:
+      results = pool.imap_unordered(_prepare_unit, todo)
+      while True:
+        try:
+          results.next(timeout=5)
+        except multiprocessing.TimeoutError:
+          report()
+          continue
+        except StopIteration:
+          break
+        done += 1
+        report()
+  report(final=True)
+  return _write_dataset(out, jobs, tokenizer, cfg, evaluation)
+
+
+def _write_dataset(out, jobs, tokenizer, cfg, evaluation) -> dict:
+  splits = {'train': [], 'eval': []}
+  names = sorted({j[0] for j in jobs} | {j[3] for j in jobs if j[3]})
+  total_bytes = sum(corpus.unit_bytes(j[1]) for j in jobs)
+  for name in names:
+    _, tokens, documents = shards.read_header(os.path.join(out, name))
+    split = 'train' if name.startswith('train_') else 'eval'
+    splits[split].append({'file': name, 'tokens': tokens, 'documents': documents})
+  for split, what in (('train', 'data.train_path'), ('eval', 'data.eval_path')):
+    if not sum(s['documents'] for s in splits[split]):
+      path = cfg.eval_path if split == 'eval' and evaluation else cfg.train_path
+      if not cfg.train_path:
+        chosen = cfg.tfds_train_split if split == 'train' else cfg.tfds_eval_split
+        what, path = 'TFDS split', f'{cfg.tfds_name} {chosen}'
+      shortly = '' if split == 'train' or evaluation else ' to hold out every 200th'
+      raise ValueError(
+        f'{what}={path!r} has no documents{shortly} (blank lines are skipped); give it text'
+      )
+  meta = {
+    'format': 1,
+    'tokenizer': tokenizer.kind,
+    'vocab_size': tokenizer.vocab_size,
+    'separator': separator_id(tokenizer),
+    'input_bytes': total_bytes,
+    'documents': sum(s['documents'] for s in splits['train']),
+    'tokens': sum(s['tokens'] for s in splits['train']),
+    'splits': splits,
+  }
+  util.write_atomic(os.path.join(out, DATASET), json.dumps(meta, indent=1))
+  return meta

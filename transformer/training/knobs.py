@@ -1,0 +1,42 @@
+"""Checks of the `config.train` and `config.data` knobs that cannot work (zero intervals, negative
+counts, ...): one ValueError each, before any data work and before anything is written."""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+from transformer.data.knobs import check_data_config, check_fraction, check_int
+from transformer.training import faults
+
+# key -> the smallest valid value, for the integer knobs of config.train.
+MIN_INT = {
+  'steps': 1,
+  'grad_accum_steps': 1,
+  'loss_chunk_size': 1,
+  'log_every': 1,
+  'head_entropy_every': 0,  # 0 = off
+  'eval_every': 1,
+  'checkpoint_every': 1,
+  'keep_checkpoints': 1,
+  'num_samples': 0,
+  'eval_decode_examples': 0,
+  'max_decode_length': 1,
+  'loss_scale_period': 1,
+}
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Raises one ValueError naming the first bad `train.*` or `data.*` knob of `config`."""
+  tcfg = config.train
+  for key, minimum in MIN_INT.items():
+    check_int('train', tcfg, key, minimum)
+  check_fraction('train', tcfg, 'label_smoothing', low_open=False, high_open=True)
+  scale = tcfg.get('loss_scale', 1.0)
+  if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    raise ValueError(f'train.loss_scale={scale!r} must be a finite number > 0')
+  if scale <= 0:
+    raise ValueError(f'train.loss_scale={scale!r} must be a finite number > 0')
+  faults.check_config(tcfg)
+  check_data_config(config.data)
