@@ -1,7 +1,7 @@
 """The embedded default: a small EncoderDecoder that learns to spell numbers, on a laptop CPU.
 
 Built-in generated data (digits -> English words) and a SentencePiece vocabulary of 64 trained on
-it: no downloads. About 3 minutes on 2 CPU cores to BLEU >= 97 and exact match >= 95% at every
+it: no downloads. About 2 minutes on 2 CPU cores to BLEU >= 97 and exact match >= 95% at every
 seed (docs/results/default_recipe).
 """
 

@@ -5,7 +5,7 @@ Rerunning the same command on the same workdir resumes from the latest checkpoin
 SIGTERM or SIGINT saves a checkpoint after the current step and exits with status 75 (a second
 signal stops at once); rerun the same command to resume.
 Multi-process: add --coordinator_address=HOST:PORT --num_processes=N --process_id=I on each host
-(SLURM and Cloud TPU pod slices are detected without them); see README "Scaling out". Each
+(SLURM and Cloud TPU pod slices are detected without them); see docs/scaling.md. Each
 runs under experiments/supervisor.py: a lost peer ends it with one line and status 75.
 A config file is Python code: run only configs you trust.
 """

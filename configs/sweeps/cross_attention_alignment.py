@@ -22,7 +22,7 @@ def get_sweep(scale: int = 1) -> dict:
     base='configs/default.py',
     overrides={
       # The paper's rsqrt schedule (peak 0.0051 at step 300), which these results were run
-      # with; configs/default.py itself moved to warmup_cosine (issue 14, default_recipe.py).
+      # with; configs/default.py itself uses warmup_cosine (see default_recipe.py).
       'optim.schedule': 'rsqrt',
       'optim.learning_rate': 1.0,
       'optim.warmup_steps': 300,

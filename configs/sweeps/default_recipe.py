@@ -1,4 +1,4 @@
-"""Recipe selection for the embedded default (issue 14): which schedule reaches BLEU >= 97 and
+"""Recipe selection for the embedded default: which schedule reaches BLEU >= 97 and
 exact match >= 95% at every seed in the default's 1000 steps of 64."""
 
 # --scale of the one-GPU run (an estimate, not measured: one H200, the claim is about the default's

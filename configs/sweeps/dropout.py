@@ -24,7 +24,7 @@ def get_sweep(scale: int = 1) -> dict:
     base='configs/default.py',
     overrides={
       # The paper's rsqrt schedule, which these results were run with; configs/default.py
-      # itself moved to warmup_cosine (issue 14, default_recipe.py). Peak at step 200.
+      # itself uses warmup_cosine (see default_recipe.py). Peak at step 200.
       'optim.schedule': 'rsqrt',
       'optim.learning_rate': 1.0,
       'optim.warmup_steps': 2 * steps // 3,

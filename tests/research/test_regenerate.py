@@ -1,6 +1,7 @@
 """The source revision results record, a dirty tree refused, results.jsonl under parallel
 writers, and regenerating a results root (with the one table of seeds the README agrees with)."""
 
+import glob
 import json
 import os
 import re
@@ -179,11 +180,20 @@ def test_regenerate_redoes_a_sweep_from_another_commit_and_keeps_one_from_this(t
   assert not os.path.exists(tmp_path / 'gpu')
 
 
+def _readme_and_docs() -> str:
+  """README.md and docs/*.md, where the sweep commands are written."""
+  pages = [os.path.join(ROOT, 'README.md')] + sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md')))
+  text = []
+  for page in pages:
+    with open(page) as f:
+      text.append(f.read())
+  return '\n'.join(text)
+
+
 def test_the_seeds_table_covers_every_sweep_and_the_readme_agrees():
   names = {os.path.basename(p)[:-3] for p in spec.available_sweeps()}
   assert set(regenerate_cli.SEEDS) == names
-  with open(os.path.join(ROOT, 'README.md')) as f:
-    readme = f.read()
+  readme = _readme_and_docs()
   pattern = (
     r'--sweep=configs/sweeps/(\w+)\.py --workdir=docs/results/(\w+) --seeds=(\d+)'
     r'(?: --variants=([\w.,-]+))?'
@@ -197,7 +207,7 @@ def test_the_seeds_table_covers_every_sweep_and_the_readme_agrees():
   for name, plan in regenerate_cli.SEEDS.items():
     sweep = spec.load_sweep(os.path.join(ROOT, 'configs', 'sweeps', f'{name}.py'))
     want = {(','.join(v) if v else '', n) for v, n in sweeps.seed_passes(sweep, plan)}
-    if len(want) > 1:  # README names the rest by omission: the pass over every variant
+    if len(want) > 1:  # the docs name the rest by omission: the pass over every variant
       want = {('', n) if v == ','.join(_rest(sweep, plan)) else (v, n) for v, n in want}
     assert passes[name] == want, name
 
@@ -222,8 +232,7 @@ def test_gpu_scale_of_the_sweep_files():
 
 
 def test_the_readme_gpu_commands_use_each_sweeps_gpu_scale():
-  with open(os.path.join(ROOT, 'README.md')) as f:
-    readme = f.read()
+  readme = _readme_and_docs()
   pattern = (
     r'--sweep=(configs/sweeps/(\w+)\.py) --workdir=docs/results_gpu/(\w+) --seeds=(\d+) '
     r'--scale=(\d+)'

@@ -1,5 +1,5 @@
 """The one GPU check: versions, every attention implementation against float64, attention and
-training-step speed (TFLOP/s, tokens/s, MFU) with the targets of issue 15, as JSON and markdown.
+training-step speed (TFLOP/s, tokens/s, MFU) against its speed targets, as JSON and markdown.
 
 `smoke=True` shrinks every part to tiny float32 shapes so the same code path runs on CPU.
 """
@@ -237,7 +237,7 @@ def train_speed(name: str, smoke: bool, steps: int, matmul: float) -> dict:
 
 
 def targets(attention: list[dict], training: list[dict]) -> list[dict]:
-  """Issue 15's targets, each with the measured value and whether it holds."""
+  """The speed targets, each with the measured value and whether it holds."""
   out = []
   mosaic = [
     r
