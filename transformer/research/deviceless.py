@@ -499,23 +499,7 @@ def markdown(report: dict) -> str:
       continue
     temp = f'{case["temp_bytes"] / 2**20:.0f}' if case['ok'] else ''
     lines.append(f'| {case["name"]} | {"yes" if case["ok"] else case["error"][:100]} | {temp} |')
-  lines += [
-    '',
-    '## Training steps: compiled memory per device',
-    '',
-    '| preset | mesh (data, fsdp, tensor) | attention | batch x length | arguments (GiB) | '
-    'temporaries (GiB) | total (GiB) | fits |',
-    '|---|---|---|---|---|---|---|---|',
-  ]
-  for s in report['steps']:
-    if not s['ok']:
-      lines.append(f'| {s["preset"]} | {s["mesh"]} | | | | | did not compile | {s["error"][:80]} |')
-      continue
-    lines.append(
-      f'| {s["preset"]} | {s["mesh"]} {tuple(s["mesh_shape"])} | {s["attention"]} | '
-      f'{s["batch"]} x {s["length"]} | {gib(s["argument_bytes"])} | {gib(s["temp_bytes"])} | '
-      f'{gib(s["total_bytes"])} | {"yes" if s["fits"] else "no"} |'
-    )
+  lines += ['', '## Training steps: compiled memory per device', '', steps_table(report)]
   lines += ['', '## Problems', '']
   lines += [f'- {p}' for p in report['problems']] or ['none']
   return '\n'.join(lines) + '\n'
@@ -524,7 +508,6 @@ def markdown(report: dict) -> str:
 def summary_markdown(report: dict) -> str:
   """The short form for docs: per Pallas kernel the worst case over masks, dtypes and GQA; memory
   over T per attention path; the training steps."""
-  gib = lambda b: f'{b / GiB:.2f}'
   worst: dict[tuple, dict] = {}
   for case in report['attention']:
     if not (case['ok'] and case['implementation'].startswith('pallas') and case['length'] == 2048):
@@ -567,19 +550,27 @@ def summary_markdown(report: dict) -> str:
   ]
   for impl, row in sweep.items():
     lines.append(f'| {impl} | ' + ' | '.join(row.get(t, '') for t in lengths) + ' |')
-  lines += [
-    '',
+  lines += ['', steps_table(report)]
+  return '\n'.join(lines) + '\n'
+
+
+def steps_table(report: dict) -> str:
+  """The training steps' memory per device, one row per preset, mesh and attention path."""
+  gib = lambda b: f'{b / GiB:.2f}'
+  lines = [
     '| preset | mesh (data, fsdp, tensor) | attention | batch x length | arguments (GiB) | '
     'temporaries (GiB) | total per device (GiB) | fits |',
     '|---|---|---|---|---|---|---|---|',
   ]
   for s in report['steps']:
     if not s['ok']:
-      lines.append(f'| {s["preset"]} | {s["mesh"]} | | | | | did not compile | no |')
+      lines.append(
+        f'| {s["preset"]} | {s["mesh"]} | | | | | did not compile: {s["error"][:80]} | no |'
+      )
       continue
     lines.append(
       f'| {s["preset"]} | {s["mesh"]} {tuple(s["mesh_shape"])} | {s["attention"]} | '
       f'{s["batch"]} x {s["length"]} | {gib(s["argument_bytes"])} | {gib(s["temp_bytes"])} | '
       f'{gib(s["total_bytes"])} | {"yes" if s["fits"] else "no"} |'
     )
-  return '\n'.join(lines) + '\n'
+  return '\n'.join(lines)
