@@ -67,7 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Data: transformer.data.build(config.data, ...) -------------------------------------------
   d = config.data = ml_collections.ConfigDict()
-  d.task = 'numbers'  # numbers | grammar (built-in, generated) | text | tsv (local files) | tfds
+  d.task = 'numbers'  # numbers | grammar | recall (built-in, generated) | text | tsv (files) | tfds
   d.train_path = ''  # text/tsv: file path or glob; text = a document per line, tsv = src<TAB>tgt
   d.eval_path = ''  # text/tsv: '' holds out the last max(64, 1%) training lines instead
   d.bad_lines = 'error'  # text/tsv/tfds: error | skip (bad UTF-8, columns; counted); blanks skip
@@ -91,14 +91,18 @@ def get_config() -> ml_collections.ConfigDict:
   # Unpacked training batches are padded to the smallest bucket >= their longest example:
   # True = 8, 16, 32, ... (few shapes, few recompiles), False = always the max, or lengths.
   d.buckets = ml_collections.FieldReference(False, field_type=object)
-  d.num_train_examples = 100_000  # numbers/grammar: generated training examples
-  d.num_eval_examples = 1_000  # numbers/grammar: generated eval examples
+  d.num_train_examples = 100_000  # numbers/grammar/recall: generated training examples
+  d.num_eval_examples = 1_000  # numbers/grammar/recall: generated eval examples
   d.mlm_prob = 0.15  # bidirectional_lm: fraction of tokens masked and predicted
   d.numbers_max = 999_999  # numbers: largest number (>= 1000)
   d.numbers_direction = 'digits_to_words'  # numbers: digits_to_words | words_to_digits
   d.grammar_seed = 0  # grammar: fixes the Markov chain and its documents
   d.grammar_words = 256  # grammar: number of word types
   d.grammar_join = 1  # grammar: documents joined into one example (long rows; extrapolation)
+  d.recall_pairs = 16  # recall: key-value pairs per example (at most 26 distinct keys)
+  d.recall_gap = 64  # recall: filler tokens between the pairs and the queries
+  d.recall_queries = 8  # recall: queried keys, each followed by its value (<= recall_pairs)
+  d.recall_seed = 0  # recall: fixes the generated examples
 
   # Objective and training loop ---------------------------------------------------------------
   t = config.train = ml_collections.ConfigDict()
