@@ -49,6 +49,16 @@ def test_many_answers_lie_beyond_a_window():
   assert np.mean(np.array(distances) > 80) > 0.5  # most answers lie beyond 80 tokens
 
 
+def test_pairs_order_asks_the_first_pairs_in_order_a_fixed_distance_back():
+  pairs, gap, queries = 7, 9, 5
+  for text in recall.sample(np.random.default_rng(3), 50, pairs, gap, queries, order='pairs'):
+    start = 2 * pairs + gap
+    assert text[start:] == text[: 2 * queries]
+    assert recall.answers(text, pairs, gap) == [
+      (start + 2 * j + 1, text[2 * j + 1]) for j in range(5)
+    ]
+
+
 def test_values_and_queries_are_uniform():
   examples = recall.sample(np.random.default_rng(2), 2000, 8, 0, 4)
   values = np.array([ord(c) - ord('A') for text in examples for c in text[1:16:2]])
@@ -83,6 +93,7 @@ def test_task_builds_deterministic_disjoint_splits_with_byte_tokens():
     (dict(recall_queries=12), 'recall_queries=12 must be <= 11'),
     (dict(recall_gap=-1), 'recall_gap=-1 must be an integer >= 0'),
     (dict(recall_queries=0), 'recall_queries=0 must be an integer >= 1'),
+    (dict(recall_order='sorted'), "recall_order='sorted' is not valid; choose one of"),
   ],
 )
 def test_bad_knobs(overrides, message):

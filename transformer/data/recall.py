@@ -15,6 +15,10 @@ import numpy as np
 KEYS = string.ascii_lowercase  # 26 keys, one byte (one byte-tokenizer token) each
 VALUES = string.ascii_uppercase  # 26 values: guessing scores 1/26
 FILLER = string.digits  # the gap between the pairs and the queries: noise, never a key or value
+ORDERS = (
+  'random',
+  'pairs',
+)  # query order: random (MQAR), or the pairs' own (a fixed distance back)
 
 
 def layout(pairs: int, gap: int, queries: int) -> dict[str, int]:
@@ -36,13 +40,23 @@ def check(pairs: int, gap: int, queries: int) -> None:
       raise ValueError(f'{name}={value} must be <= {high} (keys are distinct: at most {high})')
 
 
-def sample(rng: np.random.Generator, count: int, pairs: int, gap: int, queries: int) -> list[str]:
-  """`count` examples: 'aQkZ...' + `gap` digits + 'kZ...' (queried keys with their values)."""
+def sample(
+  rng: np.random.Generator, count: int, pairs: int, gap: int, queries: int, order: str = 'random'
+) -> list[str]:
+  """`count` examples: 'aQkZ...' + `gap` digits + 'kZ...' (queried keys with their values).
+
+  order='random' asks `queries` of the pairs in a random order (Zoology's MQAR); 'pairs' asks the
+  first `queries` in their own order, so every answer lies exactly 2 * pairs + gap tokens back.
+  """
   check(pairs, gap, queries)
+  if order not in ORDERS:
+    raise ValueError(f'recall_order={order!r} is not valid; choose one of {ORDERS}')
   keys = np.argsort(rng.random((count, len(KEYS))), axis=1)[:, :pairs]  # distinct per example
   values = rng.integers(0, len(VALUES), (count, pairs))
   filler = rng.integers(0, len(FILLER), (count, gap))
   asked = np.argsort(rng.random((count, pairs)), axis=1)[:, :queries]  # which pairs, in order
+  if order == 'pairs':
+    asked = np.broadcast_to(np.arange(queries), (count, queries))
   out = []
   for k, v, f, a in zip(keys, values, filler, asked):
     text = ''.join(KEYS[i] + VALUES[j] for i, j in zip(k, v))
@@ -64,7 +78,7 @@ def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict
   The two splits come from separate random streams of `cfg.recall_seed`.
   """
   knobs = int(cfg.recall_pairs), int(cfg.recall_gap), int(cfg.recall_queries)
-  seed = int(cfg.recall_seed)
-  train = sample(np.random.default_rng([seed, 1]), cfg.num_train_examples, *knobs)
-  evaluation = sample(np.random.default_rng([seed, 2]), cfg.num_eval_examples, *knobs)
+  seed, order = int(cfg.recall_seed), str(cfg.get('recall_order', 'random'))
+  train = sample(np.random.default_rng([seed, 1]), cfg.num_train_examples, *knobs, order)
+  evaluation = sample(np.random.default_rng([seed, 2]), cfg.num_eval_examples, *knobs, order)
   return train, evaluation, {'recall_chance': 1.0 / len(VALUES), **layout(*knobs)}

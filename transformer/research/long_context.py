@@ -22,7 +22,7 @@ from transformer.training.state import model_inputs
 def recall_accuracy(ctx) -> dict[str, float]:
   """Share of the held-out answers (the value after each queried key) predicted by argmax.
 
-  `recall.mean_distance` is the mean distance in tokens from an answer back to its pair.
+  `recall.min_distance` is the shortest distance in tokens from a queried key back to its pair.
   """
   run, params = ctx.load()
   dcfg = ctx.config.data
@@ -43,7 +43,7 @@ def recall_accuracy(ctx) -> dict[str, float]:
         correct += int(np.argmax(logits[row, offset]) == targets[offset])
         total += 1
         distances.append(offset - 1 - text.index(text[offset - 1]))
-  return {'recall.accuracy': correct / total, 'recall.mean_distance': float(np.mean(distances))}
+  return {'recall.accuracy': correct / total, 'recall.min_distance': float(min(distances))}
 
 
 def step_cost(config: ml_collections.ConfigDict, length: int, steps: int = 3) -> dict[str, float]:
