@@ -295,3 +295,21 @@ def test_decoding_equals_the_parallel_form_token_for_token(family, overrides):
   np.testing.assert_array_equal(got, want)
   assert len(set(map(tuple, np.asarray(got).tolist()))) > 1  # not a constant model
   assert beams.shape == got.shape
+
+
+def test_bidirectional_lm_padding_changes_nothing_and_every_token_sees_the_future():
+  model, params = random_model(tiny('bidirectional_lm', position='learned'), seed=1)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(5, 40, (2, 11)).astype(np.int32)
+  segments = np.ones((2, 11), np.int32)
+  segments[0, 7:] = 0  # padding, whatever its tokens
+  logits = lambda t: np.asarray(
+    model.apply({'params': params}, jnp.asarray(t), segments=jnp.asarray(segments))
+  )
+  base = logits(tokens)
+  other = tokens.copy()
+  other[0, 7:] = rng.integers(5, 40, 4)
+  np.testing.assert_allclose(logits(other)[0, :7], base[0, :7], rtol=1e-6, atol=1e-6)
+  later = tokens.copy()
+  later[1, 10] = (later[1, 10] - 4) % 35 + 5  # another token at the end moves the first output
+  assert not np.allclose(logits(later)[1, 0], base[1, 0])
