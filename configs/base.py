@@ -103,6 +103,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.recall_gap = 64  # recall: filler tokens between the pairs and the queries
   d.recall_queries = 8  # recall: queried keys, each followed by its value (<= recall_pairs)
   d.recall_order = 'random'  # recall: query order, random (MQAR) | pairs (a fixed distance back)
+  d.recall_filler = 'random'  # recall: filler digits random | constant (all '0')
   d.recall_seed = 0  # recall: fixes the generated examples
 
   # Objective and training loop ---------------------------------------------------------------

@@ -59,6 +59,14 @@ def test_pairs_order_asks_the_first_pairs_in_order_a_fixed_distance_back():
     ]
 
 
+def test_constant_filler_is_zeros_and_the_rest_is_as_with_random_filler():
+  constant = recall.sample(np.random.default_rng(4), 20, 6, 11, 6, filler='constant')
+  noisy = recall.sample(np.random.default_rng(4), 20, 6, 11, 6)
+  for a, b in zip(constant, noisy):
+    assert a[12:23] == '0' * 11 and a[:12] == b[:12] and a[23:] == b[23:]
+    assert b[12:23] != '0' * 11
+
+
 def test_values_and_queries_are_uniform():
   examples = recall.sample(np.random.default_rng(2), 2000, 8, 0, 4)
   values = np.array([ord(c) - ord('A') for text in examples for c in text[1:16:2]])
@@ -94,6 +102,7 @@ def test_task_builds_deterministic_disjoint_splits_with_byte_tokens():
     (dict(recall_gap=-1), 'recall_gap=-1 must be an integer >= 0'),
     (dict(recall_queries=0), 'recall_queries=0 must be an integer >= 1'),
     (dict(recall_order='sorted'), "recall_order='sorted' is not valid; choose one of"),
+    (dict(recall_filler='dots'), "recall_filler='dots' is not valid; choose one of"),
   ],
 )
 def test_bad_knobs(overrides, message):

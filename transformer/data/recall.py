@@ -15,10 +15,9 @@ import numpy as np
 KEYS = string.ascii_lowercase  # 26 keys, one byte (one byte-tokenizer token) each
 VALUES = string.ascii_uppercase  # 26 values: guessing scores 1/26
 FILLER = string.digits  # the gap between the pairs and the queries: noise, never a key or value
-ORDERS = (
-  'random',
-  'pairs',
-)  # query order: random (MQAR), or the pairs' own (a fixed distance back)
+# Query order: random (MQAR), or the pairs' own (each answer a fixed distance back).
+ORDERS = ('random', 'pairs')
+FILLERS = ('random', 'constant')  # filler digits drawn at random, or all '0' (nothing to predict)
 
 
 def layout(pairs: int, gap: int, queries: int) -> dict[str, int]:
@@ -41,7 +40,13 @@ def check(pairs: int, gap: int, queries: int) -> None:
 
 
 def sample(
-  rng: np.random.Generator, count: int, pairs: int, gap: int, queries: int, order: str = 'random'
+  rng: np.random.Generator,
+  count: int,
+  pairs: int,
+  gap: int,
+  queries: int,
+  order: str = 'random',
+  filler: str = 'random',
 ) -> list[str]:
   """`count` examples: 'aQkZ...' + `gap` digits + 'kZ...' (queried keys with their values).
 
@@ -51,14 +56,16 @@ def sample(
   check(pairs, gap, queries)
   if order not in ORDERS:
     raise ValueError(f'recall_order={order!r} is not valid; choose one of {ORDERS}')
+  if filler not in FILLERS:
+    raise ValueError(f'recall_filler={filler!r} is not valid; choose one of {FILLERS}')
   keys = np.argsort(rng.random((count, len(KEYS))), axis=1)[:, :pairs]  # distinct per example
   values = rng.integers(0, len(VALUES), (count, pairs))
-  filler = rng.integers(0, len(FILLER), (count, gap))
+  digits = rng.integers(0, len(FILLER), (count, gap)) * (filler == 'random')  # 'constant': 0s
   asked = np.argsort(rng.random((count, pairs)), axis=1)[:, :queries]  # which pairs, in order
   if order == 'pairs':
     asked = np.broadcast_to(np.arange(queries), (count, queries))
   out = []
-  for k, v, f, a in zip(keys, values, filler, asked):
+  for k, v, f, a in zip(keys, values, digits, asked):
     text = ''.join(KEYS[i] + VALUES[j] for i, j in zip(k, v))
     text += ''.join(FILLER[i] for i in f)
     out.append(text + ''.join(KEYS[k[i]] + VALUES[v[i]] for i in a))
@@ -78,7 +85,8 @@ def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict
   The two splits come from separate random streams of `cfg.recall_seed`.
   """
   knobs = int(cfg.recall_pairs), int(cfg.recall_gap), int(cfg.recall_queries)
-  seed, order = int(cfg.recall_seed), str(cfg.get('recall_order', 'random'))
-  train = sample(np.random.default_rng([seed, 1]), cfg.num_train_examples, *knobs, order)
-  evaluation = sample(np.random.default_rng([seed, 2]), cfg.num_eval_examples, *knobs, order)
+  seed = int(cfg.recall_seed)
+  style = str(cfg.get('recall_order', 'random')), str(cfg.get('recall_filler', 'random'))
+  train = sample(np.random.default_rng([seed, 1]), cfg.num_train_examples, *knobs, *style)
+  evaluation = sample(np.random.default_rng([seed, 2]), cfg.num_eval_examples, *knobs, *style)
   return train, evaluation, {'recall_chance': 1.0 / len(VALUES), **layout(*knobs)}
