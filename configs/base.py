@@ -48,6 +48,8 @@ def get_config() -> ml_collections.ConfigDict:
   m.share_embeddings = True  # one table for source and target (EncoderDecoder)
   m.tie_output = True  # output projection = transposed target embedding
   m.attention_scale = True  # 1/sqrt(d_k) scaling of the logits; False = the ablation
+  m.attention = 'softmax'  # softmax | linear (phi(q).phi(k), O(T); Katharopoulos et al. 2020)
+  m.linear_feature_map = 'elu'  # linear attention's phi: elu (elu + 1) | relu | softplus
   m.attention_impl = ml_collections.FieldReference(None, field_type=str)  # xla|chunked|pallas|cudnn
   m.attention_chunk_size = 128  # key block of the 'chunked' implementation
   m.window = ml_collections.FieldReference(None, field_type=tuple)  # sliding window (left, right)
@@ -65,7 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Data: transformer.data.build(config.data, ...) -------------------------------------------
   d = config.data = ml_collections.ConfigDict()
-  d.task = 'numbers'  # numbers | grammar (built-in) | text | tsv (local files) | tfds | corpus
+  d.task = 'numbers'  # numbers | grammar | recall (built-in) | text | tsv (files) | tfds | corpus
   d.train_path = ''  # text/tsv: file path or glob; text = a document per line, tsv = src<TAB>tgt
   d.eval_path = ''  # text/tsv: '' holds out the last max(64, 1%) training lines instead
   # corpus: train_path/eval_path are globs of text, .jsonl(.gz/.zst) or Parquet files (prepared
@@ -96,14 +98,20 @@ def get_config() -> ml_collections.ConfigDict:
   # Unpacked training batches are padded to the smallest bucket >= their longest example:
   # True = 8, 16, 32, ... (few shapes, few recompiles), False = always the max, or lengths.
   d.buckets = ml_collections.FieldReference(False, field_type=object)
-  d.num_train_examples = 100_000  # numbers/grammar: generated training examples
-  d.num_eval_examples = 1_000  # numbers/grammar: generated eval examples
+  d.num_train_examples = 100_000  # numbers/grammar/recall: generated training examples
+  d.num_eval_examples = 1_000  # numbers/grammar/recall: generated eval examples
   d.mlm_prob = 0.15  # bidirectional_lm: fraction of tokens masked and predicted
   d.numbers_max = 999_999  # numbers: largest number (>= 1000)
   d.numbers_direction = 'digits_to_words'  # numbers: digits_to_words | words_to_digits
   d.grammar_seed = 0  # grammar: fixes the Markov chain and its documents
   d.grammar_words = 256  # grammar: number of word types
   d.grammar_join = 1  # grammar: documents joined into one example (long rows; extrapolation)
+  d.recall_pairs = 16  # recall: key-value pairs per example (at most 26 distinct keys)
+  d.recall_gap = 64  # recall: filler tokens between the pairs and the queries
+  d.recall_queries = 8  # recall: queried keys, each followed by its value (<= recall_pairs)
+  d.recall_order = 'random'  # recall: query order, random (MQAR) | pairs (a fixed distance back)
+  d.recall_filler = 'random'  # recall: filler digits random | constant (all '0')
+  d.recall_seed = 0  # recall: fixes the generated examples
 
   # Objective and training loop ---------------------------------------------------------------
   t = config.train = ml_collections.ConfigDict()

@@ -28,6 +28,8 @@ SEEDS = {
   'model_scaling': 1,
   'cross_attention_alignment': 1,
   'bidirectional_vs_causal': 1,
+  'long_context': 1,
+  'rope_scaling_vs_long_training': 3,  # its rules compare means by 2 pooled stds over seeds
   # The chosen recipe and the old one at five seeds, the screened candidates at seed 0.
   'default_recipe': {'cos3e-3_w100': 5, 'rsqrt': 5, '*': 1},
 }

@@ -25,6 +25,8 @@ NORM_PLACEMENTS = ('pre', 'post')
 ACTIVATIONS = ('relu', 'gelu', 'gelu_tanh', 'swiglu')
 # The names a config may choose; `model.attention.register_implementation` adds its own here.
 ATTENTION_IMPLEMENTATIONS = [None, 'xla', 'chunked', 'pallas', 'cudnn']
+ATTENTIONS = ('softmax', 'linear')  # the attention itself; the implementations above are softmax's
+LINEAR_FEATURE_MAPS = ('elu', 'relu', 'softplus')  # phi of linear attention (elu = elu(x) + 1)
 INITS = ('scaled', 'plain')
 INIT_DISTRIBUTIONS = ('xavier', 'normal')
 REMAT_POLICIES = ('none', 'full', 'save_matmuls')
@@ -71,6 +73,8 @@ class ModelConfig:
   share_embeddings: bool = True  # EncoderDecoder: one table for source and target
   tie_output: bool = True  # the output projection is the transposed target embedding
   attention_scale: bool = True  # scale logits by 1/sqrt(head_dim); False = the ablation
+  attention: str = 'softmax'  # one of ATTENTIONS: softmax, or linear (Katharopoulos et al. 2020)
+  linear_feature_map: str = 'elu'  # attention='linear': phi, one of LINEAR_FEATURE_MAPS
   attention_impl: str | None = None  # one of ATTENTION_IMPLEMENTATIONS; None = pick for the backend
   attention_chunk_size: int = 128  # key block of the 'chunked' path
   window: tuple[int, int] | None = None  # self-attention sliding window (left, right)
@@ -204,6 +208,8 @@ def _validate(c: ModelConfig) -> None:
   _choice('norm_placement', c.norm_placement, NORM_PLACEMENTS)
   _choice('activation', c.activation, ACTIVATIONS)
   _choice('attention_impl', c.attention_impl, tuple(ATTENTION_IMPLEMENTATIONS))
+  _choice('attention', c.attention, ATTENTIONS)
+  _choice('linear_feature_map', c.linear_feature_map, LINEAR_FEATURE_MAPS)
   _choice('init', c.init, INITS)
   _choice('init_distribution', c.init_distribution, INIT_DISTRIBUTIONS)
   _choice('remat', c.remat, REMAT_POLICIES)
@@ -264,6 +270,8 @@ def _validate(c: ModelConfig) -> None:
       f'attention_dropout_rate={c.attention_dropout_rate} needs the materialised probabilities of '
       f"attention_impl='xla' (or None), not {c.attention_impl!r}; set attention_dropout_rate=0"
     )
+  if c.attention == 'linear':
+    _check_linear(c)
   if c.family == 'encoder_decoder' and c.type_vocab_size:
     raise ValueError('type_vocab_size is for family=bidirectional_lm only; set it to 0')
   if c.num_classes and c.family != 'bidirectional_lm':
@@ -278,4 +286,25 @@ def _validate(c: ModelConfig) -> None:
     raise ValueError(
       f'rope_low_freq_factor={c.rope_low_freq_factor} and rope_high_freq_factor='
       f'{c.rope_high_freq_factor} must satisfy 0 < low < high for rope_scaling=llama3'
+    )
+
+
+def _check_linear(c: ModelConfig) -> None:
+  """attention='linear' folds all visible keys into one state: no window, bias or probabilities."""
+  if c.window is not None:
+    raise ValueError(
+      f"window={c.window} needs attention='softmax': linear attention folds every visible key "
+      'into one state, so a sliding window does not apply; set window=None'
+    )
+  if c.position == 'alibi':
+    raise ValueError("position='alibi' biases softmax logits; with attention='linear' use rope")
+  if c.attention_impl is not None:
+    raise ValueError(
+      f"attention_impl={c.attention_impl!r} picks a softmax kernel; attention='linear' has its "
+      'own path, so leave attention_impl=None'
+    )
+  if c.attention_dropout_rate > 0:
+    raise ValueError(
+      f'attention_dropout_rate={c.attention_dropout_rate} drops softmax probabilities, which '
+      "attention='linear' never forms; set it to 0"
     )

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import ml_collections
 import numpy as np
 
-from transformer.data import batching, grammar, number_words, sources, stream_task
+from transformer.data import batching, grammar, number_words, recall, sources, stream_task
 from transformer.data.tokenizers import (
   ByteTokenizer,
   Tokenizer,
@@ -25,7 +25,7 @@ from transformer.data.tokenizers import (
 )
 from transformer.data.tokenizers import save_whole as _save_whole
 
-TASKS = ('numbers', 'grammar', 'text', 'tsv', 'tfds', 'corpus')  # corpus: streamed token shards
+TASKS = ('numbers', 'grammar', 'recall', 'text', 'tsv', 'tfds', 'corpus')  # corpus: streamed shards
 TOKENIZERS = ('byte', 'sentencepiece', 'hf')  # hf: an imported model's own, in workdir/tokenizer
 _CHUNK = 4096  # examples tokenised at a time
 _CHARS_PER_TOKEN = 64  # texts are cut to this many characters per allowed token (see max_chars)
@@ -103,6 +103,9 @@ def _raw_data(cfg, family: str) -> tuple[str, Iterable, list, dict]:
     return 'pairs', train, evaluation, info
   if task == 'grammar':
     train, evaluation, info = grammar.generate(cfg)
+    return 'text', train, evaluation, info
+  if task == 'recall':
+    train, evaluation, info = recall.generate(cfg)
     return 'text', train, evaluation, info
   if task in ('text', 'tsv'):
     columns = 1 if task == 'text' else 2

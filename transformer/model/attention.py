@@ -13,14 +13,14 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from jax import Array
 
 from transformer import config, sharding
 from transformer.model import attention_paths as paths
+from transformer.model import linear_attention as linear
 from transformer.model import positions as positions_lib
-from transformer.model.masks import NEG, MaskSpec
+from transformer.model.masks import MaskSpec
 from transformer.model.norms import Norm
 
 _DENSE_MAX_ELEMENTS = 1024 * 1024  # auto-select 'xla' while one head's T * S logits fit this
@@ -171,40 +171,9 @@ class CacheMode(NamedTuple):
   length: int  # L: self-attention slots = longest prompt + tokens to generate
 
 
-def _attend_one_step(q, k, v, visible, *, scale, alibi_slopes=None, q_pos=None) -> Array:
-  """One query per row against cached keys: dense float32 logits [B, K, G, L] are cheap here.
-
-  Kept apart from `dot_product_attention` because the mask and the ALiBi bias depend on each row's
-  own position, which the top-left aligned `MaskSpec` cannot express.
-
-  Args:
-    q: `[B, 1, N, H]`; k, v: `[B, L, K, H]`; visible: bool `[B or 1, L]`.
-    alibi_slopes: optional `[N]`, with q_pos `[B]` the query positions (keys sit at 0..L-1).
-  Returns:
-    `[B, 1, N, H]` in q.dtype; a row that sees no key gives 0.
-  """
-  B, _, N, H = q.shape
-  L, K = k.shape[1], k.shape[2]
-  f32 = jnp.float32
-  # The one query position is dropped: [B, 1, N, H] -> [B, K, G, H], query head n = k * G + g,
-  # so the G heads that share kv head k line up against it without repeating k or v.
-  qg = q.reshape(B, K, N // K, H)  # [B, K, G, H]
-  logits = jnp.einsum('bkgh,blkh->bkgl', qg, k, preferred_element_type=f32) * scale  # [B, K, G, L]
-  if alibi_slopes is not None:
-    dist = jnp.abs(q_pos[:, None] - jnp.arange(L)[None]).astype(f32)  # [B, L]
-    slopes = alibi_slopes.astype(f32).reshape(K, N // K)  # [K, G]
-    logits = logits - slopes[None, :, :, None] * dist[:, None, None, :]  # [B, K, G, L]
-  visible = visible[:, None, None, :]  # [B or 1, 1, 1, L]
-  probs = jax.nn.softmax(jnp.where(visible, logits, NEG), axis=-1)
-  # A row with no visible key has uniform softmax over NEG logits; zero it so it outputs 0.
-  probs = jnp.where(visible, probs, 0.0)  # [B, K, G, L]
-  # [B, K, G, H]
-  out = jnp.einsum('bkgl,blkh->bkgh', probs.astype(v.dtype), v, preferred_element_type=f32)
-  return out.reshape(B, 1, N, H).astype(q.dtype)  # [B, 1, N, H]
-
-
 class MultiHeadAttention(nn.Module):
-  """Self or cross attention: q/k/v/out projections around `dot_product_attention`.
+  """Self or cross attention: q/k/v/out projections around `dot_product_attention`, or around
+  `linear_attention.linear_attention` with kind='linear' (its cache is then a fixed-size state).
 
   Positions that act on q and k (RoPE) or on the logits (ALiBi) are applied here, for self
   attention only; absolute positions are added to the embeddings by the model.
@@ -227,6 +196,8 @@ class MultiHeadAttention(nn.Module):
   alibi: bool = False
   qkv_bias: bool | None = None  # biases on query/key/value; None = use_bias (which sets 'out')
   qk_norm: tuple[str, float] | None = None  # (norm kind, eps) over head_dim of q and k (Qwen3)
+  kind: str = 'softmax'  # 'softmax' | 'linear' (config.ATTENTIONS)
+  feature_map: str = 'elu'  # kind='linear': phi, a name in linear_attention.FEATURE_MAPS
 
   @nn.compact
   def __call__(
@@ -314,6 +285,18 @@ class MultiHeadAttention(nn.Module):
     if cache_mode is not None and cache_mode.phase == 'step':
       # [B, 1, N, H]: one new token per row against the cache
       out = self._attend_cache(q, k, v, self_attention, mask, positions, alibi_slopes)
+    elif self.kind == 'linear':
+      if return_probs:
+        raise ValueError("return_probs=True needs kind='softmax': linear attention has no probs")
+      out = linear.linear_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        feature_map=self.feature_map,
+        chunk_size=self.chunk_size,
+        self_attention=self_attention,
+      )  # [B, T, N, H]
     else:
       out = dot_product_attention(
         q,
@@ -357,6 +340,8 @@ class MultiHeadAttention(nn.Module):
       raise ValueError('return_probs=True is not available while decoding with a KV cache')
     if self_attention and (mask is None or not mask.causal):
       raise ValueError('a KV cache needs causal self attention; pass a MaskSpec with causal=True')
+    if self.kind == 'linear':
+      return self._update_state(mode, k, v, self_attention, mask)
     B, T, K, H = k.shape
     if mode.phase == 'prefill':
       if self_attention and T > mode.length:
@@ -383,15 +368,40 @@ class MultiHeadAttention(nn.Module):
     cached_v.value = cached_v.value.at[rows, slots].set(v[:, 0])  # [B, L, K, H]
     return cached_k.value, cached_v.value
 
+  def _update_state(self, mode, k, v, self_attention, mask):
+    """kind='linear': a state of fixed size instead of a growing cache (leaves [B, K, H, H] and
+    [B, K, 1, H], see `linear_attention.state`). prefill returns k, v [B, T, K, H] to attend to;
+    step returns the state after this token (self) or the encoder's (cross)."""
+    kv_segments = None if mask is None else mask.kv_segment_ids
+    if mode.phase == 'prefill':
+      kv, z = linear.state(k, v, kv_segments, self.feature_map)
+      self.variable('cache', 'linear_state', jnp.zeros, kv.shape, kv.dtype).value = kv
+      self.variable('cache', 'linear_normalizer', jnp.zeros, z.shape, z.dtype).value = z
+      return k, v
+    if not self.has_variable('cache', 'linear_state'):
+      raise ValueError("CacheMode 'step' needs the state that a 'prefill' call filled")
+    kv, z = self.variable('cache', 'linear_state'), self.variable('cache', 'linear_normalizer')
+    if self_attention:
+      if k.shape[1] != 1:
+        raise ValueError(f'CacheMode step takes one token per row; got {k.shape[1]}')
+      kv_t, z_t = linear.state(k, v, None, self.feature_map)  # the new token is real
+      kv.value, z.value = kv.value + kv_t, z.value + z_t
+    return kv.value, z.value
+
   def _attend_cache(self, q, k, v, self_attention, mask, positions, alibi_slopes):
-    """'step' attention of q [B, 1, N, H] over cached k/v [B, L, K, H]."""
+    """'step' attention of q [B, 1, N, H] over cached k/v [B, L, K, H] (or, for kind='linear',
+    over the state (k, v) = ([B, K, H, H], [B, K, 1, H]))."""
+    if self.kind == 'linear':
+      return linear.readout(q, k, v, self.feature_map)
     scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
     if not self_attention:  # the cross mask is top-left aligned already: [B or 1, S]
       visible = (MaskSpec() if mask is None else mask).dense(1, k.shape[1])[:, 0, 0]
-      return _attend_one_step(q, k, v, visible, scale=scale)
+      return paths.attend_one_step(q, k, v, visible, scale=scale)
     q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
     slots = jnp.arange(k.shape[1])[None]  # [1, L]
     visible = slots <= q_pos[:, None]  # [B, L]: causal; later slots are not written yet
     if mask.window is not None:  # only the left edge: causal already hides keys to the right
       visible &= slots >= q_pos[:, None] - mask.window[0]
-    return _attend_one_step(q, k, v, visible, scale=scale, alibi_slopes=alibi_slopes, q_pos=q_pos)
+    return paths.attend_one_step(
+      q, k, v, visible, scale=scale, alibi_slopes=alibi_slopes, q_pos=q_pos
+    )

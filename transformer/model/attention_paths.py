@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 
 from transformer.model.masks import NEG, MaskSpec, alibi_bias
 from transformer.model.masks import visible as visible_keys
@@ -234,3 +235,36 @@ def pallas_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
     scale=float(scale),
     interpret=not target.current().compiles_kernels,  # the compile target, not this process
   )
+
+
+# KV-cache decoding: one query per row ------------------------------------------------------
+def attend_one_step(q, k, v, visible, *, scale, alibi_slopes=None, q_pos=None) -> Array:
+  """One query per row against cached keys: dense float32 logits [B, K, G, L] are cheap here.
+
+  Kept apart from `dot_product_attention` because the mask and the ALiBi bias depend on each row's
+  own position, which the top-left aligned `MaskSpec` cannot express.
+
+  Args:
+    q: `[B, 1, N, H]`; k, v: `[B, L, K, H]`; visible: bool `[B or 1, L]`.
+    alibi_slopes: optional `[N]`, with q_pos `[B]` the query positions (keys sit at 0..L-1).
+  Returns:
+    `[B, 1, N, H]` in q.dtype; a row that sees no key gives 0.
+  """
+  B, _, N, H = q.shape
+  L, K = k.shape[1], k.shape[2]
+  f32 = jnp.float32
+  # The one query position is dropped: [B, 1, N, H] -> [B, K, G, H], query head n = k * G + g,
+  # so the G heads that share kv head k line up against it without repeating k or v.
+  qg = q.reshape(B, K, N // K, H)  # [B, K, G, H]
+  logits = jnp.einsum('bkgh,blkh->bkgl', qg, k, preferred_element_type=f32) * scale  # [B, K, G, L]
+  if alibi_slopes is not None:
+    dist = jnp.abs(q_pos[:, None] - jnp.arange(L)[None]).astype(f32)  # [B, L]
+    slopes = alibi_slopes.astype(f32).reshape(K, N // K)  # [K, G]
+    logits = logits - slopes[None, :, :, None] * dist[:, None, None, :]  # [B, K, G, L]
+  visible = visible[:, None, None, :]  # [B or 1, 1, 1, L]
+  probs = jax.nn.softmax(jnp.where(visible, logits, NEG), axis=-1)
+  # A row with no visible key has uniform softmax over NEG logits; zero it so it outputs 0.
+  probs = jnp.where(visible, probs, 0.0)  # [B, K, G, L]
+  # [B, K, G, H]
+  out = jnp.einsum('bkgl,blkh->bkgh', probs.astype(v.dtype), v, preferred_element_type=f32)
+  return out.reshape(B, 1, N, H).astype(q.dtype)  # [B, 1, N, H]

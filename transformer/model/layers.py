@@ -246,6 +246,8 @@ class Block(nn.Module):
         alibi=rope_alibi and cfg.position == 'alibi',
         qkv_bias=cfg.qkv_bias,
         qk_norm=(cfg.norm, cfg.norm_eps) if cfg.qk_norm else None,
+        kind=cfg.attention,
+        feature_map=cfg.linear_feature_map,
         name=name,
       )
 

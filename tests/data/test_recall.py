@@ -1,0 +1,110 @@
+"""Tests of the generated `recall` task (multi-query associative recall)."""
+
+import re
+
+import numpy as np
+import pytest
+
+from transformer import data
+from transformer.data import recall
+
+
+def _cfg(**overrides):
+  cfg = data.default_config()
+  cfg.task, cfg.tokenizer = 'recall', 'byte'
+  cfg.num_train_examples, cfg.num_eval_examples = 200, 50
+  cfg.recall_pairs, cfg.recall_gap, cfg.recall_queries = 11, 37, 5
+  cfg.update(overrides)
+  return cfg
+
+
+@pytest.mark.parametrize('pairs, gap, queries', [(11, 37, 5), (26, 0, 26), (1, 3, 1)])
+def test_examples_are_pairs_filler_and_queries_with_the_right_answers(pairs, gap, queries):
+  examples = recall.sample(np.random.default_rng(0), 300, pairs, gap, queries)
+  pattern = re.compile(rf'((?:[a-z][A-Z]){{{pairs}}})([0-9]{{{gap}}})((?:[a-z][A-Z]){{{queries}}})')
+  for text in examples:
+    match = pattern.fullmatch(text)
+    assert match, text
+    keys, values = match.group(1)[::2], match.group(1)[1::2]
+    assert len(set(keys)) == pairs  # distinct keys
+    asked = match.group(3)
+    assert len(set(asked[::2])) == queries and set(asked[::2]) <= set(keys)
+    for key, value in zip(asked[::2], asked[1::2]):
+      assert value == values[keys.index(key)]
+    # `answers` gives each answer's offset and value, and its pair lies >= gap + 2 tokens back.
+    got = recall.answers(text, pairs, gap)
+    assert [text[i] for i, _ in got] == [v for _, v in got] == list(asked[1::2])
+    for offset, _ in got:  # query key at offset - 1, its pair's key where it first occurs
+      assert (offset - 1) - text.index(text[offset - 1]) >= gap + 2
+
+
+def test_many_answers_lie_beyond_a_window():
+  pairs, gap = 16, 64
+  examples = recall.sample(np.random.default_rng(1), 200, pairs, gap, 8)
+  distances = [
+    offset - text.index(text[offset - 1]) - 1 for text in examples
+    for offset, _ in recall.answers(text, pairs, gap)
+  ]  # fmt: skip
+  assert min(distances) >= gap + 2
+  assert np.mean(np.array(distances) > 80) > 0.5  # most answers lie beyond 80 tokens
+
+
+def test_pairs_order_asks_the_first_pairs_in_order_a_fixed_distance_back():
+  pairs, gap, queries = 7, 9, 5
+  for text in recall.sample(np.random.default_rng(3), 50, pairs, gap, queries, order='pairs'):
+    start = 2 * pairs + gap
+    assert text[start:] == text[: 2 * queries]
+    assert recall.answers(text, pairs, gap) == [
+      (start + 2 * j + 1, text[2 * j + 1]) for j in range(5)
+    ]
+
+
+def test_constant_filler_is_zeros_and_the_rest_is_as_with_random_filler():
+  constant = recall.sample(np.random.default_rng(4), 20, 6, 11, 6, filler='constant')
+  noisy = recall.sample(np.random.default_rng(4), 20, 6, 11, 6)
+  for a, b in zip(constant, noisy):
+    assert a[12:23] == '0' * 11 and a[:12] == b[:12] and a[23:] == b[23:]
+    assert b[12:23] != '0' * 11
+
+
+def test_values_and_queries_are_uniform():
+  examples = recall.sample(np.random.default_rng(2), 2000, 8, 0, 4)
+  values = np.array([ord(c) - ord('A') for text in examples for c in text[1:16:2]])
+  counts = np.bincount(values, minlength=26)
+  assert counts.min() > 0.6 * counts.mean()  # 16000 draws of 26 values
+  first_asked = [text[:16:2].index(text[16]) for text in examples]  # which pair is asked first
+  assert np.bincount(first_asked, minlength=8).min() > 0.7 * 250
+
+
+def test_task_builds_deterministic_disjoint_splits_with_byte_tokens():
+  task = data.build(_cfg(), family='causal_lm', workdir=None, seed=0)
+  again = data.build(_cfg(), family='causal_lm', workdir=None, seed=0)
+  assert task.info['length'] == 2 * 11 + 37 + 2 * 5
+  assert task.info['query_start'] == 2 * 11 + 37
+  assert task.info['recall_chance'] == pytest.approx(1 / 26)
+  batch, batch2 = task.eval_batches()[0], again.eval_batches()[0]
+  np.testing.assert_array_equal(batch['targets'], batch2['targets'])
+  train, evaluation, _ = recall.generate(_cfg())
+  assert not set(train) & set(evaluation)
+  # One token per character: the targets of a row spell its example, then eos.
+  row = batch['targets'][0]
+  text = task.tokenizer.decode([int(t) for t in row if t > 0][:-1])
+  assert text == evaluation[0]
+  other = recall.generate(_cfg(recall_seed=1))[1]
+  assert other[0] != evaluation[0]
+
+
+@pytest.mark.parametrize(
+  'overrides, message',
+  [
+    (dict(recall_pairs=27), 'recall_pairs=27 must be <= 26'),
+    (dict(recall_queries=12), 'recall_queries=12 must be <= 11'),
+    (dict(recall_gap=-1), 'recall_gap=-1 must be an integer >= 0'),
+    (dict(recall_queries=0), 'recall_queries=0 must be an integer >= 1'),
+    (dict(recall_order='sorted'), "recall_order='sorted' is not valid; choose one of"),
+    (dict(recall_filler='dots'), "recall_filler='dots' is not valid; choose one of"),
+  ],
+)
+def test_bad_knobs(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    recall.generate(_cfg(**overrides))

@@ -1,0 +1,27 @@
+"""Tests of transformer.research.long_context: the step cost that the long_context sweep fits."""
+
+import pytest
+
+from configs import gpt_tiny
+from transformer.research import long_context
+
+
+def _config(**model):
+  config = gpt_tiny.get_config()
+  config.model.update(position='rope', vocab_size=300, d_model=32, d_ff=64, num_layers=1, **model)
+  return config
+
+
+@pytest.mark.parametrize(
+  'model, low, high',
+  [
+    (dict(attention_impl='xla'), 8.0, 17.0),  # [T, T] logits: 16x at 4x the length
+    (dict(attention='linear'), 2.0, 6.0),  # a [H, H] state per block: ~4x
+  ],
+)
+def test_step_memory_of_full_attention_is_quadratic_and_of_linear_attention_linear(
+  model, low, high
+):
+  short, long = (long_context.step_cost(_config(**model), T, steps=1) for T in (256, 1024))
+  assert short['ms'] > 0 and long['ms'] > 0
+  assert low < long['mib'] / short['mib'] < high, (short, long)
