@@ -126,12 +126,16 @@ def _visible(shape, q_first, k_first, q_seg, kv_seg, cfg, *, keys_on_rows=False)
     # Positions as a per-row and a per-column vector, broadcast where compared: a thread holds
     # 2 rows and 16 columns of a [64, 64] tile, so that is 18 values instead of two 32-value
     # tiles, which the dK/dV kernel at head dim 128 cannot keep beside its accumulators.
-    q_pos = lax.broadcast_in_dim(
-      q_first + _iota_vector(shape, q_dim, cfg.interpret), shape, [q_dim]
-    )
-    k_pos = lax.broadcast_in_dim(
-      k_first + _iota_vector(shape, k_dim, cfg.interpret), shape, [k_dim]
-    )
+    # The padded-tail condition alone keeps whole tiles: Mosaic GPU's layout inference (jax 0.12)
+    # finds no layout for a broadcast vector compared just once.
+    if cfg.causal or cfg.window is not None:
+      q_pos = q_first + _iota_vector(shape, q_dim, cfg.interpret)
+      k_pos = k_first + _iota_vector(shape, k_dim, cfg.interpret)
+      q_pos = lax.broadcast_in_dim(q_pos, shape, [q_dim])
+      k_pos = lax.broadcast_in_dim(k_pos, shape, [k_dim])
+    else:
+      q_pos = q_first + _iota(shape, q_dim, cfg.interpret)
+      k_pos = k_first + _iota(shape, k_dim, cfg.interpret)
     if cfg.kv_len is not None:
       conds.append(k_pos < cfg.kv_len)  # the padded tail of the keys
     if cfg.causal:
