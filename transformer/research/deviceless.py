@@ -230,7 +230,7 @@ def _compile(fn, args, mesh, dump_dir: str, sparrow_only: bool, jit=None) -> dic
     'ok': True,
     'compile_s': round(seconds, 1),
     'kernels': [k.as_dict() for k in kernels],
-    'xla_kernels': 0 if sparrow_only else sum(1 for k in kernels if not k.name.startswith('sp')),
+    'xla_kernels': sum(1 for k in kernels if not k.name.startswith('sparrow_')),
     **_memory(memory),
   }
 
