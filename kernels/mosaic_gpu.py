@@ -507,31 +507,40 @@ def _dkv_kernel(*refs, cfg, bq, bk, depth, group, has_seg, wgs):
     own = ranges(j * wgs + wg, block_k=bk)
     own = _own_range(union, tuple(jnp.asarray(x, jnp.int32) for x in own))
 
-    def head(g, carry):
-      def step(qb, carry):
-        dk, dv = carry
-        t = g * per_head + qb - union[0]
-        q_tile, do_tile, lse_tile, delta_tile, seg_tile = ring.wait(t)
-        st = _scores(k_s.at[wg], q_tile, (bk, bq), cfg.interpret) * (cfg.scale * LOG2E)
-        lse = _load_vector(lse_tile, 0, cfg.interpret)
-        pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))  # [bk, bq]
-        q_seg = _load_vector(seg_tile, 0, cfg.interpret) if has_seg else None
-        mask = _visible((bk, bq), qb * bq, k_first, q_seg, kv_seg, cfg, keys_on_rows=True)
-        if mask is not None:
-          pt = jnp.where(mask, pt, 0.0)
-        dv = _accumulate(dv, pt.astype(cfg.dtype), do_tile, cfg.interpret)
-        dpt = _scores(v_s.at[wg], do_tile, (bk, bq), cfg.interpret)
-        delta = _load_vector(delta_tile, 0, cfg.interpret)
-        dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-        dk = _accumulate(dk, dst.astype(cfg.dtype), q_tile, cfg.interpret)
-        ring.release(t)
-        return dk, dv
-
-      skip = lambda qb: ring.skip(g * per_head + qb - union[0])
-      return _stream(union, own, step, skip, carry)
+    def step_at(t, qb, carry):
+      dk, dv = carry
+      q_tile, do_tile, lse_tile, delta_tile, seg_tile = ring.wait(t)
+      st = _scores(k_s.at[wg], q_tile, (bk, bq), cfg.interpret) * (cfg.scale * LOG2E)
+      lse = _load_vector(lse_tile, 0, cfg.interpret)
+      pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))  # [bk, bq]
+      q_seg = _load_vector(seg_tile, 0, cfg.interpret) if has_seg else None
+      mask = _visible((bk, bq), qb * bq, k_first, q_seg, kv_seg, cfg, keys_on_rows=True)
+      if mask is not None:
+        pt = jnp.where(mask, pt, 0.0)
+      dv = _accumulate(dv, pt.astype(cfg.dtype), do_tile, cfg.interpret)
+      dpt = _scores(v_s.at[wg], do_tile, (bk, bq), cfg.interpret)
+      delta = _load_vector(delta_tile, 0, cfg.interpret)
+      dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+      dk = _accumulate(dk, dst.astype(cfg.dtype), q_tile, cfg.interpret)
+      ring.release(t)
+      return dk, dv
 
     zeros = _filled((bk, cfg.head_dim), 0.0, cfg.interpret)
-    dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
+    # One warpgroup owns the whole stream: one flat loop over (head, query block). Nested loops
+    # kept the head loop's state beside the two accumulators, and at head dim 128 with grouped
+    # queries and a causal or window mask ptxas spilled 20 bytes.
+    if wgs == 1:
+      per = jnp.maximum(per_head, 1)
+      flat = lambda t, c: step_at(t, union[0] + lax.rem(t, per), c)
+      dk, dv = lax.fori_loop(0, group * per_head, flat, (zeros, zeros))
+    else:
+
+      def head(g, carry):
+        step = lambda qb, c: step_at(g * per_head + qb - union[0], qb, c)
+        skip = lambda qb: ring.skip(g * per_head + qb - union[0])
+        return _stream(union, own, step, skip, carry)
+
+      dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
     k_s.at[wg][...] = (dk * cfg.scale).astype(cfg.dtype)
     v_s.at[wg][...] = dv.astype(cfg.dtype)
     plgpu.commit_smem()

@@ -80,6 +80,11 @@ def test_problems_name_spills_notes_ceilings_and_steps_that_stop_fitting():
   # Known limits: the head-dim-256 backward may spill, up to its limit only.
   big = _kernel(regs=255, spill=1700)
   assert deviceless.problems({'attention': [_case(h=256, kernels=[big])], 'steps': []}) == []
+  # Every other Mosaic GPU kernel is held to zero, grouped queries under a window too.
+  grouped = _case(h=128, kernels=[_kernel(regs=255, spill=20)], mask='window', kv_heads=2)
+  assert (
+    'spills 20 bytes (limit 0)' in deviceless.problems({'attention': [grouped], 'steps': []})[0]
+  )
   worse = _kernel(regs=255, spill=4000)
   assert deviceless.problems({'attention': [_case(h=256, kernels=[worse])], 'steps': []})
   triton = _case('pallas_triton', 64, [_kernel('sparrow_flash_forward', regs=255)])
