@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_flash_attention import _check, _inputs, _reference_np, _rel, _target_h200
 
-from kernels import BlockSizes, flash_attention, mosaic_gpu
+from kernels import BlockSizes, flash_attention
 
 fa = importlib.import_module('kernels.flash_attention')  # the module (the package exports the fn)
 
@@ -90,8 +90,11 @@ MASKS = {
 }
 
 
-@pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize('head_dim', mosaic_gpu.HEAD_DIMS)
+# Each head dim once, both dtypes. CI's `gpu_check --deviceless` compiles them all to sm_90a
+# (bf16 at every mask, fp16 causal) on the newest jax; this checks the lowering on both stacks.
+@pytest.mark.parametrize(
+  'head_dim, dtype', [(64, jnp.bfloat16), (128, jnp.float16), (256, jnp.bfloat16)]
+)
 def test_lowers_for_cuda(head_dim, dtype):
   """Forward and gradient lower to Mosaic GPU for CUDA (SMEM budgets checked) for every mask."""
   q = jax.ShapeDtypeStruct((2, 320, 4, head_dim), dtype)  # 320: not a multiple of the CTA rows

@@ -127,8 +127,13 @@ def test_forms_and_gradients_match_float64_reference(name):
   )
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   for form, fn in forms(c).items():
-    out, vjp = jax.vjp(functools.partial(fn, mask=mask), f32(q), f32(k), f32(v))
-    got = (out, *vjp(f32(dout)))
+
+    @jax.jit  # one compile per form: op-by-op dispatch of the scans took twice as long
+    def forward_and_vjp(q, k, v, dout, fn=fn):
+      out, vjp = jax.vjp(functools.partial(fn, mask=mask), q, k, v)
+      return (out, *vjp(dout))
+
+    got = forward_and_vjp(f32(q), f32(k), f32(v), f32(dout))
     for label, g, w in zip(('out', 'dq', 'dk', 'dv'), got, want):
       np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5, err_msg=f'{form} {label}')
 
@@ -215,25 +220,26 @@ def test_state_steps_equal_parallel_attention():
   outs_cross = [y]
   shapes = jax.tree.map(jnp.shape, c_self['cache'])
   assert shapes == {'linear_state': (B, 2, 6, 6), 'linear_normalizer': (B, 2, 1, 6)}
-  for t in range(P, T):
-    mode = CacheMode('step', T)
-    y, c_self = self_attn.apply(
-      {'params': p_self, 'cache': c_self['cache']},
-      x[:, t : t + 1],
+  mode = CacheMode('step', T)  # each step jitted once: op by op, the steps took most of the test
+  step_self = jax.jit(
+    lambda cache, xt, t: self_attn.apply(
+      {'params': p_self, 'cache': cache},
+      xt,
       mask=causal,
       positions=jnp.full((B, 1), t),
       cache_mode=mode,
       mutable=True,
     )
-    outs_self.append(y)
-    y, c_cross = cross_attn.apply(
-      {'params': p_cross, 'cache': c_cross['cache']},
-      x[:, t : t + 1],
-      enc,
-      mask=cross(1),
-      cache_mode=mode,
-      mutable=True,
+  )
+  step_cross = jax.jit(
+    lambda cache, xt: cross_attn.apply(
+      {'params': p_cross, 'cache': cache}, xt, enc, mask=cross(1), cache_mode=mode, mutable=True
     )
+  )
+  for t in range(P, T):
+    y, c_self = step_self(c_self['cache'], x[:, t : t + 1], t)
+    outs_self.append(y)
+    y, c_cross = step_cross(c_cross['cache'], x[:, t : t + 1])
     outs_cross.append(y)
     assert jax.tree.map(jnp.shape, c_self['cache']) == shapes  # constant in the length
   np.testing.assert_allclose(jnp.concatenate(outs_self, 1), full_self, rtol=1e-5, atol=1e-5)
