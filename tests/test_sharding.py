@@ -221,6 +221,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # about 50 s: three processes at once on two cores, then two
 def test_two_processes_match_one_and_resume(tmp_path):
   """2 OS processes x 4 CPU devices (jax.distributed + gloo) == 1 process x 8 devices."""
   script = os.path.join(HERE, 'multihost_worker.py')
