@@ -37,18 +37,18 @@ os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'  # default 1 s: m
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
 
-# The longest test files first (seconds on 2 cores at 3.11, `python -m pytest -q -n 2 -v
+# The longest test files first (seconds on 2 cores at 3.11, 2026-12-02, `python -m pytest -q -n 2 -v
 # --durations=0`): README's `-n 2` sends whole files to its two workers in this order, so each
 # starts on a long one and the short ones fill in at the end. Without -n the order does not matter.
 _LONGEST_FIRST = (
-  'test_sharding.py',  # 137
-  'test_loop.py',  # 104
-  'test_quality.py',  # 101
-  'test_mosaic_gpu.py',  # 101
-  'test_models.py',  # 79
-  'test_faults.py',  # 65
-  'test_hf_llama.py',  # 49
-  'test_linear_attention.py',  # ~90 (3.11, 2026-12-02)
+  'test_sharding.py',  # 77, two subprocesses at once
+  'test_loop.py',  # 141
+  'test_models.py',  # 115
+  'test_mosaic_gpu.py',  # 92
+  'test_linear_attention.py',  # 78
+  'test_hf_llama.py',  # 69
+  'test_attention.py',  # 62
+  'test_faults.py',  # 61
 )
 
 

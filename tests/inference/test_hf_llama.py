@@ -492,6 +492,7 @@ def test_generate_and_score_text_with_the_models_special_tokens(hf_models, tmp_p
   np.testing.assert_allclose(scored['log_probs'], logp[[0, 1, 2, 3], [5, 6, 7, 3]], atol=1e-4)
 
 
+@pytest.mark.slow  # about 10 s: a training run in a subprocess
 def test_fine_tune_an_imported_model_with_experiments_train(hf_models, tmp_path):
   """convert_hf, then experiments.train from the step-0 checkpoint with the model's tokenizer,
   then the export back: the trained weights moved and still load in transformers."""

@@ -279,7 +279,8 @@ def random_model(cfg, seed):
   'family, overrides',
   [
     ('causal_lm', dict(position='rope', num_kv_heads=2, scan_layers=True)),
-    ('encoder_decoder', dict(position='learned', num_layers=1)),
+    # ~11 s; cross attention's state steps are in test_state_steps_equal_parallel_attention
+    pytest.param('encoder_decoder', dict(position='learned', num_layers=1), marks=pytest.mark.slow),
   ],
 )
 def test_decoding_equals_the_parallel_form_token_for_token(family, overrides):

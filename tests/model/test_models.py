@@ -217,7 +217,11 @@ def _stack_layers(tree):
 
 
 @pytest.mark.parametrize(
-  'family,remat', [('causal_lm', 'full'), ('encoder_decoder', 'save_matmuls')]
+  'family,remat',
+  [
+    ('causal_lm', 'full'),
+    pytest.param('encoder_decoder', 'save_matmuls', marks=pytest.mark.slow),  # ~20 s: 4 compiles
+  ],
 )
 def test_remat_and_scan_match_plain(family, remat):
   cfg = tiny(family)

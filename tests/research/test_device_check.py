@@ -7,9 +7,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from transformer.research import device_check
 
 
+@pytest.mark.slow  # about 25 s: every part of the GPU check, end to end on the CPU
 def test_smoke_run_writes_json_and_markdown(tmp_path):
   out = subprocess.run(
     [sys.executable, '-m', 'experiments.gpu_check', f'--out={tmp_path}', '--smoke'],

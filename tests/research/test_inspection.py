@@ -56,7 +56,10 @@ def test_attention_maps_match_numpy_from_the_projections(placement):
   np.testing.assert_allclose(sums, np.broadcast_to(real[:, None, :], sums.shape), atol=1e-5)
 
 
-@pytest.mark.parametrize('family', ['causal_lm', 'bidirectional_lm', 'encoder_decoder'])
+@pytest.mark.parametrize(
+  'family',
+  ['causal_lm', 'bidirectional_lm', pytest.param('encoder_decoder', marks=pytest.mark.slow)],
+)
 def test_maps_of_a_chunked_model_are_the_xla_maps_on_the_same_parameters(family):
   cfg, params = _model(family, attention_impl='chunked', attention_chunk_size=4)
   inputs = {'inputs': _TOKENS}

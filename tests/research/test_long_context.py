@@ -16,7 +16,8 @@ def _config(**model):
   'model, low, high',
   [
     (dict(attention_impl='xla'), 8.0, 17.0),  # [T, T] logits: 16x at 4x the length
-    (dict(attention='linear'), 2.0, 6.0),  # a [H, H] state per block: ~4x
+    # a [H, H] state per block: ~4x (slow, ~10 s: test_linear_attention checks the same growth)
+    pytest.param(dict(attention='linear'), 2.0, 6.0, marks=pytest.mark.slow),
   ],
 )
 def test_step_memory_of_full_attention_is_quadratic_and_of_linear_attention_linear(

@@ -103,6 +103,7 @@ for i in range(count):  # lines far longer than one write of a pipe or a page
 """
 
 
+@pytest.mark.slow  # about 9 s of concurrent processes
 def test_parallel_writers_lose_and_interleave_no_line(tmp_path):
   workdir = str(tmp_path)
   with open(tmp_path / 'results.jsonl', 'w') as f:

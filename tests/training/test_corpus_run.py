@@ -51,6 +51,7 @@ def _config(shard_dir, steps):
   return config
 
 
+@pytest.mark.slow  # about 20 s; test_train_prepares_a_text_corpus_on_first_use is the fast one
 def test_speedrun_preset_trains_validates_and_resumes_exactly(shard_dir, tmp_path):
   whole = train_and_evaluate(_config(shard_dir, 4), str(tmp_path / 'whole'))
   assert np.isfinite(whole['eval']['loss']) and whole['eval']['loss'] < 1.5 * np.log(VOCAB)
