@@ -31,11 +31,11 @@ ROWS = 64  # rows per compute warpgroup: the M of one wgmma
 # maintain compatibility across compilation units"), so the kernels do not use it. Two warpgroups
 # share each streamed block where their tiles fit 168 registers without spilling; elsewhere one
 # warpgroup gets 255 (`python -m experiments.gpu_check --deviceless` shows each kernel's report).
+# dK/dV always runs one: its two [64, H] float32 accumulators spilled in 168 registers at every H.
 COMPUTE_WGS = {
   # kernel: {head_dim: warpgroups}
   'forward': {64: 2, 128: 1, 256: 1},
   'dq': {64: 2, 128: 1, 256: 1},
-  'dkv': {64: 1, 128: 1, 256: 1},
 }
 LOG2E = math.log2(math.e)
 MASK_VALUE = -1e30  # finite: a fully masked row never computes inf - inf
@@ -294,7 +294,7 @@ def _memory_wg(fn, wgs):
 
 
 def compute_wgs(kernel: str, head_dim: int) -> int:
-  """Compute warpgroups per CTA of `kernel` ('forward', 'dq' or 'dkv') at `head_dim`."""
+  """Compute warpgroups per CTA of `kernel` ('forward' or 'dq') at `head_dim`."""
   return COMPUTE_WGS[kernel][head_dim]
 
 
@@ -477,10 +477,11 @@ def _dq_kernel(*refs, cfg, bq, bk, depth, group, has_seg, wgs):
   _memory_wg(lambda: _feed_keys(ring, union, bk, b, kv_head, k_ref, v_ref, kv_seg_ref), wgs)
 
 
-# --- dK/dV: each CTA owns 2 x bk keys of one kv head; the group's queries stream through. ---
+# --- dK/dV: each CTA owns bk keys of one kv head, in one compute warpgroup; the group's queries
+# stream through. ---
 
 
-def _dkv_kernel(*refs, cfg, bq, bk, depth, group, has_seg, wgs):
+def _dkv_kernel(*refs, cfg, bq, bk, depth, group, has_seg):
   q_ref, k_ref, v_ref = refs[:3]
   q_seg_ref, kv_seg_ref = refs[3:5] if has_seg else (None, None)
   do_ref, lse_ref, delta_ref = refs[5:8] if has_seg else refs[3:6]
@@ -490,35 +491,40 @@ def _dkv_kernel(*refs, cfg, bq, bk, depth, group, has_seg, wgs):
   num_q_blocks = q_ref.shape[1] // bq
   mask_kw = dict(causal=cfg.causal, window=cfg.window)
   ranges = functools.partial(query_block_range, block_q=bq, num_q_blocks=num_q_blocks, **mask_kw)
-  union = tuple(jnp.asarray(x, jnp.int32) for x in ranges(j, block_k=wgs * bk))
-  per_head = union[1] - union[0]  # query blocks streamed for each head of the group
+  first, last = (jnp.asarray(x, jnp.int32) for x in ranges(j, block_k=bk))
+  per_head = last - first  # query blocks streamed for each head of the group
+  num_steps = group * per_head
+  # Step t of the stream: query head h * group + t // per_head, query block first + t % per_head.
+  head_of = lambda t: h * group + lax.div(t, jnp.maximum(per_head, 1))
+  block_of = lambda t: first + lax.rem(t, jnp.maximum(per_head, 1))
   ring = _Ring((q_s, do_s, lse_s, delta_s, q_seg_s), ready, consumed, depth)
 
-  def compute(wg):
-    k_first = (j * wgs + wg) * bk
+  def compute(_):
+    k_first = j * bk
     keys = pl.ds(k_first, bk)
     copies = [(k_ref.at[b, keys, h], k_s), (v_ref.at[b, keys, h], v_s)]
     copies += [(kv_seg_ref.at[b, keys], kv_seg_s)] if has_seg else []
     for c, (src, dst) in enumerate(copies):
-      plgpu.copy_gmem_to_smem(src, dst.at[wg], k_bar.at[c * wgs + wg])
+      plgpu.copy_gmem_to_smem(src, dst, k_bar.at[c])
     for c in range(len(copies)):
-      plgpu.barrier_wait(k_bar.at[c * wgs + wg])
-    kv_seg = _load_vector(kv_seg_s.at[wg], 1, cfg.interpret) if has_seg else None
-    own = ranges(j * wgs + wg, block_k=bk)
-    own = _own_range(union, tuple(jnp.asarray(x, jnp.int32) for x in own))
+      plgpu.barrier_wait(k_bar.at[c])
+    kv_seg = _load_vector(kv_seg_s, 1, cfg.interpret) if has_seg else None
 
-    def step_at(t, qb, carry):
+    # One flat loop over (head of the group, query block), in the order the memory warpgroup
+    # feeds them: a loop over heads around the loop over blocks kept its state beside the two
+    # accumulators, and at head dim 128 with GQA under a causal or window mask ptxas spilled.
+    def step(t, carry):
       dk, dv = carry
       q_tile, do_tile, lse_tile, delta_tile, seg_tile = ring.wait(t)
-      st = _scores(k_s.at[wg], q_tile, (bk, bq), cfg.interpret) * (cfg.scale * LOG2E)
+      st = _scores(k_s, q_tile, (bk, bq), cfg.interpret) * (cfg.scale * LOG2E)
       lse = _load_vector(lse_tile, 0, cfg.interpret)
       pt = jnp.exp2(st - lax.broadcast_in_dim(lse, st.shape, [1]))  # [bk, bq]
       q_seg = _load_vector(seg_tile, 0, cfg.interpret) if has_seg else None
-      mask = _visible((bk, bq), qb * bq, k_first, q_seg, kv_seg, cfg, keys_on_rows=True)
+      mask = _visible((bk, bq), block_of(t) * bq, k_first, q_seg, kv_seg, cfg, keys_on_rows=True)
       if mask is not None:
         pt = jnp.where(mask, pt, 0.0)
       dv = _accumulate(dv, pt.astype(cfg.dtype), do_tile, cfg.interpret)
-      dpt = _scores(v_s.at[wg], do_tile, (bk, bq), cfg.interpret)
+      dpt = _scores(v_s, do_tile, (bk, bq), cfg.interpret)
       delta = _load_vector(delta_tile, 0, cfg.interpret)
       dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
       dk = _accumulate(dk, dst.astype(cfg.dtype), q_tile, cfg.interpret)
@@ -526,32 +532,17 @@ def _dkv_kernel(*refs, cfg, bq, bk, depth, group, has_seg, wgs):
       return dk, dv
 
     zeros = _filled((bk, cfg.head_dim), 0.0, cfg.interpret)
-    # One warpgroup owns the whole stream: one flat loop over (head, query block). Nested loops
-    # kept the head loop's state beside the two accumulators, and at head dim 128 with grouped
-    # queries and a causal or window mask ptxas spilled 20 bytes.
-    if wgs == 1:
-      per = jnp.maximum(per_head, 1)
-      flat = lambda t, c: step_at(t, union[0] + lax.rem(t, per), c)
-      dk, dv = lax.fori_loop(0, group * per_head, flat, (zeros, zeros))
-    else:
-
-      def head(g, carry):
-        step = lambda qb, c: step_at(g * per_head + qb - union[0], qb, c)
-        skip = lambda qb: ring.skip(g * per_head + qb - union[0])
-        return _stream(union, own, step, skip, carry)
-
-      dk, dv = lax.fori_loop(0, group, head, (zeros, zeros))
-    k_s.at[wg][...] = (dk * cfg.scale).astype(cfg.dtype)
-    v_s.at[wg][...] = dv.astype(cfg.dtype)
+    dk, dv = lax.fori_loop(0, num_steps, step, (zeros, zeros))
+    k_s[...] = (dk * cfg.scale).astype(cfg.dtype)
+    v_s[...] = dv.astype(cfg.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_s.at[wg], dk_ref.at[b, keys, h])
-    plgpu.copy_smem_to_gmem(v_s.at[wg], dv_ref.at[b, keys, h])
+    plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, keys, h])
+    plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, keys, h])
     plgpu.wait_smem_to_gmem(0)
 
   def memory():
     def sources(t):
-      n = h * group + lax.div(t, jnp.maximum(per_head, 1))
-      rows = pl.ds((union[0] + lax.rem(t, jnp.maximum(per_head, 1))) * bq, bq)
+      n, rows = head_of(t), pl.ds(block_of(t) * bq, bq)
       seg = q_seg_ref.at[b, rows] if has_seg else None
       return (
         q_ref.at[b, rows, n],
@@ -561,10 +552,10 @@ def _dkv_kernel(*refs, cfg, bq, bk, depth, group, has_seg, wgs):
         seg,
       )
 
-    ring.feed(group * per_head, sources)
+    ring.feed(num_steps, sources)
 
-  _compute_wg(compute, wgs)
-  _memory_wg(memory, wgs)
+  _compute_wg(compute, 1)
+  _memory_wg(memory, 1)
 
 
 def backward(
@@ -619,29 +610,29 @@ def backward(
     W,
   )
 
-  bq, bk, W = blocks.block_q_dkv, blocks.block_k_dkv, compute_wgs('dkv', H)
+  bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
   dkv_scratch = (
-    _smem((W, bk, H), k.dtype, True),  # k, then dk
-    _smem((W, bk, H), v.dtype, True),  # v, then dv
-    _smem((W, bk), jnp.int32, False) if has_seg else None,
+    _smem((bk, H), k.dtype, True),  # k, then dk
+    _smem((bk, H), v.dtype, True),  # v, then dv
+    _smem((bk,), jnp.int32, False) if has_seg else None,
     _smem((depth, bq, H), q.dtype, True),
     _smem((depth, bq, H), do.dtype, True),
     _smem((depth, bq), jnp.float32, False),  # lse
     _smem((depth, bq), jnp.float32, False),  # delta
     _smem((depth, bq), jnp.int32, False) if has_seg else None,
-    _barriers(3 * W),  # k, v (and kv segment ids) per warpgroup
+    _barriers(3),  # k, v (and kv segment ids)
     tuple(_barriers(depth) for _ in range(4)) + ((_barriers(depth),) if has_seg else (None,)),
-    _barriers(depth, arrivals=W),
+    _barriers(depth),
   )
   dk, dv = launch(
     functools.partial(
-      _dkv_kernel, cfg=cfg, bq=bq, bk=bk, depth=depth, group=group, has_seg=has_seg, wgs=W
+      _dkv_kernel, cfg=cfg, bq=bq, bk=bk, depth=depth, group=group, has_seg=has_seg
     ),
     (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
     dkv_scratch,
-    (B, K, S // (W * bk)),
+    (B, K, S // bk),
     ('batch', 'heads', 'k_tiles'),
     'sparrow_mgpu_dkv',
-    W,
+    1,
   )
   return dq, dk, dv
