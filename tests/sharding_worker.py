@@ -26,8 +26,11 @@ MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
 FAMILIES = ['causal_lm', 'encoder_decoder', 'bidirectional_lm']
 # The fast suite's dropout cases: every mesh and every family at least once, the tensor-parallel
 # mesh twice. The full matrix (every family on every mesh, dropout on and off) is the slow 'full'.
-FAST = {'causal_lm': [(8, 1, 1), (1, 2, 4)], 'encoder_decoder': [(1, 8, 1), (1, 2, 4)]}
-FAST['bidirectional_lm'] = [(2, 2, 2)]
+FAST = {
+  'causal_lm': [(8, 1, 1), (1, 2, 4)],
+  'encoder_decoder': [(1, 8, 1), (1, 2, 4)],
+  'bidirectional_lm': [(2, 2, 2)],
+}
 
 
 def tiny_config(family: str, dropout: float, mesh=(1, 1, 1)):

@@ -2,12 +2,12 @@
 gpt_tiny must reach numbers that their known regressions miss, so a change that makes
 `python -m experiments.train` worse turns CI red.
 
-Marked slow (about 3 minutes together): README's test command leaves them out, and CI runs them
-on both JAX stacks (`python -m pytest -q -m slow`). Each test runs that command in a subprocess,
-with XLA's default optimisation: the suite's optimisation level 0 (tests/conftest.py) compiles
-faster but runs these compute-bound steps about twice as slowly. The floors come from measured
-runs (`python tests/training/test_quality.py` prints them, run the same way); each constant below
-says what was measured.
+Marked slow (about 2.5 minutes together on 2 quiet cores): README's test command leaves them
+out, and CI runs them on both JAX stacks (`python -m pytest -q -m slow`). Each test runs that
+command in a subprocess, with XLA's default optimisation: the suite's optimisation level 0
+(tests/conftest.py) compiles faster but runs these compute-bound steps about twice as slowly.
+The floors come from measured runs (`python tests/training/test_quality.py` prints them, run the
+same way); each constant below says what was measured.
 """
 
 import json
