@@ -1,7 +1,9 @@
 """Pallas Mosaic GPU flash attention for Hopper (sm90+): forward, dQ and dK/dV, warp-specialised.
 
 Each CTA runs one or two compute warpgroups (64 rows each, wgmma) and one memory warpgroup that
-feeds them through a TMA ring. `interpret=True` runs the same kernels in Pallas's GPU interpreter.
+feeds them through a TMA ring. `interpret=True` runs the same kernels in Pallas's GPU interpreter,
+one XLA:CPU computation per warpgroup, which wait for each other: on fewer than 4 cores set
+PJRT_NPROC=8 (XLA:CPU's thread pool size) before JAX starts, or a kernel can hang for good.
 """
 
 from __future__ import annotations

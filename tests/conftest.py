@@ -29,6 +29,17 @@ if _TUNABLES is not None:
 # worker, 652 s; shared with JAX's file lock (set by a size limit: each write then scans the
 # directory), 944 s. JAX writes an entry in place, so a process could read one half written; it
 # then warns and compiles; no such warning appeared in these runs.
+# Pallas's GPU interpreter (tests/kernels/test_mosaic_gpu.py) runs each warpgroup of a Mosaic GPU
+# kernel as its own XLA:CPU computation on its own Python thread, and these block in barrier
+# callbacks while the kernel's callback waits for them all. XLA:CPU runs them on one thread pool
+# whose size is the number of cores: with 2 cores the pool can fill with waiting threads and the
+# test hangs for good. Pinned to one core (`taskset -c 0`), test_plain_float16_cross_attention
+# hung on every try, on jax 0.10 and 0.12; with the pool at 8 it passed in 15 s (0.12) and 44 s
+# (0.10). The kernels need at most 4 such threads (the caller, two compute warpgroups and the
+# memory warpgroup); PJRT_NPROC sizes the pool.
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+os.environ.setdefault('PJRT_NPROC', str(max(8, _CORES or 1)))
+
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   _CACHE_DIR = tempfile.mkdtemp(prefix='sparrow-test-jax-cache-')
   atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
@@ -57,9 +68,35 @@ def pytest_collection_modifyitems(items):
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep order
 
 
-# Shared tiny configs ----------------------------------------------------------------------------
+# A hung test ends its process with every thread's stack on stderr instead of running into CI's
+# limit. The longest test takes about 220 s on 2 cores. faulthandler's watchdog is a C thread, so
+# it fires even while the main thread waits inside XLA. It writes to the stderr of before pytest's
+# capture, which a `-n 2` worker shares with the command; xdist then reports the crashed test, and
+# README's command runs no further test (pyproject.toml: --max-worker-restart=0) rather than
+# rerunning the same hang.
+import faulthandler  # noqa: E402
+
 import pytest  # noqa: E402
 
+HANG_S = float(os.environ.get('SPARROW_TEST_HANG_S', 600))
+_STDERR = pytest.StashKey()
+
+
+def pytest_configure(config):
+  config.stash[_STDERR] = os.fdopen(os.dup(2), 'w')  # capture is not on yet
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  stream = item.config.stash[_STDERR]
+  faulthandler.dump_traceback_later(HANG_S, exit=True, file=stream)
+  try:
+    yield
+  finally:
+    faulthandler.cancel_dump_traceback_later()
+
+
+# Shared tiny configs ----------------------------------------------------------------------------
 from configs import bert_tiny, gpt_tiny, transformer_tiny  # noqa: E402
 
 _PRESETS = {
