@@ -2,7 +2,7 @@
 
   python -m experiments.gpu_check --out=DIR            # one H200: designed to end within 6 min
   python -m experiments.gpu_check --out=DIR --smoke    # tiny float32 shapes: the code path on CPU
-  python -m experiments.gpu_check --deviceless --out=DIR [--target=h200]   # no GPU needed
+  python -m experiments.gpu_check --deviceless --out=DIR [--target=h200] [--jobs=N]   # no GPU
 
 Writes DIR/gpu_check.json and DIR/gpu_check.md (transformer.research.device_check). With
 --deviceless it compiles every attention path and the presets' training steps for the target GPU
@@ -29,6 +29,12 @@ _DEVICELESS = flags.DEFINE_bool(
 )
 _TARGET = flags.DEFINE_enum('target', 'h200', ['h200', 'h100', 'a100'], 'GPU of --deviceless.')
 _PARTS = flags.DEFINE_list('parts', 'attention,steps', '--deviceless: attention and/or steps.')
+_JOBS = flags.DEFINE_integer(
+  'jobs',
+  min(4, os.cpu_count() or 1),
+  '--deviceless: compiles at once, each in its own process (about one core and 2.5 GB each); '
+  'default: the cores, at most 4.',
+)
 
 
 def deviceless() -> None:
@@ -39,6 +45,8 @@ def deviceless() -> None:
   bad = set(_PARTS.value) - {'attention', 'steps'}
   if bad or not _PARTS.value:
     raise ValueError(f'--parts={",".join(_PARTS.value)}: choose from attention, steps')
+  if _JOBS.value < 1:
+    raise ValueError(f'--jobs={_JOBS.value}: give a number of processes, 1 or more')
   try:
     plugin = importlib.util.find_spec('jax_plugins.xla_cuda12')
   except ModuleNotFoundError:  # no jax_plugins package at all
@@ -56,7 +64,7 @@ def deviceless() -> None:
     os.environ.update(dl.ENVIRONMENT)
     os.environ['XLA_FLAGS'] = f'{flags_now} {dl.XLA_FLAG}'.strip()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-  report = dl.run(_OUT.value, _TARGET.value, tuple(_PARTS.value))
+  report = dl.run(_OUT.value, _TARGET.value, tuple(_PARTS.value), jobs=_JOBS.value)
   print(f'wrote {_OUT.value}/deviceless.json and deviceless.md in {report["seconds"]} s')
   if report['problems']:
     print('\n'.join(['problems:'] + report['problems']), file=sys.stderr)

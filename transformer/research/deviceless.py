@@ -9,8 +9,11 @@ speed: nothing is autotuned. Needs the CUDA plugin (`pip install
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -90,6 +93,7 @@ TARGETS = {
 }
 
 
+@functools.cache
 def mesh_for(gpu: Gpu, num_devices: int = 1):
   """A one-axis mesh over `num_devices` GPUs of kind `gpu` in one host, with no GPU present."""
   from jax.experimental import topologies
@@ -385,46 +389,68 @@ def problems(report: dict) -> list[str]:
   return found
 
 
+def compile_case(kind: str, case, target: str) -> dict:
+  """One attention case or training step (`kind`: 'attention' or 'step'), compiled for
+  `TARGETS[target]` in this process."""
+  import jax
+
+  jax.config.update('jax_enable_compilation_cache', False)  # every kernel built, so reported
+  gpu = TARGETS[target]
+  dump_dir = tempfile.mkdtemp(prefix='mosaic_dump_')
+  try:
+    if kind == 'attention':
+      return compile_attention(case, mesh_for(gpu), dump_dir)
+    preset, mesh_name, impl = case
+    try:
+      return compile_step(preset, mesh_name, impl, gpu, dump_dir)
+    except Exception:
+      error = traceback.format_exc(limit=2)[-400:]
+      return {'preset': preset, 'mesh': mesh_name, 'ok': False, 'must_fit': True, 'error': error}
+  finally:
+    shutil.rmtree(dump_dir, ignore_errors=True)
+
+
 def run(
-  out_dir: str, target: str = 'h200', parts: tuple[str, ...] = ('attention', 'steps'), log=print
+  out_dir: str,
+  target: str = 'h200',
+  parts: tuple[str, ...] = ('attention', 'steps'),
+  jobs: int = 1,
+  log=print,
 ) -> dict:
-  """Compiles every case for `TARGETS[target]`; writes out_dir/deviceless.{json,md}."""
+  """Compiles every case for `TARGETS[target]` in `jobs` processes (one compile is about one
+  core's work); writes out_dir/deviceless.{json,md} and summary.md."""
   import jax
 
   gpu = TARGETS[target]
-  jax.config.update('jax_enable_compilation_cache', False)  # every kernel built, so reported
   os.makedirs(out_dir, exist_ok=True)
-  dump_dir = tempfile.mkdtemp(prefix='mosaic_dump_')
+  # The training steps first: they take 20-100 s each on one core, a kernel a few seconds, so
+  # the kernels fill in behind them.
+  tasks = [('step', c) for c in step_cases()] if 'steps' in parts else []
+  tasks += [('attention', c) for c in attention_cases(gpu)] if 'attention' in parts else []
+  results = [None] * len(tasks)
+  start = time.perf_counter()
+  if jobs <= 1:
+    for i, (kind, case) in enumerate(tasks):
+      results[i] = compile_case(kind, case, target)
+      log(_step_line(results[i]) if kind == 'step' else _line(results[i]))
+  else:  # fresh interpreters: each starts JAX with this process's environment
+    context = multiprocessing.get_context('spawn')
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+      futures = {pool.submit(compile_case, k, c, target): i for i, (k, c) in enumerate(tasks)}
+      for future in concurrent.futures.as_completed(futures):
+        i = futures[future]
+        results[i] = future.result()
+        log(_step_line(results[i]) if tasks[i][0] == 'step' else _line(results[i]))
   report = {
     'target': target,
     'device': gpu.kind,
     'capability': '.'.join(map(str, gpu.capability)),
     'memory_bytes': gpu.memory_bytes,
     'jax': jax.__version__,
-    'attention': [],
-    'steps': [],
+    'jobs': jobs,
+    'attention': [r for (kind, _), r in zip(tasks, results) if kind == 'attention'],
+    'steps': [r for (kind, _), r in zip(tasks, results) if kind == 'step'],
   }
-  start = time.perf_counter()
-  if 'attention' in parts:
-    mesh = mesh_for(gpu)
-    for case in attention_cases(gpu):
-      report['attention'].append(compile_attention(case, mesh, dump_dir))
-      log(_line(report['attention'][-1]))
-  if 'steps' in parts:
-    for preset, mesh_name, impl in step_cases():
-      try:
-        result = compile_step(preset, mesh_name, impl, gpu, dump_dir)
-      except Exception:
-        result = {
-          'preset': preset,
-          'mesh': mesh_name,
-          'ok': False,
-          'must_fit': True,
-          'error': traceback.format_exc(limit=2)[-400:],
-        }
-      report['steps'].append(result)
-      log(_step_line(result))
-  shutil.rmtree(dump_dir, ignore_errors=True)
   report['seconds'] = round(time.perf_counter() - start, 1)
   report['problems'] = problems(report)
   with open(os.path.join(out_dir, 'deviceless.json'), 'w') as f:
