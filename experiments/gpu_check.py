@@ -32,7 +32,7 @@ _PARTS = flags.DEFINE_list('parts', 'attention,steps', '--deviceless: attention 
 _JOBS = flags.DEFINE_integer(
   'jobs',
   min(4, os.cpu_count() or 1),
-  '--deviceless: compiles at once, each in its own process (about one core and 2.5 GB each); '
+  '--deviceless: compiles at once, each in its own process (about one core and 2 GB each); '
   'default: the cores, at most 4.',
 )
 

@@ -418,7 +418,8 @@ def run(
   log=print,
 ) -> dict:
   """Compiles every case for `TARGETS[target]` in `jobs` processes (one compile is about one
-  core's work); writes out_dir/deviceless.{json,md} and summary.md."""
+  core's work); writes out_dir/deviceless.{json,md} and summary.md. With jobs > 1, a script
+  that calls this needs Python's `if __name__ == '__main__':` guard (the processes are spawned)."""
   import jax
 
   gpu = TARGETS[target]
@@ -428,19 +429,21 @@ def run(
   tasks = [('step', c) for c in step_cases()] if 'steps' in parts else []
   tasks += [('attention', c) for c in attention_cases(gpu)] if 'attention' in parts else []
   results = [None] * len(tasks)
+
+  def done(i: int, result: dict) -> None:
+    results[i] = result
+    log(_step_line(result) if tasks[i][0] == 'step' else _line(result))
+
   start = time.perf_counter()
   if jobs <= 1:
     for i, (kind, case) in enumerate(tasks):
-      results[i] = compile_case(kind, case, target)
-      log(_step_line(results[i]) if kind == 'step' else _line(results[i]))
+      done(i, compile_case(kind, case, target))
   else:  # fresh interpreters: each starts JAX with this process's environment
     context = multiprocessing.get_context('spawn')
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
       futures = {pool.submit(compile_case, k, c, target): i for i, (k, c) in enumerate(tasks)}
       for future in concurrent.futures.as_completed(futures):
-        i = futures[future]
-        results[i] = future.result()
-        log(_step_line(results[i]) if tasks[i][0] == 'step' else _line(results[i]))
+        done(futures[future], future.result())
   report = {
     'target': target,
     'device': gpu.kind,
