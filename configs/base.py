@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.d_ff = 2048  # feed-forward hidden width
   m.num_layers = 6  # encoder layers, or the only stack of an LM
   m.num_decoder_layers = ml_collections.FieldReference(None, field_type=int)  # None = num_layers
-  m.max_length = 512  # longest sequence for learned positions
+  m.max_length = 512  # the context: longest sequence (learned positions); data.max_length follows
   m.position = 'sinusoidal'  # sinusoidal | learned | rope | alibi | none
   m.rope_theta = 10000.0  # RoPE base
   m.rope_scaling = 'none'  # none | linear | ntk | yarn | llama3 (RoPE context extension)
@@ -39,6 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.embedding_norm = False  # a norm right after the embeddings (BERT)
   m.activation = 'relu'  # relu | gelu | gelu_tanh | swiglu
   m.use_bias = True  # biases in attention and feed-forward projections
+  m.norm_bias = True  # LayerNorm's bias (False: nanoGPT's bias=False, OLMo); RMSNorm has none
   m.qkv_bias = ml_collections.FieldReference(None, field_type=bool)  # q/k/v biases; None = use_bias
   m.qk_norm = False  # norm over head_dim on queries and keys (Qwen3)
   m.dropout_rate = 0.1  # embeddings and residual branches
@@ -68,15 +69,24 @@ def get_config() -> ml_collections.ConfigDict:
   # Data: transformer.data.build(config.data, ...) -------------------------------------------
   d = config.data = ml_collections.ConfigDict()
   d.task = 'numbers'  # numbers | grammar | recall (built-in) | text | tsv (files) | tfds | corpus
-  d.train_path = ''  # text/tsv: file path or glob; text = a document per line, tsv = src<TAB>tgt
-  d.eval_path = ''  # text/tsv: '' holds out the last max(64, 1%) training lines instead
+  d.train_path = ''  # text/tsv: file path or glob; tsv = src<TAB>tgt lines
+  d.eval_path = ''  # text/tsv: '' holds out the end of train_path (eval_fraction, or lines)
+  # text for the LMs: stream (the file is one running text, cut into rows, as nanoGPT) | lines (a
+  # document per line; '' eval_path holds out the last max(64, 1%) lines)
+  d.text_format = 'stream'
+  d.eval_fraction = 0.1  # text streams: the last this fraction of the tokens is the eval split
+  # streams (text, corpus): training rows start at random offsets (nanoGPT) | sequential (every
+  # token once an epoch, in order); both are deterministic from the seed and resume exactly
+  d.sampling = 'random'
   # corpus: train_path/eval_path are globs of text, .jsonl(.gz/.zst) or Parquet files (prepared
   # once into token shards, then streamed), or of llm.c .bin shards (read in place).
   d.prepared_dir = ''  # corpus: where the token shards are prepared; '' = <workdir>/corpus
   d.prepare_workers = 1  # corpus: processes that tokenise the corpus (experiments.train's prepare)
   d.prepare_chunk_mb = 16  # corpus: MB of plain text per shard (a .gz/.zst file, row group: one)
   d.tokenizer_path = ''  # corpus: an existing SentencePiece .model or HF tokenizer.json to use
-  d.eval_batches = 20  # corpus: eval batches from the start of the eval split; 0 = all of it
+  # streams: eval batches from the start of the eval split; 0 = all of it, -1 = all of it up to
+  # 4M tokens, else 20
+  d.eval_batches = -1
   d.bad_lines = 'error'  # text/tsv/tfds: error | skip (bad UTF-8, columns; counted); blanks skip
   d.tfds_name = 'wmt14_translate/de-en'  # tfds: dataset name, e.g. 'wmt17_translate/de-en', 'lm1b'
   d.tfds_data_dir = ''  # tfds: where datasets are stored; '' = TFDS default (~/tensorflow_datasets)
@@ -85,11 +95,14 @@ def get_config() -> ml_collections.ConfigDict:
   d.source_lang = 'en'  # tfds translation: feature used as the source
   d.target_lang = 'de'  # tfds translation: feature used as the target
   d.tfds_text_key = 'text'  # tfds LM datasets: the feature holding the text (lm1b: 'text')
-  d.tokenizer = 'byte'  # byte (261 ids) | sentencepiece (trained) | hf (an imported model's own)
+  # byte (261 ids) | char (the text's characters) | sentencepiece (trained) | hf (a model's own)
+  d.tokenizer = 'byte'
   d.vocab_size = 32000  # sentencepiece: target vocabulary size (tiny corpora may give fewer)
   d.vocab_multiple = 1  # the model's vocabulary is the tokenizer's rounded up to a multiple of this
   d.spm_train_lines = 1_000_000  # sentencepiece: trains on the first this many training examples
-  d.max_length = 256  # LM families: tokens per row; encoder_decoder ignores it
+  # LM families: tokens per row; None = model.max_length (set the context once, there); a
+  # shorter one trains below the model's context. encoder_decoder ignores it
+  d.max_length = ml_collections.FieldReference(None, field_type=int)
   d.max_source_length = 256  # encoder_decoder: source tokens (incl. eos); LM pairs: source part
   d.max_target_length = 256  # encoder_decoder: target tokens (incl. eos)
   d.batch_size = 64  # GLOBAL training batch (rows); each process gets batch_size // process_count
@@ -123,6 +136,7 @@ def get_config() -> ml_collections.ConfigDict:
   t.log_every = 50  # steps between console/TensorBoard scalars
   t.head_entropy_every = 0  # steps between head attention-entropy scalars (TensorBoard); 0 = off
   t.eval_every = 500  # steps between evaluations (and at the end)
+  t.eval_train_loss = True  # evaluation also scores as many training rows: train_loss beside it
   t.checkpoint_every = 500  # steps between checkpoints (and at the end)
   t.checkpoint_every_seconds = 0.0  # also checkpoint this long after the last save; 0 = off
   t.keep_checkpoints = 3  # how many recent checkpoints to keep

@@ -277,6 +277,7 @@ def test_fuzz_data_files_through_build(tmp_path, caplog):
     path.write_bytes(content)
     cfg = data.default_config()
     cfg.update(dict(task='text' if columns == 1 else 'tsv', train_path=str(path)))
+    cfg.text_format = 'lines'  # lines and columns are what this fuzzes
     cfg.update(dict(eval_path=str(path), bad_lines=bad_lines, batch_size=2, eval_batch_size=2))
     cfg.update(dict(max_length=32, max_source_length=16, max_target_length=16))
     family = 'causal_lm' if columns == 1 else 'encoder_decoder'

@@ -64,6 +64,7 @@ class ModelConfig:
   embedding_norm: bool = False  # a norm right after the embeddings (BERT)
   activation: str = 'relu'  # one of ACTIVATIONS
   use_bias: bool = True  # biases in the attention and feed-forward projections
+  norm_bias: bool = True  # LayerNorm's bias; False as nanoGPT's bias=False (RMSNorm has none)
   qkv_bias: bool | None = None  # biases on the query/key/value projections; None = use_bias (Qwen2)
   qk_norm: bool = False  # a norm (of `norm` kind) over head_dim on queries and keys (Qwen3)
   dropout_rate: float = 0.1  # embeddings and residual branches
@@ -174,7 +175,7 @@ def _choice(name: str, value: Any, valid: tuple) -> None:
 
 
 _BOOLS = ('embedding_norm', 'use_bias', 'scale_embeddings', 'share_embeddings', 'tie_output')
-_BOOLS += ('attention_scale', 'scan_layers', 'qk_norm', 'output_head')
+_BOOLS += ('attention_scale', 'scan_layers', 'qk_norm', 'output_head', 'norm_bias')
 _FLOATS = ('rope_theta', 'rope_scaling_factor', 'norm_eps', 'init_std', 'dropout_rate')
 _FLOATS += ('attention_dropout_rate', 'ffn_dropout_rate', 'rope_low_freq_factor')
 _FLOATS += ('rope_high_freq_factor',)

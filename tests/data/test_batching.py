@@ -255,6 +255,7 @@ def test_two_processes_read_disjoint_halves(tmp_path):
   lines = [f'document number {i} with some words' for i in range(264)]
   (tmp_path / 'train.txt').write_text('\n'.join(lines))
   overrides = dict(task='text', train_path=str(tmp_path / 'train.txt'), num_eval_examples=0)
+  overrides['text_format'] = 'lines'
   seen = []
   eval_counts = []
   for process in range(2):

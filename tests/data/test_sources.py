@@ -18,7 +18,7 @@ _LM = dict(family='causal_lm', workdir=None, seed=0)
 def _cfg(**overrides):
   cfg = data.default_config()
   cfg.update(dict(batch_size=4, eval_batch_size=4, max_length=64, max_source_length=32))
-  cfg.update(max_target_length=32)
+  cfg.update(max_target_length=32, text_format='lines')  # a document per line: these tests
   cfg.update(overrides)
   return cfg
 

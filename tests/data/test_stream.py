@@ -33,11 +33,14 @@ def _random_stream(tmp_path, sizes=(37, 1, 250, 64), seed=0, vocab=50):
   return stream.TokenStream(paths), np.concatenate(tokens)
 
 
-def _iterator(s, process=0, count=1, rows=4, length=16, family='causal_lm', pack=False, seed=0):
+def _iterator(
+  s, process=0, count=1, rows=4, length=16, family='causal_lm', pack=False, seed=0,
+  sampling='sequential',
+):  # fmt: skip
   return stream.StreamIterator(
     s, family=family, length=length, global_rows=rows, process=process, process_count=count,
     separator=SEP, pack=pack, vocab_size=50, seed=seed, mlm_prob=0.3,
-    special=(0, 1, 2, 3, 4, SEP),
+    special=(0, 1, 2, 3, 4, SEP), sampling=sampling,
   )  # fmt: skip
 
 
@@ -98,17 +101,19 @@ def test_processes_read_their_own_rows_of_the_same_global_batch(tmp_path, family
       np.testing.assert_array_equal(np.concatenate([p[key] for p in pieces]), batch[key], key)
 
 
+@pytest.mark.parametrize('sampling', ['sequential', 'random'])
 @pytest.mark.parametrize('family', ['causal_lm', 'bidirectional_lm'])
 @pytest.mark.parametrize('before, after', [(1, 1), (1, 2), (2, 1), (3, 2)])
 def test_resume_sees_the_same_next_tokens_under_another_process_count(
-  tmp_path, family, before, after
+  tmp_path, family, before, after, sampling
 ):
   s, _ = _random_stream(tmp_path, seed=2)
-  uninterrupted = _iterator(s, rows=6, family=family)
+  make = lambda p=0, n=1: _iterator(s, p, n, rows=6, family=family, sampling=sampling, seed=3)
+  uninterrupted = make()
   for _ in range(7):
     next(uninterrupted)
   want = [next(uninterrupted) for _ in range(3)]
-  first = [_iterator(s, p, before, rows=6, family=family) for p in range(before)]
+  first = [make(p, before) for p in range(before)]
   for _ in range(7):
     for it in first:
       next(it)
@@ -116,7 +121,7 @@ def test_resume_sees_the_same_next_tokens_under_another_process_count(
   saved = {'processes': [it.get_state() for it in first]}
   state = checkpoint._this_process_state(saved, 'test')
   assert state == first[0].get_state()
-  resumed = [_iterator(s, p, after, rows=6, family=family) for p in range(after)]
+  resumed = [make(p, after) for p in range(after)]
   for it in resumed:
     it.set_state(state)
   for batch in want:

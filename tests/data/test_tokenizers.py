@@ -61,6 +61,7 @@ def test_sentencepiece_is_cached_in_workdir_and_reused(tmp_path, monkeypatch):
   path.write_text('\n'.join(_corpus(300)) + '\n')
   cfg = data.default_config()
   cfg.update(dict(task='text', train_path=str(path), tokenizer='sentencepiece', vocab_size=50))
+  cfg.text_format = 'lines'
   workdir = str(tmp_path / 'run')
   first = data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
   assert os.path.exists(os.path.join(workdir, 'tokenizer', 'spm.model'))

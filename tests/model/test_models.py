@@ -317,3 +317,22 @@ def test_sinusoidal_positions_over_unscaled_embeddings_warn():
     warnings.simplefilter('error')  # the paper's setting and learned positions stay quiet
     tiny('causal_lm', position='sinusoidal', scale_embeddings=True, init_std=0.02)
     tiny('causal_lm', position='learned', scale_embeddings=False, init_std=0.02)
+
+
+def test_norm_bias_false_drops_every_layernorm_bias_and_matches_a_numpy_reference():
+  from transformer.model.norms import Norm
+
+  cfg = tiny('causal_lm', norm_bias=False, use_bias=False, norm_placement='pre')
+  _, params = init(cfg)
+  paths = ['/'.join(str(k.key) for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+  assert not [p for p in paths if p.endswith('bias')], paths  # projections and norms alike
+  assert sum(p.endswith('scale') for p in paths) == 2 * cfg.num_layers + 1  # the norms remain
+  x = np.random.default_rng(0).normal(size=(3, 5, 16)).astype(np.float32) * 3 + 1
+  norm = Norm('layernorm', 1e-5, use_bias=False)
+  variables = norm.init(jax.random.PRNGKey(0), x)
+  assert set(variables['params']) == {'scale'}
+  scale = np.random.default_rng(1).normal(size=16)
+  got = norm.apply({'params': {'scale': scale}}, x)
+  x64 = x.astype(np.float64)
+  want = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5) * scale
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

@@ -39,7 +39,7 @@ _REFUSED = {
   'data.mlm_prob': [0.0, 1.5, float('nan')],
   'data.prepare_workers': [0, -1],
   'data.prepare_chunk_mb': [0],
-  'data.eval_batches': [-1],
+  'data.eval_batches': [-2],
 }
 _ACCEPTED = {  # the smallest values that work
   'train.steps': 1,
@@ -50,7 +50,7 @@ _ACCEPTED = {  # the smallest values that work
   'data.batch_size': 1,
   'data.max_length': 2,
   'data.mlm_prob': 1.0,
-  'data.eval_batches': 0,
+  'data.eval_batches': -1,
 }
 
 
@@ -93,3 +93,17 @@ def test_fuzz_train_and_data_knobs():
       assert '\n' not in str(e)
       outcomes['refused'] += 1
   assert outcomes['accepted'] > 20 and outcomes['refused'] > 100, outcomes
+
+
+def test_the_context_is_set_once_and_a_conflict_is_one_error():
+  config = base.get_config()
+  config.model.family, config.model.max_length = 'causal_lm', 64
+  assert knobs.resolve_lengths(config).data.max_length == 64  # data follows the model
+  config = base.get_config()
+  config.model.family, config.model.max_length, config.data.max_length = 'causal_lm', 256, 64
+  assert knobs.resolve_lengths(config).data.max_length == 64  # shorter rows train below it
+  config.data.max_length = 300
+  with pytest.raises(ValueError, match='data.max_length=300 is longer than the context model'):
+    knobs.check_config(config)
+  config.model.family = 'encoder_decoder'  # which ignores data.max_length
+  knobs.check_config(config)

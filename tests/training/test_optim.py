@@ -55,8 +55,9 @@ def test_warmup_cosine():
   cfg = _config(schedule='warmup_cosine')
   schedule = optim.make_schedule(cfg)
   peak, end = 2e-3, 2e-4
-  assert _lr(schedule, 0) == 0.0
-  assert _lr(schedule, 5) == pytest.approx(peak * 5 / 10, rel=1e-6)
+  assert _lr(schedule, 0) == pytest.approx(peak / 10, rel=1e-6)  # the first update learns
+  assert _lr(schedule, 4) == pytest.approx(peak * 5 / 10, rel=1e-6)
+  assert _lr(schedule, 9) == pytest.approx(peak, rel=1e-6)  # the last warmup update: the peak
   assert _lr(schedule, 10) == pytest.approx(peak, rel=1e-6)
   mid = end + (peak - end) * 0.5 * (1 + math.cos(math.pi * 35 / 100))
   assert _lr(schedule, 45) == pytest.approx(mid, rel=1e-5)
@@ -67,7 +68,8 @@ def test_warmup_cosine():
 def test_cosine_restarts_returns_to_peak():
   schedule = optim.make_schedule(_config(schedule='cosine_restarts'))
   peak, end, w, period = 2e-3, 2e-4, 10, 25
-  assert _lr(schedule, 0) == 0.0
+  assert _lr(schedule, 0) == pytest.approx(peak / w, rel=1e-6)
+  assert _lr(schedule, w - 1) == pytest.approx(peak, rel=1e-6)
   assert _lr(schedule, w) == pytest.approx(peak, rel=1e-6)
   for cycle in range(4):
     start = w + cycle * period
@@ -80,14 +82,15 @@ def test_cosine_restarts_returns_to_peak():
 
 def test_constant_with_and_without_warmup():
   with_warmup = optim.make_schedule(_config(schedule='constant', warmup_steps=4))
-  assert [_lr(with_warmup, s) for s in [0, 2, 4, 110]] == pytest.approx([0, 1e-3, 2e-3, 2e-3])
+  want = [5e-4, 1e-3, 2e-3, 2e-3, 2e-3]  # (step + 1) / 4 of the peak, then the peak
+  assert [_lr(with_warmup, s) for s in [0, 1, 3, 4, 110]] == pytest.approx(want)
   flat = optim.make_schedule(_config(schedule='constant', warmup_steps=0))
   assert [_lr(flat, s) for s in [0, 1, 1000]] == pytest.approx([2e-3] * 3)
 
 
 def test_linear_decay():
   schedule = optim.make_schedule(_config(schedule='linear', end_learning_rate_factor=0.0))
-  assert _lr(schedule, 0) == 0.0
+  assert _lr(schedule, 0) == pytest.approx(2e-4, rel=1e-6)
   assert _lr(schedule, 10) == pytest.approx(2e-3, rel=1e-6)
   assert _lr(schedule, 35) == pytest.approx(2e-3 * (1 - 25 / 100), rel=1e-6)
   assert _lr(schedule, 110) == pytest.approx(0.0, abs=1e-12)
@@ -127,16 +130,13 @@ def test_a_warmup_longer_than_the_run_is_cut_to_it(name, total, caplog):
   with caplog.at_level(logging.WARNING):
     schedule = optim.make_schedule(cfg)
   (warning,) = _warnings(caplog)
-  assert f'warmup_steps=100 is not shorter than the run (total_steps={total}' in warning
-  assert f'cut to {total - 1} steps' in warning
-  # Reference: a straight ramp to the configured peak, reached by the run's last update (step
-  # total - 1); rsqrt's step 0 is the paper's step 1, and its peak is that of warmup_steps=100.
+  assert f'warmup_steps=100 is longer than the run (total_steps={total}' in warning
+  assert f'cut to {total} steps' in warning
+  # Reference: a straight ramp from peak / total at update 0 to the configured peak, reached by
+  # the run's last update (step total - 1); rsqrt's peak is that of warmup_steps=100.
   steps = np.arange(total, dtype=np.float64)
-  if name == 'rsqrt':
-    top = 2e-3 * (64 * 100) ** -0.5
-    want = top * np.minimum(np.maximum(steps, 1) / max(total - 1, 1), 1)
-  else:
-    want = 2e-3 * (steps / (total - 1) if total > 1 else np.ones(1))
+  top = 2e-3 * (64 * 100) ** -0.5 if name == 'rsqrt' else 2e-3
+  want = top * (steps + 1) / total
   got = np.array([_lr(schedule, s) for s in range(total)])
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12)
   assert got[-1] == pytest.approx(want.max(), rel=1e-6) and np.all(np.isfinite(got))
@@ -145,15 +145,15 @@ def test_a_warmup_longer_than_the_run_is_cut_to_it(name, total, caplog):
 
 
 @pytest.mark.parametrize('name', optim.SCHEDULES)
-def test_a_warmup_as_long_as_the_run_is_cut_and_a_shorter_one_is_kept(name, caplog):
+def test_a_warmup_longer_than_the_run_is_cut_and_one_as_long_is_kept(name, caplog):
   with caplog.at_level(logging.WARNING):
-    cut = optim.make_schedule(_config(schedule=name, warmup_steps=20, total_steps=20))
-  assert len(_warnings(caplog)) == 1 and 'warmup_steps=20' in _warnings(caplog)[0]
-  peak = 2e-3 * (64 * 20) ** -0.5 if name == 'rsqrt' else 2e-3  # rsqrt: the peak of warmup 20
+    cut = optim.make_schedule(_config(schedule=name, warmup_steps=21, total_steps=20))
+  assert len(_warnings(caplog)) == 1 and 'warmup_steps=21' in _warnings(caplog)[0]
+  peak = 2e-3 * (64 * 21) ** -0.5 if name == 'rsqrt' else 2e-3  # rsqrt: the peak of warmup 21
   assert _lr(cut, 19) == pytest.approx(peak, rel=1e-6)  # the peak at the last update
   caplog.clear()
   with caplog.at_level(logging.WARNING):
-    kept = optim.make_schedule(_config(schedule=name, warmup_steps=19, total_steps=20))
+    kept = optim.make_schedule(_config(schedule=name, warmup_steps=20, total_steps=20))
     if name not in ('warmup_cosine', 'linear'):  # these two need the run length
       optim.make_schedule(_config(schedule=name, warmup_steps=500, total_steps=None))
   assert _warnings(caplog) == []
@@ -169,7 +169,9 @@ def test_make_optimizer_reuses_the_given_schedule(caplog):
   assert len(_warnings(caplog)) == 1  # one warning for the run, not one per builder
   params = {'w': jnp.ones((3,))}
   updates, _ = tx.update({'w': jnp.ones((3,))}, tx.init(params), params)
-  assert np.all(np.asarray(updates['w']) == 0)  # step 0 of a linear warmup: lr 0
+  # Update 0 of the warmup (cut to the 5-step run) already learns: lr = 1e-3 * 1 / 5, and Adam's
+  # first step moves every weight by about lr against the gradient.
+  np.testing.assert_allclose(np.asarray(updates['w']), -cfg.learning_rate / 5, rtol=1e-4)
 
 
 def _params():

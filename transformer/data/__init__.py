@@ -6,7 +6,7 @@ Usage: `task = data.build(config.data, family=..., workdir=..., seed=...)`.
 from transformer.data.grammar import Grammar, make_grammar
 from transformer.data.number_words import numbers_to_words, words_to_numbers
 from transformer.data.stream_task import ready as prepare_corpus
-from transformer.data.tasks import Task, build, default_config
+from transformer.data.tasks import Task, build, default_config, prompt_prefix, running_text
 from transformer.data.tokenizers import (
   BOS_ID,
   EOS_ID,
@@ -14,6 +14,7 @@ from transformer.data.tokenizers import (
   PAD_ID,
   UNK_ID,
   ByteTokenizer,
+  CharTokenizer,
   SentencePieceTokenizer,
   Tokenizer,
   load_tokenizer,
@@ -27,6 +28,7 @@ __all__ = [
   'PAD_ID',
   'UNK_ID',
   'ByteTokenizer',
+  'CharTokenizer',
   'Grammar',
   'SentencePieceTokenizer',
   'Task',
@@ -37,6 +39,8 @@ __all__ = [
   'make_grammar',
   'numbers_to_words',
   'prepare_corpus',
+  'prompt_prefix',
+  'running_text',
   'train_sentencepiece',
   'words_to_numbers',
 ]

@@ -23,7 +23,7 @@ MIN_INT = {
   'vocab_size': 7,  # more than the 5 special ids + 1
   'prepare_workers': 1,
   'prepare_chunk_mb': 1,
-  'eval_batches': 0,
+  'eval_batches': -1,  # -1 = auto
 }
 
 
@@ -52,8 +52,17 @@ def check_fraction(section: str, cfg: Any, key: str, *, low_open: bool, high_ope
 def check_data_config(cfg: Any) -> None:
   """Raises one ValueError naming the first `config.data` knob that cannot work."""
   for key, minimum in MIN_INT.items():
+    if key == 'max_length' and cfg.get(key) is None:
+      continue  # follows model.max_length (transformer.training.knobs.resolve_lengths)
     check_int('data', cfg, key, minimum)
   check_fraction('data', cfg, 'mlm_prob', low_open=True, high_open=False)
+  from transformer.data import stream, text_stream
+
+  text_stream.check_config(cfg)
+  if cfg.get('sampling', 'random') not in stream.SAMPLINGS:
+    raise ValueError(
+      f'data.sampling={cfg.sampling!r} is not valid; choose one of {stream.SAMPLINGS}'
+    )
   for key in ('train_path', 'eval_path', 'prepared_dir', 'tokenizer_path'):
     if key in cfg and not isinstance(cfg[key], str):
       raise ValueError(f'data.{key}={cfg[key]!r} must be a string (a path, or a glob)')

@@ -1,11 +1,14 @@
-"""Batches streamed from token shards: documents run on, separated, and are cut into rows.
+"""Batches streamed from a token sequence: documents run on, separated, and are cut into rows.
 
-The shards of a split are one token sequence, read through memory maps (host memory and start-up
-do not grow with the corpus). Row r of a causal LM is tokens [r*T, r*T + T] (inputs and targets
-one apart), of an MLM tokens [r*T, r*T + T): every token is a target once per epoch, none is
-dropped, and epochs run on without a seam (positions wrap around the end of the split).
-Global batch b is rows [b*B, (b+1)*B); process p of P reads rows b*B + p*B/P onwards, B/P of them,
-so the data position is one global row count: it resumes under any number of processes.
+The tokens are a prepared corpus's shards read through memory maps (`TokenStream`: host memory
+and start-up do not grow with the corpus) or a text held in memory (`ArrayStream`). A row of a
+causal LM is tokens [o, o + T] (inputs and targets one apart), of an MLM tokens [o, o + T).
+Training rows start at random offsets o, drawn for each global batch from (seed, batch number),
+as nanoGPT samples them (`sampling='random'`), or at o = r*T for global row r
+(`sampling='sequential'`: every token is a target once per epoch, none is dropped, and epochs run
+on without a seam). Global batch b is rows [b*B, (b+1)*B); process p of P reads B/P of them from
+b*B + p*B/P, so the data position is one global row count: it resumes under any number of
+processes. Evaluation reads rows r*T in order, once.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from transformer.data import batching, masking, shards
 from transformer.data.tokenizers import MASK_ID, PAD_ID
 
 _EVAL_MASK_SEED = 7  # eval masks are the same for every run seed, so eval losses compare
+SAMPLINGS = ('random', 'sequential')  # data.sampling: where training rows start
+AUTO_EVAL_TOKENS = 2**22  # eval_batches=-1 scores a split of up to this many tokens whole
+AUTO_EVAL_BATCHES = 20  # and the first this many batches of a larger one
 
 
 class TokenStream:
@@ -45,6 +51,24 @@ class TokenStream:
     return out
 
 
+class ArrayStream:
+  """Tokens held in memory (a text read whole) behind the `TokenStream` interface."""
+
+  def __init__(self, tokens: np.ndarray):
+    self.tokens = np.asarray(tokens, np.int32)  # [N]
+    self.paths: list[str] = []
+
+  def __len__(self) -> int:
+    return len(self.tokens)
+
+  def read(self, start: int, count: int) -> np.ndarray:
+    """Tokens [start, start + count), wrapping around the end; start may be any int."""
+    start %= len(self.tokens)
+    if start + count <= len(self.tokens):
+      return self.tokens[start : start + count]
+    return np.take(self.tokens, np.arange(start, start + count), mode='wrap')
+
+
 def _segments(inputs: np.ndarray, separator: int) -> tuple[np.ndarray, np.ndarray]:
   """Segment ids (1, 2, ... per document) and positions (0 at each document start) of [B, T]
   rows; a document starts at its separator token, and the first token of a row starts one."""
@@ -57,29 +81,26 @@ def _segments(inputs: np.ndarray, separator: int) -> tuple[np.ndarray, np.ndarra
 
 
 def rows(
-  stream: TokenStream,
-  first: int,
-  count: int,
+  stream: TokenStream | ArrayStream,
+  starts: np.ndarray,
   length: int,
   family: str,
   separator: int,
   pack: bool,
-  limit: int | None = None,
+  real: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-  """Rows first .. first + count - 1 of the stream as one batch of `family` ([count, length]).
+  """One batch of `family` whose row i reads the stream from token starts[i] ([len(starts), T]).
 
-  Rows at or past `limit` (eval: the end of the split, no wrapping) are all padding, weight 0.
+  Rows where `real` is False (eval: past the end of the split) are all padding, weight 0.
   `pack` gives each document its own segment (attention stays inside it) and positions.
   """
+  count = len(starts)
   span = length + 1 if family == 'causal_lm' else length  # tokens read per row
   windows = np.zeros([count, span], np.int32)  # [B, span]
-  real = np.ones(count, bool)
+  real = np.ones(count, bool) if real is None else np.asarray(real, bool)
   for i in range(count):
-    row = first + i
-    if limit is not None and row >= limit:
-      real[i] = False
-      continue
-    windows[i] = stream.read(row * length, span)
+    if real[i]:
+      windows[i] = stream.read(int(starts[i]), span)
   inputs = windows[:, :length]  # [B, T]
   if pack:
     segments, positions = _segments(inputs, separator)
@@ -105,6 +126,32 @@ def rows(
     'segments': segments,
     'positions': positions,
   }
+
+
+def row_starts(
+  tokens: int, span: int, length: int, first: int, count: int, global_rows: int, seed: int,
+  sampling: str,
+) -> np.ndarray:  # fmt: skip
+  """Token offsets of global training rows first .. first + count - 1 (int64 [count]).
+
+  'sequential': row r starts at r * length. 'random': the rows of global batch b start at
+  offsets drawn uniformly from [0, tokens - span] by `default_rng([seed, b])` (all B of them, so
+  each process takes its slice of the same draw: the rows do not depend on the process count).
+  """
+  if sampling == 'sequential':
+    return np.arange(first, first + count, dtype=np.int64) * length
+  if sampling != 'random':
+    raise ValueError(f'data.sampling={sampling!r} is not valid; choose one of {SAMPLINGS}')
+  out = np.empty(count, np.int64)
+  done = 0
+  while done < count:
+    row = first + done
+    batch, within = divmod(row, global_rows)
+    drawn = np.random.default_rng([seed, batch]).integers(0, max(tokens - span, 0) + 1, global_rows)
+    n = min(count - done, global_rows - within)
+    out[done : done + n] = drawn[within : within + n]
+    done += n
+  return out
 
 
 def mask_rows(
@@ -157,7 +204,11 @@ class StreamIterator:
     mlm_prob=0.15,
     special=(),
     mask_id=MASK_ID,
+    sampling='sequential',
   ):
+    if sampling not in SAMPLINGS:
+      raise ValueError(f'data.sampling={sampling!r} is not valid; choose one of {SAMPLINGS}')
+    self.sampling = sampling
     self.stream, self.family, self.length = stream, family, length
     self.global_rows, self.separator, self.pack = global_rows, separator, pack
     self.rows = global_rows // process_count
@@ -170,7 +221,7 @@ class StreamIterator:
     return self
 
   def get_state(self) -> dict:
-    return {'row': self.row, 'tokens': len(self.stream), 'global': True}
+    return {'row': self.row, 'tokens': len(self.stream), 'global': True, 'sampling': self.sampling}
 
   def set_state(self, state: dict) -> None:
     if state.get('tokens') != len(self.stream):
@@ -178,11 +229,21 @@ class StreamIterator:
         f'data state is for a training split of {state.get("tokens")} tokens but these shards '
         f'hold {len(self.stream)}; resume with the same corpus (data.train_path)'
       )
+    if state.get('sampling', 'sequential') != self.sampling:
+      raise ValueError(
+        f'data state is for data.sampling={state.get("sampling", "sequential")!r} but this run '
+        f'has {self.sampling!r}; resume with the same data.sampling'
+      )
     self.row = int(state['row'])
 
   def __next__(self) -> dict[str, np.ndarray]:
     first = self.row + self.offset
-    batch = rows(self.stream, first, self.rows, self.length, self.family, self.separator, self.pack)
+    span = self.length + 1 if self.family == 'causal_lm' else self.length
+    starts = row_starts(
+      len(self.stream), span, self.length, first, self.rows, self.global_rows, self.seed,
+      self.sampling,
+    )  # fmt: skip
+    batch = rows(self.stream, starts, self.length, self.family, self.separator, self.pack)
     if self.family == 'bidirectional_lm':
       mask_rows(batch, first, self.seed, self.vocab_size, self.special, self.mlm_prob, self.mask_id)
     batching.check_token_ids(
@@ -190,6 +251,21 @@ class StreamIterator:
     )
     self.row += self.global_rows
     return batch
+
+
+def eval_rows(tokens: int, length: int, family: str) -> int:
+  """Rows of an eval split: non-overlapping windows r*T that fit without wrapping (at least 1)."""
+  span = length + 1 if family == 'causal_lm' else length
+  return max(1, (tokens - span) // length + 1)
+
+
+def num_eval_batches(tokens: int, length: int, family: str, global_rows: int, wanted: int) -> int:
+  """Global eval batches for data.eval_batches=`wanted`: 0 = the whole split, -1 = the whole split
+  up to AUTO_EVAL_TOKENS tokens, else its first AUTO_EVAL_BATCHES batches; n = at most n."""
+  available = -(-eval_rows(tokens, length, family) // global_rows)
+  if wanted == -1:
+    wanted = 0 if tokens <= AUTO_EVAL_TOKENS else AUTO_EVAL_BATCHES
+  return min(wanted, available) if wanted else available
 
 
 def eval_batches(
@@ -207,18 +283,25 @@ def eval_batches(
   special=(),
   mlm_prob=0.15,
   mask_id=MASK_ID,
+  spread=False,
 ) -> list[dict]:
-  """The first `num_batches` global batches of the eval split (0 = all of it), this process's
-  rows of each; rows past the end of the split are padding. The same count on every process."""
-  span = length + 1 if family == 'causal_lm' else length
-  limit = max(1, (len(stream) - span) // length + 1)  # rows that fit without wrapping
-  available = -(-limit // global_rows)
-  num_batches = min(num_batches, available) if num_batches else available
+  """Global eval batches of a split, this process's rows of each (the same count on every
+  process): rows r*T in order, once; rows past the end of the split are padding. `num_batches`
+  as data.eval_batches (`num_eval_batches`). `spread` takes the rows at evenly spaced windows of
+  the whole split instead of its first ones (a sample of the training split)."""
+  limit = eval_rows(len(stream), length, family)
+  num_batches = num_eval_batches(len(stream), length, family, global_rows, num_batches)
   per = global_rows // process_count
+  picked = np.arange(limit, dtype=np.int64)
+  if spread and num_batches * global_rows < limit:
+    picked = np.linspace(0, limit - 1, num_batches * global_rows).round().astype(np.int64)
   out = []
   for b in range(num_batches):
     first = b * global_rows + process * per
-    batch = rows(stream, first, per, length, family, separator, pack, limit=limit)
+    index = np.arange(first, first + per)
+    real = index < len(picked)
+    starts = np.where(real, picked[np.minimum(index, len(picked) - 1)], 0) * length
+    batch = rows(stream, starts, length, family, separator, pack, real=real)
     if family == 'bidirectional_lm':
       mask_rows(batch, first, _EVAL_MASK_SEED, vocab_size, special, mlm_prob, mask_id)
     batching.check_token_ids(batch, vocab_size, f'eval rows {first}..{first + per - 1}')

@@ -122,7 +122,9 @@ class StreamTask:
   _options: dict = dataclasses.field(repr=False)
   _eval_options: dict = dataclasses.field(repr=False)
   _seed: int = 0
+  prompt_prefix: list = dataclasses.field(default_factory=list)  # ids before a prompt
   _eval_cache: list | None = dataclasses.field(default=None, repr=False)
+  _train_eval_cache: list | None = dataclasses.field(default=None, repr=False)
 
   def train_iterator(self) -> stream.StreamIterator:
     return stream.StreamIterator(self._train, seed=self._seed, **self._options)
@@ -132,11 +134,22 @@ class StreamTask:
       self._eval_cache = stream.eval_batches(self._eval, **self._eval_options)
     return self._eval_cache
 
+  def train_eval_batches(self) -> list[dict[str, np.ndarray]]:
+    """As many rows of the training split as `eval_batches` holds, at evenly spaced windows: the
+    training loss measured as the eval loss is, beside it."""
+    if self._train_eval_cache is None:
+      options = dict(self._eval_options, num_batches=len(self.eval_batches()), spread=True)
+      self._train_eval_cache = stream.eval_batches(self._train, **options)
+    return self._train_eval_cache
+
   def eval_examples(self, n: int) -> list[tuple[str, str]]:
     """The first n eval documents of this process as (first half, second half) of their words;
-    none for token-id shards read without their tokenizer."""
+    none for token-id shards read without their tokenizer. A running text (task='text') gives n
+    eval rows instead, each as (its first half, its second half)."""
     if self.tokenizer.kind == 'ids' or not n:
       return []
+    if self.name == 'text':
+      return self._text_examples(n)
     process, count = self._options['process'], self._options['process_count']
     separator, tokens, start = self._options['separator'], [], 0
     while start < len(self._eval):  # read on until n documents of this process are whole
@@ -153,6 +166,45 @@ class StreamTask:
       half = max(1, len(words) // 2)
       out.append((' '.join(words[:half]), ' '.join(words[half:])))
     return out
+
+  def _text_examples(self, n: int) -> list[tuple[str, str]]:
+    length, process = self._options['length'], self._options['process']
+    half = length // 2
+    rows = min(n, stream.eval_rows(len(self._eval), length, self.family))
+    out = []
+    for r in range(process * rows, (process + 1) * rows):
+      r %= stream.eval_rows(len(self._eval), length, self.family)
+      tokens = self._eval.read(r * length, length).tolist()
+      out.append((self.tokenizer.decode(tokens[:half]), self.tokenizer.decode(tokens[half:])))
+    return out
+
+
+def stream_task(
+  name, cfg, family, tokenizer, info, train, evaluation, separator, seed, process_index,
+  process_count, prompt_prefix,
+) -> StreamTask:  # fmt: skip
+  """A StreamTask over two token streams, with the batching knobs of `cfg` (config.data)."""
+  options = dict(
+    family=family,
+    length=cfg.max_length,
+    global_rows=cfg.batch_size,
+    process=process_index,
+    process_count=process_count,
+    separator=separator,
+    pack=bool(cfg.pack),
+    vocab_size=tokenizer.vocab_size,
+    mlm_prob=cfg.mlm_prob,
+    mask_id=getattr(tokenizer, 'mask_id', None),
+    special=_special_ids(tokenizer, separator),
+  )
+  eval_options = dict(
+    options, global_rows=cfg.eval_batch_size, num_batches=cfg.get('eval_batches', -1)
+  )
+  options['sampling'] = cfg.get('sampling', 'random')
+  return StreamTask(
+    name, family, tokenizer, info, train, evaluation, options, eval_options, seed,
+    list(prompt_prefix),
+  )  # fmt: skip
 
 
 def build(cfg, *, family: str, workdir, seed: int, process_index: int, process_count: int):
@@ -178,19 +230,6 @@ def build(cfg, *, family: str, workdir, seed: int, process_index: int, process_c
     )
   if family == 'bidirectional_lm' and getattr(tokenizer, 'mask_id', None) is None:
     raise ValueError(f'MLM needs a tokenizer with a mask token; the {tokenizer.kind} one has none')
-  options = dict(
-    family=family,
-    length=cfg.max_length,
-    global_rows=cfg.batch_size,
-    process=process_index,
-    process_count=process_count,
-    separator=separator,
-    pack=bool(cfg.pack),
-    vocab_size=tokenizer.vocab_size,
-    mlm_prob=cfg.mlm_prob,
-    mask_id=getattr(tokenizer, 'mask_id', None),
-    special=_special_ids(tokenizer, separator),
-  )
   info = {
     'tokenizer': tokenizer.kind,
     'vocab_size': tokenizer.vocab_size,
@@ -198,14 +237,15 @@ def build(cfg, *, family: str, workdir, seed: int, process_index: int, process_c
     'train_tokens': len(train),
     'eval_tokens': len(evaluation),
     'train_rows_per_epoch': len(train) / cfg.max_length,
-    'tokens_kept': 1.0,  # every token is a target once per epoch: nothing is cut
+    'tokens_kept': 1.0,  # every token is read: nothing is cut
+    'sampling': cfg.get('sampling', 'random'),
   }
   if 'meta' in found:
     info['num_train_documents'] = found['meta']['documents']
-  eval_options = dict(options, global_rows=cfg.eval_batch_size, num_batches=cfg.eval_batches)
-  return StreamTask(
-    'corpus', family, tokenizer, info, train, evaluation, options, eval_options, seed
-  )
+  return stream_task(
+    'corpus', cfg, family, tokenizer, info, train, evaluation, separator, seed, process_index,
+    process_count, prompt_prefix=[separator],
+  )  # fmt: skip
 
 
 def _special_ids(tokenizer: Tokenizer, separator: int) -> tuple[int, ...]:

@@ -16,9 +16,19 @@ from collections.abc import Iterable
 import ml_collections
 import numpy as np
 
-from transformer.data import batching, grammar, number_words, recall, sources, stream_task
+from transformer.data import (
+  batching,
+  grammar,
+  number_words,
+  recall,
+  sources,
+  stream_task,
+  text_stream,
+)
 from transformer.data.tokenizers import (
+  BOS_ID,
   ByteTokenizer,
+  CharTokenizer,
   Tokenizer,
   load_tokenizer,
   train_sentencepiece,
@@ -26,7 +36,8 @@ from transformer.data.tokenizers import (
 from transformer.data.tokenizers import save_whole as _save_whole
 
 TASKS = ('numbers', 'grammar', 'recall', 'text', 'tsv', 'tfds', 'corpus')  # corpus: streamed shards
-TOKENIZERS = ('byte', 'sentencepiece', 'hf')  # hf: an imported model's own, in workdir/tokenizer
+# char: the characters of the training text; hf: an imported model's own, in workdir/tokenizer
+TOKENIZERS = ('byte', 'char', 'sentencepiece', 'hf')
 _CHUNK = 4096  # examples tokenised at a time
 _CHARS_PER_TOKEN = 64  # texts are cut to this many characters per allowed token (see max_chars)
 
@@ -35,7 +46,9 @@ def default_config() -> ml_collections.ConfigDict:
   """The data knobs and defaults: `config.data` of configs/base.py, which explains each."""
   from configs import base
 
-  return base.get_config().data
+  config = base.get_config()
+  config.data.max_length = config.model.max_length  # as a run resolves it (follows the model)
+  return config.data
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,7 +72,9 @@ class Task:
   _seed: int = 0
   _pack: bool = False
   _process: int = 0
+  prompt_prefix: list = dataclasses.field(default_factory=lambda: [BOS_ID])  # ids before a prompt
   _eval_cache: list | None = dataclasses.field(default=None, repr=False)
+  _train_eval_cache: list | None = dataclasses.field(default=None, repr=False)
 
   def train_iterator(self) -> batching.TrainIterator:
     """A fresh infinite iterator over this process's training batches, from the start."""
@@ -78,6 +93,16 @@ class Task:
       )
     return self._eval_cache
 
+  def train_eval_batches(self) -> list[dict[str, np.ndarray]]:
+    """Batches of training examples, as many as `eval_batches` (fewer for a smaller training set),
+    formatted as eval batches: the training loss measured as the eval loss is, beside it."""
+    if self._train_eval_cache is None:
+      fit = max(1, len(self._train) // self._eval_rows)  # at least 1: padded rows weigh 0
+      self._train_eval_cache = batching.eval_batches(
+        self._train, self._batcher, self._eval_rows, min(self._num_eval_batches, fit)
+      )
+    return self._train_eval_cache
+
   def eval_examples(self, n: int) -> list[tuple[str, str]]:
     """The first n raw eval examples of this process as (source, reference) strings.
 
@@ -93,6 +118,26 @@ class Task:
         half = max(1, len(words) // 2)
         out.append((' '.join(words[:half]), ' '.join(words[half:])))
     return out
+
+
+def running_text(data_cfg, family: str) -> bool:
+  """Whether a model of `family` trained on `data_cfg` read one running text (task='text' as a
+  stream): no bos, no document ends."""
+  return (
+    data_cfg.get('task') == 'text'
+    and family != 'encoder_decoder'
+    and data_cfg.get('text_format', 'lines') == 'stream'
+  )
+
+
+def prompt_prefix(data_cfg, family: str, tokenizer: Tokenizer) -> list[int] | None:
+  """The ids a prompt starts with, as the training rows did: [] after a running text, the
+  document separator (eos) after a corpus; None (the caller's bos) for everything else."""
+  if running_text(data_cfg, family):
+    return []
+  if data_cfg.get('task') == 'corpus' and getattr(tokenizer, 'eos_id', None) is not None:
+    return [int(tokenizer.eos_id)]
+  return None
 
 
 def _raw_data(cfg, family: str) -> tuple[str, Iterable, list, dict]:
@@ -141,8 +186,11 @@ def _raw_data(cfg, family: str) -> tuple[str, Iterable, list, dict]:
   raise ValueError(f'unknown task={task!r}; choose one of {TASKS}')
 
 
-def _tokenizer(cfg, train: Iterable, workdir: str | None, process_index: int) -> Tokenizer:
-  """The byte tokenizer, or SentencePiece loaded from workdir/tokenizer or trained and cached.
+def _tokenizer(
+  cfg, train: Iterable, workdir: str | None, process_index: int, evaluation: Iterable = ()
+) -> Tokenizer:
+  """The byte tokenizer, or a char or SentencePiece one loaded from workdir/tokenizer or built
+  (chars: of `train` and `evaluation`) or trained (SentencePiece: on `train`), and cached.
 
   workdir/tokenizer is written whole (a temp directory renamed into place) and never replaced:
   a later build loads it, and fails if the config asks for a different tokenizer.
@@ -165,6 +213,9 @@ def _tokenizer(cfg, train: Iterable, workdir: str | None, process_index: int) ->
     )
   if cfg.tokenizer == 'byte':
     tokenizer = ByteTokenizer()
+  elif cfg.tokenizer == 'char':
+    texts = itertools.chain(train, evaluation)
+    tokenizer = CharTokenizer.from_texts(x for ex in texts for x in _texts(ex))
   else:
     lines = []  # every process trains on the same lines (single-threaded, so identical models)
     for example in itertools.islice(train, cfg.spm_train_lines):
@@ -173,6 +224,10 @@ def _tokenizer(cfg, train: Iterable, workdir: str | None, process_index: int) ->
   if cache and process_index == 0 and not _save_whole(tokenizer, cache):
     return _cached_tokenizer(cache, cfg)  # another process saved one first: use (and check) it
   return tokenizer
+
+
+def _texts(example: str | tuple) -> tuple:
+  return (example,) if isinstance(example, str) else tuple(example)
 
 
 def _cached_tokenizer(cache: str, cfg) -> Tokenizer:
@@ -329,9 +384,30 @@ def build(
     raise ValueError(f'seed={seed} must be >= 0')
   if cfg.get('bad_lines', 'error') not in sources.BAD_LINES:
     raise ValueError(f'bad_lines={cfg.bad_lines!r} is not valid; choose one of {sources.BAD_LINES}')
+  shard = dict(process_index=process_index, process_count=process_count)
   if cfg.task == 'corpus':
-    shard = dict(process_index=process_index, process_count=process_count)
+    if cfg.tokenizer == 'char':
+      raise ValueError(
+        "tokenizer='char' reads its vocabulary from the whole text, which task='text' holds in "
+        "memory; a corpus (task='corpus') uses 'byte', 'sentencepiece' or data.tokenizer_path"
+      )
     return stream_task.build(cfg, family=family, workdir=workdir, seed=seed, **shard)
+  if cfg.task == 'text' and family != 'encoder_decoder':
+    text_stream.check_config(cfg)
+  if (
+    cfg.task == 'text'
+    and family != 'encoder_decoder'
+    and cfg.get('text_format', 'lines') == 'stream'
+  ):
+    if cfg.max_length < 2:
+      raise ValueError(f'max_length={cfg.max_length} must be >= 2')
+
+    def tokenizer_for(texts: list[str]) -> Tokenizer:
+      if cfg.tokenizer == 'sentencepiece':  # trained on lines: it skips very long sentences
+        texts = [line for text in texts for line in text.splitlines()]
+      return _tokenizer(cfg, texts, workdir, process_index)
+
+    return text_stream.build(cfg, family=family, tokenizer_for=tokenizer_for, seed=seed, **shard)
   target_length = cfg.max_target_length if family == 'encoder_decoder' else cfg.max_length
   target_key = 'max_target_length' if family == 'encoder_decoder' else 'max_length'
   for key in ('max_source_length', target_key):
@@ -344,7 +420,7 @@ def build(
       f"family='encoder_decoder' needs (source, target) pairs but task={cfg.task!r} gives single "
       "documents; use task='numbers', 'tsv' or a TFDS translation dataset"
     )
-  tokenizer = _tokenizer(cfg, train_raw, workdir, process_index)
+  tokenizer = _tokenizer(cfg, train_raw, workdir, process_index, eval_raw)
   lengths = (target_length, cfg.max_source_length)
   shard = (process_index, process_count)
   num_parts = 1 if kind == 'text' else 2

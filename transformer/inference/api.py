@@ -27,6 +27,7 @@ MASK_TEXT = '[MASK]'  # what fill_mask replaces
 # Rows longer than this many times max_length are refused (learned positions stop at max_length):
 # attention costs length^2, so a huge input would exhaust memory instead of giving an answer.
 LENGTH_FACTOR = 16
+SLIDE_LIMIT = 2**16  # tokens one generate call makes past the context of learned positions
 
 
 def load(workdir: str, step: int | None = None, *, param_dtype: str = 'float32') -> Model:
@@ -103,27 +104,83 @@ class Model:
     alpha: float = 0.6,
     seed: int = 0,
   ) -> list[str]:
-    """Continuations of each prompt (CausalLM): greedy, beam search or sampling."""
+    """Continuations of each prompt (CausalLM): greedy, beam search or sampling.
+
+    Each prompt starts as the model was trained: after a bos, after the document separator
+    (a corpus), or bare (a running text). On the KV cache while the row fits the context; past it,
+    a model with learned positions goes on from the last max_length tokens, as nanoGPT does, and
+    RoPE, ALiBi, sinusoidal and position-free models keep the cache up to LENGTH_FACTOR x
+    max_length positions.
+    """
     self._need('causal_lm', 'generate')
     self._check_knobs(beam_size, seed)
-    bos = _special(self.tokenizer, 'bos_id', data.BOS_ID)
-    ids = [([] if bos is None else [bos]) + self._encode(p) for p in _as_list(prompts, 'prompts')]
-    if _is_int(max_new_tokens):
-      self._check_length(max(map(len, ids)) + max_new_tokens - 1, 'prompt + max_new_tokens')
-    out = decode.generate(
-      self.module,
-      self.params,
-      _pad(ids),
-      max_new_tokens=max_new_tokens,
-      beam_size=beam_size,
-      alpha=alpha,
-      temperature=temperature,
-      top_k=top_k,
-      top_p=top_p,
-      rng=_rng(seed, temperature),
-      eos_id=_or(_special(self.tokenizer, 'eos_id', data.EOS_ID), -1),
+    prefix = self.prompt_prefix()
+    ids = [prefix + self._encode(p) for p in _as_list(prompts, 'prompts')]
+    if not min(map(len, ids)):
+      raise ValueError(
+        'an empty prompt gives a model trained on a running text nothing to continue; give it at '
+        "least one token (nanoGPT's sample.py starts from '\\n')"
+      )
+    eos = _or(_special(self.tokenizer, 'eos_id', data.EOS_ID), -1)
+    if self.config is not None and data.running_text(self.config.data, self.cfg.family):
+      eos = -1  # a running text has no end: generate exactly max_new_tokens
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos)
+    longest, context = max(map(len, ids)), self.cfg.max_length
+    slide = self.cfg.position == 'learned' and _is_int(max_new_tokens)
+    slide = slide and longest + max_new_tokens - 1 > context
+    if not slide:
+      if _is_int(max_new_tokens):
+        self._check_length(longest + max_new_tokens - 1, 'prompt + max_new_tokens')
+      out = decode.generate(
+        self.module, self.params, _pad(ids), max_new_tokens=max_new_tokens, beam_size=beam_size,
+        alpha=alpha, rng=_rng(seed, temperature), **options,
+      )  # fmt: skip
+      return self._decode(out)
+    if max_new_tokens > SLIDE_LIMIT:
+      raise ValueError(
+        f'max_new_tokens={max_new_tokens} past the context of {context} positions: at most '
+        f'{SLIDE_LIMIT} a call (each runs a window afresh); generate in pieces'
+      )
+    if beam_size != 1:
+      raise ValueError(
+        f'beam_size={beam_size} searches within the context of {context} positions; prompt + '
+        f'max_new_tokens is {longest + max_new_tokens - 1}: sample or decode greedily past it'
+      )
+    rng = _rng(seed, temperature)
+    # On the KV cache until the longest row fills the context, then window by window.
+    cached = max(0, context - longest + 1) if longest <= context else 0
+    rows, done = [row[-context:] if len(row) > context else row for row in ids], None
+    if cached:
+      first = decode.generate(
+        self.module, self.params, _pad(rows), max_new_tokens=cached, rng=rng, **options
+      )
+      first = np.asarray(first)
+      done = (first == eos).any(axis=1)
+      rows = [row + _until_eos(new, eos) for row, new in zip(ids, first.tolist())]
+    rest = max_new_tokens - cached
+    lengths = np.array([len(r) for r in rows], np.int32)
+    key = None if rng is None else jax.random.fold_in(rng, 1)
+    more = decode.generate_sliding(
+      self.module, self.params, _pad(rows), lengths, max_new_tokens=rest, rng=key, **options
     )
+    more = np.array(more)
+    if done is not None:
+      more[done] = data.PAD_ID  # a row that ended stays ended
+      out = np.concatenate([first, more], axis=1)
+    else:
+      out = more
     return self._decode(out)
+
+  def prompt_prefix(self) -> list[int]:
+    """The ids before every prompt, as in training: [] after a running text (task='text'),
+    the document separator after a corpus, else bos (if the tokenizer has one)."""
+    tokenizer = self.tokenizer
+    if tokenizer is not None and tokenizer.kind != 'hf' and self.config is not None:
+      found = data.prompt_prefix(self.config.data, self.cfg.family, tokenizer)
+      if found is not None:
+        return found
+    bos = _special(tokenizer, 'bos_id', data.BOS_ID)
+    return [] if bos is None else [bos]
 
   def translate(
     self,
@@ -203,10 +260,11 @@ class Model:
     """
     texts = _as_list(texts)
     ids = [self._encode(t) for t in texts]
-    bos = _special(self.tokenizer, 'bos_id', data.BOS_ID)
     eos = _special(self.tokenizer, 'eos_id', data.EOS_ID)
-    if self.cfg.family == 'causal_lm':  # without a bos, the first token is context only
-      rows = [([] if bos is None else [bos]) + row + ([] if eos is None else [eos]) for row in ids]
+    if self.config is not None and data.running_text(self.config.data, self.cfg.family):
+      eos = None  # a running text has no document end
+    if self.cfg.family == 'causal_lm':  # without a prefix, the first token is context only
+      rows = [self.prompt_prefix() + row + ([] if eos is None else [eos]) for row in ids]
       self._check_length(max(map(len, rows)) - 1, 'the longest text + eos')
       decoder_inputs, targets = _pad([r[:-1] for r in rows]), _pad([r[1:] for r in rows])
       lengths = [len(r) - 1 for r in rows]
@@ -480,6 +538,11 @@ def _pad(rows: list[list[int]]) -> np.ndarray:
   for i, row in enumerate(rows):
     out[i, : len(row)] = row
   return out
+
+
+def _until_eos(tokens: list[int], eos: int) -> list[int]:
+  """Generated tokens up to and including the first eos."""
+  return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
 def _int_array(x: Any, name: str) -> np.ndarray:

@@ -310,8 +310,9 @@ def experiment_config(
     setattr(config.model, key, value)
   config.model.param_dtype = param_dtype
   config.model.dtype = param_dtype
-  # Fine-tuning rows, and eval prompts (half a row) plus their continuation, fit the positions.
-  config.data.max_length = min(config.data.max_length, config.model.max_length)
+  # Fine-tuning rows of 256 tokens (at most the context), and eval prompts (half a row) plus their
+  # continuation, fit the positions.
+  config.data.max_length = min(256, config.model.max_length)
   room = config.model.max_length - (config.data.max_length // 2 + 1)
   config.train.max_decode_length = max(1, min(config.train.max_decode_length, room))
   try:

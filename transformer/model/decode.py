@@ -123,6 +123,69 @@ def generate(
   return _sample(model, params, prompt, rng, knobs, opts)
 
 
+def generate_sliding(
+  model: CausalLM,
+  params: Any,
+  tokens: Array,
+  lengths: Array,
+  *,
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  top_p: float = 1.0,
+  rng: Array | None = None,
+  eos_id: int = EOS_ID,
+) -> Array:
+  """Continues rows past the model's context as nanoGPT does: each new token is predicted from
+  the last `max_length` tokens of its row, run afresh (positions 0 .. max_length - 1).
+
+  Args:
+    tokens: `[B, N]` right-padded rows; row b holds `lengths[b]` real tokens (at least 1).
+    lengths: int32 `[B]`.
+    max_new_tokens, temperature, top_k, top_p, rng, eos_id: as in `generate`.
+  Returns:
+    int32 `[B, max_new_tokens]`; after eos every token is PAD_ID.
+  """
+  opts, knobs = _options(model, 'generate', max_new_tokens, 1, 0.6, temperature, top_k, top_p, rng)
+  opts = opts._replace(eos_id=int(eos_id))
+  _check_tokens(tokens, 'tokens')
+  return _slide(model, params, tokens, jnp.asarray(lengths, jnp.int32), rng, knobs, opts)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _slide(model, params, tokens, lengths, rng, knobs: _Knobs, opts: _Options) -> Array:
+  """The loop of `generate_sliding`: one uncached forward over a [B, T] window per new token."""
+  B, context = tokens.shape[0], model.cfg.max_length
+  seq = jnp.concatenate([tokens, jnp.full((B, opts.length), PAD_ID, jnp.int32)], axis=1)
+  seq = jnp.pad(seq, ((0, 0), (0, max(0, context - seq.shape[1]))))  # at least one window wide
+  columns = jnp.arange(context)
+
+  def cond(state):
+    i, _, _, done = state
+    return (i < opts.length) & ~jnp.all(done)
+
+  def body(state):
+    i, seq, lengths, done = state
+    begin = jnp.maximum(lengths - context, 0)  # [B]: the window's first token
+    window = jax.vmap(lambda row, b: lax.dynamic_slice(row, (b,), (context,)))(seq, begin)
+    seen = lengths - begin  # [B] real tokens in the window
+    segments = (columns[None] < seen[:, None]).astype(jnp.int32)  # [B, T]
+    logits = model.apply({'params': params}, window, segments=segments)  # [B, T, V]
+    last = jnp.take_along_axis(logits, (seen - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    key = None if rng is None else jax.random.fold_in(rng, i)
+    token = _choose(last.astype(jnp.float32), key, knobs, opts.sample)  # [B]
+    token = jnp.where(done, PAD_ID, token)
+    seq = jax.vmap(lambda row, at, t: lax.dynamic_update_slice(row, t[None], (at,)))(
+      seq, lengths, token
+    )
+    return i + 1, seq, lengths + (~done).astype(jnp.int32), done | (token == opts.eos_id)
+
+  state = (jnp.int32(0), seq, lengths, jnp.zeros((B,), bool))
+  _, seq, _, _ = lax.while_loop(cond, body, state)
+  start = lengths  # each row's new tokens begin at its own length
+  return jax.vmap(lambda row, b: lax.dynamic_slice(row, (b,), (opts.length,)))(seq, start)
+
+
 def beam_search(
   model: EncoderDecoder | CausalLM,
   params: Any,

@@ -58,7 +58,9 @@ def embedding_init(cfg: ModelConfig) -> Callable:
 
 # Norms ---------------------------------------------------------------------------------------
 def make_norm(cfg: ModelConfig, name: str | None = None) -> Norm:
-  return Norm(cfg.norm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)
+  return Norm(
+    cfg.norm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, use_bias=cfg.norm_bias, name=name
+  )
 
 
 # Embeddings ----------------------------------------------------------------------------------

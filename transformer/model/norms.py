@@ -19,6 +19,7 @@ class Norm(nn.Module):
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   axis_name: str = 'embed'  # logical axis of the normalised features ('kv' for q/k head norms)
+  use_bias: bool = True  # LayerNorm's bias (RMSNorm never has one)
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -31,7 +32,7 @@ class Norm(nn.Module):
     y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
     ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
     y = y * self.param('scale', ones, (features,), self.param_dtype)
-    if self.kind == 'layernorm':
+    if self.kind == 'layernorm' and self.use_bias:
       zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
       y = y + self.param('bias', zeros, (features,), self.param_dtype)
     return y.astype(self.dtype)  # same shape as x, in the compute dtype

@@ -27,8 +27,32 @@ MIN_INT = {
 }
 
 
+def resolve_lengths(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Sets the context once: data.max_length (an LM's row) follows model.max_length unless given.
+
+  A row longer than the model's context is one ValueError; a shorter one trains below it (the
+  long-context sweeps do). Returns `config`, changed in place.
+  """
+  model, data = config.model, config.data
+  if data.get('max_length') is None:
+    data.max_length = model.max_length
+  elif (
+    model.get('family') != 'encoder_decoder'
+    and isinstance(data.max_length, int)
+    and isinstance(model.max_length, int)
+    and data.max_length > model.max_length
+  ):
+    raise ValueError(
+      f'data.max_length={data.max_length} is longer than the context model.max_length='
+      f'{model.max_length}; set the context once, as model.max_length (data.max_length follows '
+      'it), or train on rows no longer than it'
+    )
+  return config
+
+
 def check_config(config: ml_collections.ConfigDict) -> None:
   """Raises one ValueError naming the first bad `train.*` or `data.*` knob of `config`."""
+  resolve_lengths(config)
   tcfg = config.train
   for key, minimum in MIN_INT.items():
     check_int('train', tcfg, key, minimum)

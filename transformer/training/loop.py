@@ -52,6 +52,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     OutOfMemoryError: the train step does not fit in device memory.
   """
   config = ml_collections.ConfigDict(config.to_dict())  # never mutate the caller's config
+  knobs.resolve_lengths(config)  # data.max_length follows model.max_length
   tcfg = config.train
   ModelConfig.from_config(config.model)  # bad shapes and names fail before anything is written
   knobs.check_config(config)  # train.* and data.* knobs that cannot work, before any data work

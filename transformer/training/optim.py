@@ -24,10 +24,11 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
 
 
 def _warmup(step: jax.Array, peak: float, warmup_steps: int) -> jax.Array:
-  """Linear 0 -> peak over warmup_steps (the peak is reached at step == warmup_steps)."""
+  """Linear peak / warmup_steps -> peak over the first warmup_steps updates: update 0 already
+  learns (at peak / warmup_steps, never 0), and update warmup_steps - 1 is at the peak."""
   if warmup_steps == 0:
     return jnp.full_like(step, peak)
-  return peak * jnp.minimum(step / warmup_steps, 1.0)
+  return peak * jnp.minimum((step + 1) / warmup_steps, 1.0)
 
 
 def _cosine(fraction: jax.Array, peak: float, end: float) -> jax.Array:
@@ -38,21 +39,21 @@ def _cosine(fraction: jax.Array, peak: float, end: float) -> jax.Array:
 def fit_warmup(warmup_steps: int, total_steps: int | None) -> int:
   """The warmup cut to the run, with one warning line naming both numbers when it is cut.
 
-  The updates of a run are steps 0 .. total_steps - 1, and a warmup peaks at step ==
-  warmup_steps, so a warmup of total_steps or more is cut to total_steps - 1: the learning rate
+  The updates of a run are steps 0 .. total_steps - 1, and a warmup peaks at update
+  warmup_steps - 1, so a warmup longer than the run is cut to total_steps: the learning rate
   ramps up over the whole run and its last update is at the peak (a 1-step run: the peak at
   once). `total_steps=None` (a schedule with no run length) cuts nothing.
   """
-  if total_steps is None or warmup_steps < total_steps:
+  if total_steps is None or warmup_steps <= total_steps:
     return warmup_steps
   logging.warning(
-    'warmup_steps=%d is not shorter than the run (total_steps=%d, train.steps): the warmup is '
-    'cut to %d steps, so the learning rate ramps up over the whole run and peaks at its last step',
+    'warmup_steps=%d is longer than the run (total_steps=%d, train.steps): the warmup is cut to '
+    '%d steps, so the learning rate ramps up over the whole run and peaks at its last step',
     warmup_steps,
     total_steps,
-    total_steps - 1,
+    total_steps,
   )
-  return total_steps - 1
+  return total_steps
 
 
 def make_schedule(cfg: Any) -> optax.Schedule:
@@ -62,6 +63,8 @@ def make_schedule(cfg: Any) -> optax.Schedule:
     'rsqrt':           the paper's lr * d_model^-0.5 * min(s^-0.5, s * warmup^-1.5), with the
                        paper's step s = max(step, 1), so step 0 and step 1 both use s = 1 and the
                        peak lr * (d_model * warmup)^-0.5 is at step == warmup_steps.
+    The other schedules warm up linearly from peak / warmup_steps at update 0 (never 0: the
+    first update learns) to the peak at update warmup_steps - 1.
     'warmup_cosine':   linear warmup, then a cosine from peak to end at step == total_steps.
     'cosine_restarts': linear warmup, then cosine cycles of restart_period steps from peak to end,
                        each cycle restarting at peak (SGDR).
@@ -96,11 +99,9 @@ def make_schedule(cfg: Any) -> optax.Schedule:
     d_model = int(cfg.d_model)
     if d_model <= 0:
       raise ValueError(f'd_model={d_model} must be > 0 for the rsqrt schedule')
-    if warmup < configured:  # cut: the configured peak at the last step
+    if total is not None and configured >= total:  # cut: the configured peak at the last step
       top = peak * (d_model * configured) ** -0.5
-      return lambda step: (
-        top * jnp.minimum(jnp.maximum(jnp.asarray(step, jnp.float32), 1.0) / max(warmup, 1), 1.0)
-      )
+      return lambda step: top * jnp.minimum((jnp.asarray(step, jnp.float32) + 1.0) / total, 1.0)
 
     def rsqrt(step):
       s = jnp.maximum(jnp.asarray(step, jnp.float32), 1.0)  # the paper counts steps from 1
@@ -129,7 +130,7 @@ def make_schedule(cfg: Any) -> optax.Schedule:
 
   def decay(step):
     step = jnp.asarray(step, jnp.float32)
-    fraction = jnp.clip((step - warmup) / (total - warmup), 0.0, 1.0)  # 0 -> 1 after warmup
+    fraction = jnp.clip((step - warmup) / max(total - warmup, 1), 0.0, 1.0)  # 0 -> 1 after it
     decayed = (
       _cosine(fraction, peak, end) if name == 'warmup_cosine' else peak + (end - peak) * fraction
     )

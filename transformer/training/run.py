@@ -12,7 +12,7 @@ import numpy as np
 from transformer import data, sharding
 from transformer.config import ModelConfig
 from transformer.model import decode, models, objectives
-from transformer.training import optim, steps
+from transformer.training import knobs, optim, steps
 from transformer.training.state import TrainState, create_state, optim_config, resolve_model_config
 
 Array = jax.Array
@@ -58,7 +58,7 @@ class Run:
 
     `with_data=False` skips the data task (benchmarks): the model keeps config.model.vocab_size.
     """
-    self.config = config
+    self.config = knobs.resolve_lengths(config)  # data.max_length follows model.max_length
     self.partitioner = sharding.Partitioner.from_config(config.get('mesh'), devices)
     self.task = None
     if with_data:
@@ -154,14 +154,10 @@ class Run:
 
     Returns (metrics, samples) where samples are (source, reference, output) strings.
     """
-    totals: dict[str, float] = {}
-    for batch in self.task.eval_batches():
-      sums = jax.device_get(self.eval_step(params, self.place(batch)))
-      for k, v in sums.items():
-        totals[k] = totals.get(k, 0.0) + float(v)
-    metrics = objectives.summarize(totals)
-    metrics.pop('nll')
+    metrics = self._scores(params, self.task.eval_batches())
     tcfg = self.config.train
+    if tcfg.get('eval_train_loss', True) and hasattr(self.task, 'train_eval_batches'):
+      metrics['train_loss'] = self._scores(params, self.task.train_eval_batches())['loss']
     num_decode = tcfg.eval_decode_examples if num_decode is None else num_decode
     samples = []
     if num_decode and self.family in ('encoder_decoder', 'causal_lm'):
@@ -169,6 +165,17 @@ class Run:
       if self.family == 'encoder_decoder':
         metrics.update(translation_metrics([s[2] for s in samples], [s[1] for s in samples]))
     return metrics, samples
+
+  def _scores(self, params, batches: list[dict]) -> dict[str, float]:
+    """Loss, accuracy and perplexity summed over `batches`, then divided by their weight."""
+    totals: dict[str, float] = {}
+    for batch in batches:
+      sums = jax.device_get(self.eval_step(params, self.place(batch)))
+      for k, v in sums.items():
+        totals[k] = totals.get(k, 0.0) + float(v)
+    metrics = objectives.summarize(totals)
+    metrics.pop('nll')
+    return metrics
 
   def generate(self, params, examples: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
     """Greedy outputs for (source, reference) pairs: translations, or LM continuations."""
@@ -182,8 +189,9 @@ class Run:
         inputs = _pad(ids, dcfg.max_source_length, num_rows=dcfg.eval_batch_size)
         out = self._translate(params, self.replicate(inputs))
       else:
-        ids = [[data.BOS_ID] + tok.encode(src)[: dcfg.max_length // 2] for src, _ in chunk]
-        prompt = _pad(ids, dcfg.max_length // 2 + 1, num_rows=dcfg.eval_batch_size)
+        prefix = list(getattr(self.task, 'prompt_prefix', [data.BOS_ID]))
+        ids = [prefix + tok.encode(src)[: dcfg.max_length // 2] for src, _ in chunk]
+        prompt = _pad(ids, dcfg.max_length // 2 + len(prefix), num_rows=dcfg.eval_batch_size)
         out = self._continue(params, self.replicate(prompt))
       for (src, ref), row in zip(chunk, np.asarray(out)):
         outputs.append((src, ref, tok.decode(row.tolist())))
