@@ -19,6 +19,7 @@ from jax import Array
 from transformer import config, sharding
 from transformer.model import attention_paths as paths
 from transformer.model import linear_attention as linear
+from transformer.model import matmul
 from transformer.model import positions as positions_lib
 from transformer.model.masks import MaskSpec
 from transformer.model.norms import Norm
@@ -240,6 +241,7 @@ class MultiHeadAttention(nn.Module):
         param_dtype=self.param_dtype,
         kernel_init=nn.with_logical_partitioning(self.kernel_init, ('embed', heads_axis, 'kv')),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (heads_axis, 'kv')),
+        dot_general=matmul.dot_general,
         name=name,
       )
 
@@ -322,6 +324,7 @@ class MultiHeadAttention(nn.Module):
       param_dtype=self.param_dtype,
       kernel_init=nn.with_logical_partitioning(self.out_kernel_init, ('heads', 'kv', 'embed')),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
+      dot_general=matmul.dot_general,
       name='out',
     )(out)  # [B, T, D]
     return (y, probs) if return_probs else y

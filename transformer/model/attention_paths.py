@@ -28,10 +28,25 @@ def xla_attention(
   del chunk_size  # unused: everything is materialised
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
+  f32 = jnp.float32
+  if K == N and not return_probs and dropout is None:
+    # One kv head per query head: heads merged into the batch, [B * N, T, H], so that both
+    # products are plain batched matmuls (XLA:CPU transposes the 5-d einsums' operands instead).
+    qt, kt, vt = (x.transpose(0, 2, 1, 3).reshape(B * N, -1, H) for x in (q, k, v))
+    logits = jnp.matmul(qt, kt.transpose(0, 2, 1), preferred_element_type=f32)  # [B * N, T, S]
+    logits = logits.reshape(B, N, T, S) * scale
+    if alibi_slopes is not None:
+      logits = logits + alibi_bias(alibi_slopes, K, jnp.arange(T), jnp.arange(S)).reshape(
+        1, N, T, S
+      )
+    visible = mask.dense(T, S)  # [B or 1, 1, T, S]
+    logits = jnp.where(visible, logits, NEG)
+    probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
+    out = jnp.matmul(probs.reshape(B * N, T, S).astype(v.dtype), vt, preferred_element_type=f32)
+    return out.reshape(B, N, T, H).transpose(0, 2, 1, 3).astype(q.dtype)  # [B, T, N, H]
   # Query head n = k * G + g reads kv head k: grouping N as (K, G) lets one einsum broadcast
   # each kv head over its G query heads, without copying k or v G times.
   qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
-  f32 = jnp.float32
   # float32 logits whatever the input dtype: bfloat16 exp/sum over S keys loses too much.
   logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=f32) * scale
   if alibi_slopes is not None:

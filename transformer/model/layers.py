@@ -13,6 +13,7 @@ from flax.core import lift
 
 from transformer import sharding
 from transformer.config import ModelConfig
+from transformer.model import matmul
 from transformer.model import positions as positions_lib
 from transformer.model.attention import CacheMode, MaskSpec, MultiHeadAttention
 from transformer.model.norms import Norm
@@ -142,7 +143,8 @@ class AddPositions(nn.Module):
 # Feed-forward --------------------------------------------------------------------------------
 ACTIVATIONS = {
   'relu': nn.relu,
-  'gelu': lambda x: nn.gelu(x, approximate=False),
+  # Exact GELU, x * Phi(x), in erf form: XLA:CPU runs it faster than nn.gelu's erfc form.
+  'gelu': lambda x: 0.5 * x * (1.0 + jax.lax.erf(x * (1.0 / math.sqrt(2.0)))),
   'gelu_tanh': lambda x: nn.gelu(x, approximate=True),
 }
 
@@ -165,6 +167,7 @@ class FeedForward(nn.Module):
         param_dtype=cfg.params_dtype,
         kernel_init=nn.with_logical_partitioning(init, axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),  # output axis
+        dot_general=matmul.dot_general,
         name=name,
       )
 
