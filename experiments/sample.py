@@ -29,6 +29,8 @@ _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step; default the latest.
 def main():
   import transformer
 
+  cli.compilation_cache()
+
   prompt = _PROMPT.value
   if _PROMPT_FILE.value:
     with open(_PROMPT_FILE.value, encoding='utf-8') as f:

@@ -35,6 +35,8 @@ def main():
   # Before anything touches a device; also auto-detects SLURM and Cloud TPU pod slices.
   with peers.at_start_up(_NUM_PROCESSES.value):
     sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  if not _multi_process():
+    cli.compilation_cache()  # a relaunch skips compiling
   config = _CONFIG.value
   train_and_evaluate(config, _WORKDIR.value or os.path.join('runs', config.name))
 
