@@ -31,7 +31,9 @@ def _mm_bwd(res, g):
 _mm.defvjp(_mm_fwd, _mm_bwd)
 
 
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+def dot_general(
+  lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **options
+):
   """`lax.dot_general` for lhs [..., *C] and rhs [*C, ...] contracting the C axes, no batch axes;
   anything else goes to `lax.dot_general` unchanged."""
   (lc, rc), (lb, rb) = dimension_numbers
@@ -44,9 +46,12 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     and precision is None
     and preferred_element_type is None
     and lhs.dtype == rhs.dtype
+    and not any(v is not None for v in options.values())  # e.g. a newer flax's out_sharding
   )
   if not plain or jax.default_backend() != 'cpu':  # GPU and TPU transpose dot_general well
-    return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    return lax.dot_general(
+      lhs, rhs, dimension_numbers, precision, preferred_element_type, **options
+    )
   k = math.prod(rhs.shape[:n])
   out = _mm(lhs.reshape(-1, k), rhs.reshape(k, -1))
   return out.reshape(lhs.shape[: lhs.ndim - n] + rhs.shape[n:])
