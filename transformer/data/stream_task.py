@@ -169,12 +169,11 @@ class StreamTask:
 
   def _text_examples(self, n: int) -> list[tuple[str, str]]:
     length, process = self._options['length'], self._options['process']
-    half = length // 2
-    rows = min(n, stream.eval_rows(len(self._eval), length, self.family))
+    half, available = length // 2, stream.eval_rows(len(self._eval), length, self.family)
+    rows = min(n, available)
     out = []
     for r in range(process * rows, (process + 1) * rows):
-      r %= stream.eval_rows(len(self._eval), length, self.family)
-      tokens = self._eval.read(r * length, length).tolist()
+      tokens = self._eval.read(r % available * length, length).tolist()
       out.append((self.tokenizer.decode(tokens[:half]), self.tokenizer.decode(tokens[half:])))
     return out
 

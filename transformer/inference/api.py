@@ -149,7 +149,7 @@ class Model:
     rng = _rng(seed, temperature)
     # On the KV cache until the longest row fills the context, then window by window.
     cached = max(0, context - longest + 1) if longest <= context else 0
-    rows, done = [row[-context:] if len(row) > context else row for row in ids], None
+    rows, done = [row[-context:] for row in ids], None  # the window a token is predicted from
     if cached:
       first = decode.generate(
         self.module, self.params, _pad(rows), max_new_tokens=cached, rng=rng, **options

@@ -189,7 +189,7 @@ class Run:
         inputs = _pad(ids, dcfg.max_source_length, num_rows=dcfg.eval_batch_size)
         out = self._translate(params, self.replicate(inputs))
       else:
-        prefix = list(getattr(self.task, 'prompt_prefix', [data.BOS_ID]))
+        prefix = list(self.task.prompt_prefix)  # as the training rows start
         ids = [prefix + tok.encode(src)[: dcfg.max_length // 2] for src, _ in chunk]
         prompt = _pad(ids, dcfg.max_length // 2 + len(prefix), num_rows=dcfg.eval_batch_size)
         out = self._continue(params, self.replicate(prompt))
