@@ -49,3 +49,30 @@ def pyplot():
   import matplotlib.pyplot as plt
 
   return plt
+
+
+def release_host_memory() -> bool:
+  """Hands the C heap's free pages back to the operating system (glibc's `malloc_trim`).
+
+  XLA compiles on the host heap; what the compiler frees stays in glibc's arenas, so a process's
+  resident memory keeps every compile's peak. Trimming after a compile lets the next one, and
+  the steps, reuse pages the system already reclaimed. Returns whether anything ran: False off
+  glibc (macOS, musl), where this is a no-op.
+  """
+  import ctypes
+  import ctypes.util
+
+  global _LIBC
+  if _LIBC is None:
+    try:
+      _LIBC = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6')
+      _LIBC.malloc_trim  # noqa: B018 - glibc only
+    except (OSError, AttributeError):
+      _LIBC = False
+  if not _LIBC:
+    return False
+  _LIBC.malloc_trim(0)
+  return True
+
+
+_LIBC: Any = None

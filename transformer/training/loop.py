@@ -109,12 +109,15 @@ def _train_loop(
   """
   loop = _Loop(run, ckpt, workdir, signals)
   state = loop.restore_or_init()
+  util.release_host_memory()  # what compiling the initialisation freed
   step, steps = loop.begin(int(state.step))
-  pending = None
+  first, pending = step, None
   while step < steps:
     host_batch, batch, data_state = pending or loop.next_batch()
     state, metrics, pending = loop.train_step(state, step, host_batch, batch)
     step += 1
+    if step == first + 1:
+      util.release_host_memory()  # what compiling the step freed
     loss = float(metrics['loss']) / max(float(metrics['denominator']), 1.0)
     if _nonfinite(metrics, run.model_cfg.dtype):  # train_step kept the parameters as they were
       reason = loop.nonfinite(state, step, loss, metrics, host_batch)
@@ -352,6 +355,7 @@ class _Loop:
     if step % tcfg.eval_every == 0 or last:
       self.progress.close()
       self.eval_metrics, samples = self.run.evaluate(state.params)
+      util.release_host_memory()  # the eval step's compile, and its buffers
       _report_eval(self.writer, step, self.eval_metrics, samples[: tcfg.num_samples])
       self.metrics_log.write(step, 'eval', util.jsonable(self.eval_metrics))
     if step % tcfg.checkpoint_every == 0 or last or save:

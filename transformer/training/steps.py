@@ -85,15 +85,20 @@ def train_step(
   denominator = jnp.maximum(sums['denominator'], 1.0)
   grads = jax.tree_util.tree_map(lambda g: g / denominator, grads)  # gradient of the mean loss
   grad_norm = optax.global_norm(grads)
-  updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-
-  loss_scale, good_steps = state.loss_scale, state.good_steps
   # A non-finite step changes neither the parameters nor the optimizer state; the step counter
   # still advances. The loop's train.nonfinite policy decides what follows (skip, halt, rollback).
+  # A cond rather than a select of old and new: the update then runs in place on the donated
+  # state, with no copy of the old parameters and moments kept for the select.
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums['loss'])
-  keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
-  params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+
+  def update(grads, params, opt_state):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params, opt_state = jax.lax.cond(
+    finite, update, lambda g, p, o: (p, o), grads, state.params, state.opt_state
+  )
+  loss_scale, good_steps = state.loss_scale, state.good_steps
   if dynamic_scale:  # float16: halve the scale after a non-finite step; double it after good ones
     grow = good_steps + 1 >= scale_period
     loss_scale = jnp.where(finite, jnp.where(grow, loss_scale * 2, loss_scale), loss_scale / 2)
