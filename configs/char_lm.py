@@ -30,7 +30,7 @@ def get_config():
   d.task, d.text_format, d.tokenizer = 'text', 'stream', 'char'
   d.eval_fraction = 0.1  # the last 10% of the file, as nanoGPT's prepare.py
   d.sampling = 'random'  # a random offset for every row, as nanoGPT's get_batch
-  d.batch_size, d.eval_batch_size = 12, 128
+  d.batch_size, d.eval_batch_size = 12, 64  # eval: 64 rows keep its buffers below the compile peak
   t = config.train
   t.steps = 2000
   t.label_smoothing = 0.0

@@ -111,13 +111,11 @@ def _train_loop(
   state = loop.restore_or_init()
   util.release_host_memory()  # what compiling the initialisation freed
   step, steps = loop.begin(int(state.step))
-  first, pending = step, None
+  pending = None
   while step < steps:
     host_batch, batch, data_state = pending or loop.next_batch()
     state, metrics, pending = loop.train_step(state, step, host_batch, batch)
     step += 1
-    if step == first + 1:
-      util.release_host_memory()  # what compiling the step freed
     loss = float(metrics['loss']) / max(float(metrics['denominator']), 1.0)
     if _nonfinite(metrics, run.model_cfg.dtype):  # train_step kept the parameters as they were
       reason = loop.nonfinite(state, step, loss, metrics, host_batch)
@@ -144,6 +142,7 @@ class _Loop:
     self.policy = faults.nonfinite_policy(tcfg, run.model_cfg.dtype)
     self.iterator = run.task.train_iterator()
     self.rng = run.replicate(jax.random.PRNGKey(run.config.seed + 1))
+    self.compiled = False  # the train step, before its first call
     self.spikes = faults.SpikeDetector(tcfg.get('spike_factor', 0.0), tcfg.get('spike_window', 100))
     self.agreement = faults.HostAgreement(2)  # [a stop signal, a timed checkpoint due]
     self.every_seconds, self.last_save = tcfg.get('checkpoint_every_seconds', 0), time.time()
@@ -206,6 +205,11 @@ class _Loop:
     self.window_tokens += int(np.count_nonzero(host_batch['inputs']))
     pending = None
     try:
+      if not self.compiled:  # compile apart from the first step, and hand back what it freed
+        if hasattr(self.run.train_step, 'lower'):  # not a test's stand-in
+          self.run.train_step.lower(state, batch, self.rng).compile()
+          util.release_host_memory()
+        self.compiled = True
       state, metrics = self.run.train_step(state, batch, self.rng)
       if step + 1 < self.tcfg.steps:
         pending = self.next_batch()  # prepared on the host while the step runs
