@@ -272,6 +272,7 @@ def _status(rule, table):
 
 
 R, N, X = verdicts.REPRODUCED, verdicts.NOT_REPRODUCED, verdicts.NOT_RUN
+I = verdicts.INCONCLUSIVE  # noqa: E741
 
 
 def test_less_and_greater_use_std_over_seeds_or_a_relative_margin():
@@ -280,7 +281,9 @@ def test_less_and_greater_use_std_over_seeds_or_a_relative_margin():
   assert _status(less, table) == R
   assert _status({**less, 'kind': 'greater'}, table) == N
   noisy = {'a': {'loss': [1.0, 3.0, 0.5]}, 'b': {'loss': [2.0, 2.1, 1.9]}}
-  assert _status(less, noisy) == N  # the means differ, but not by 2 std
+  assert _status(less, noisy) == I  # the means differ, but not by 2 std: within the noise
+  reversed_ = {'a': {'loss': [3.0, 3.1, 2.9]}, 'b': {'loss': [2.0, 2.1, 1.9]}}
+  assert _status(less, reversed_) == N  # the other way round, beyond the noise
   one_seed = {'a': {'loss': [1.95]}, 'b': {'loss': [2.0]}}  # gap 0.05
   assert _status(less, one_seed) == R  # > 2% of 2.0 = 0.04, the default one-seed margin
   assert _status({**less, 'rel_margin': 0.05}, one_seed) == N  # < 5% of 2.0 = 0.1
@@ -381,3 +384,34 @@ def test_a_claim_that_fails_one_rule_still_names_the_rules_that_held():
   assert lines[2] == f'**Verdict: {verdicts.NOT_REPRODUCED}.** {note} (see below).'
   status, note, _ = report._verdict_lines({'claim': 'c', 'rules': rules[:1]}, results)
   assert (status, note) == (verdicts.REPRODUCED, '')
+
+
+def test_preconditions_load_with_the_sweep_and_show_in_the_report(tmp_path):
+  pre = (
+    "    preconditions=[dict(name='learns', kind='at_most', metric='eval.loss', "
+    "variants=['scaled'], value=1.5)],\n"
+  )
+  text = _TINY_SWEEP.replace('    plots=[', pre + '    plots=[')
+  sweep = spec.load_sweep(_sweep_file(tmp_path, text))
+  assert sweep.preconditions[0]['name'] == 'learns'
+  for bad, message in (
+    ("metric='eval.loss', variants", "names metric 'eval.acc', which the sweep does not record"),
+    ("variants=['scaled']", "names variant 'big', which the sweep does not have"),
+  ):
+    wrong = "metric='eval.acc', variants" if 'metric' in bad else "variants=['big']"
+    with pytest.raises(ValueError, match=message):
+      spec.load_sweep(_sweep_file(tmp_path, text.replace(bad, wrong)))
+  results = [
+    {'variant': v, 'seed': s, 'status': 'ok', 'metrics': {'eval.loss': x + 0.01 * s}}
+    for v, x in (('scaled', 2.0), ('unscaled', 3.0))
+    for s in range(3)
+  ]
+  meta = {'claim': 'c', 'rules': list(sweep.rules), 'preconditions': list(sweep.preconditions)}
+  status, note, lines = report._verdict_lines(meta, results)
+  assert status == verdicts.INCONCLUSIVE  # scaled < unscaled, but the model never learned
+  assert note.startswith('precondition not met: learns')
+  assert any(line.startswith('- **learns: fails**') for line in lines)
+  assert any("1. **inconclusive at this budget**: precondition 'learns' does not hold" in line
+             for line in lines)  # fmt: skip
+  meta['preconditions'][0]['value'] = 2.5
+  assert report._verdict_lines(meta, results)[0] == verdicts.REPRODUCED

@@ -1,5 +1,6 @@
-"""The per-run metrics of issue 19 (oscillation, learned, spikes) on hand-built curves, and the
-rule options `floor` (fit_power_law) and `where` (any rule) on numbers with known answers."""
+"""The per-run metrics (oscillation, learned, spikes) on hand-built curves; the rule options
+`floor` (fit_power_law) and `where` (any rule); and inconclusive verdicts (noise, chance,
+preconditions), on numbers with known answers."""
 
 import json
 import math
@@ -11,6 +12,7 @@ from transformer.research import results as results_lib
 from transformer.research import verdicts
 
 R, N, X = verdicts.REPRODUCED, verdicts.NOT_REPRODUCED, verdicts.NOT_RUN
+I = verdicts.INCONCLUSIVE  # noqa: E741
 
 
 def _curve(losses, nll=None, events=()):
@@ -154,3 +156,91 @@ def test_where_drops_failing_variants_from_lists():
   for bad in ({'metric': 'learned_early'}, {'metric': 'm', 'value': 'yes'}, ['m', 1]):
     with pytest.raises(ValueError, match='must be'):
       verdicts.check_rule({**rule, 'where': bad})
+
+
+# Inconclusive verdicts -------------------------------------------------------------------------
+def test_ordering_with_seeds_is_judged_against_their_noise():
+  rule = dict(kind='ordering', metric='acc', variants=['w', 'lin', 'full'])
+  clear = {'w': {'acc': [0.1, 0.11, 0.09]}, 'lin': {'acc': [0.5, 0.52, 0.48]},
+           'full': {'acc': [0.9, 0.91, 0.89]}}  # fmt: skip
+  assert verdicts.evaluate(rule, clear).status == R
+  # The audit's case: 0.0376 < 0.0464 < 0.0537 with a std of ~0.005 per arm.
+  close = {'w': {'acc': [0.032, 0.0376, 0.043]}, 'lin': {'acc': [0.041, 0.0464, 0.052]},
+           'full': {'acc': [0.048, 0.0537, 0.059]}}  # fmt: skip
+  verdict = verdicts.evaluate(rule, close)
+  assert verdict.status == I and "w to lin is within the seeds' noise" in verdict.text
+  backwards = {**clear, 'full': {'acc': [0.3, 0.31, 0.29]}}  # full falls below lin, clearly
+  assert verdicts.evaluate(rule, backwards).status == N
+  one_seed = {v: {'acc': m['acc'][1:2]} for v, m in close.items()}  # no noise estimate
+  assert verdicts.evaluate(rule, one_seed).status == R
+  monotone = dict(kind='monotone', variant='w', metrics=['a', 'b'])
+  flat = {'w': {'a': [1.0, 1.2, 0.8], 'b': [1.1, 1.3, 0.9]}}
+  assert verdicts.evaluate(monotone, flat).status == I
+
+
+def test_values_at_chance_make_any_rule_inconclusive():
+  chance = 1 / 26
+  rule = dict(kind='greater', metric='acc', a='full', b='window', rel_margin=0.1, chance=chance)
+  both = {'full': {'acc': [0.046]}, 'window': {'acc': [0.0376]}}
+  assert verdicts.evaluate(rule, both).status == R  # one seed: 0.046 is beyond 10% of chance
+  rule['chance_tolerance'] = 0.01  # the binomial standard error of ~400 answers
+  verdict = verdicts.evaluate(rule, both)
+  assert (
+    verdict.status == I
+    and 'at chance' in verdict.text
+    and 'had it counted: reproduced' in (verdict.text)
+  )
+  learned = {'full': {'acc': [0.95]}, 'window': {'acc': [0.0376]}}
+  assert verdicts.evaluate(rule, learned).status == R
+  # With seeds: within 2 standard errors of chance.
+  seeded = {'full': {'acc': [0.03, 0.045, 0.04]}, 'window': {'acc': [0.035, 0.04, 0.037]}}
+  assert verdicts.evaluate(rule, seeded).status == I
+  wide = {**rule, 'chance_tolerance': 0.2}
+  assert verdicts.evaluate(wide, learned).status == R  # 0.95 is still far from chance
+  assert verdicts.evaluate({**wide, 'kind': 'less'}, both).status == I
+  with pytest.raises(ValueError, match='chance_tolerance needs chance'):
+    verdicts.evaluate({'kind': 'less', 'metric': 'acc', 'a': 'x', 'b': 'y',
+                       'chance_tolerance': 0.1}, both)  # fmt: skip
+
+
+def test_a_failed_precondition_makes_the_rules_that_need_it_inconclusive():
+  table = {'full': {'acc': [0.3, 0.32, 0.31], 'loss': [2.0, 2.1, 1.9]},
+           'window': {'acc': [0.04, 0.03, 0.05], 'loss': [2.5, 2.6, 2.4]}}  # fmt: skip
+  learns = dict(name='full learns', kind='at_least', metric='acc', variants=['full'], value=0.9)
+  trains = dict(name='trains', kind='at_most', metric='loss', variants=['full', 'window'],
+                value=3.3)  # fmt: skip
+  gap = dict(kind='greater', metric='acc', a='full', b='window', requires=['full learns'])
+  loss = dict(kind='less', metric='loss', a='full', b='window', requires=['trains'])
+  both = dict(kind='less', metric='loss', a='full', b='window')  # needs every precondition
+  pre, found = verdicts.judge([gap, loss, both], table, [learns, trains])
+  assert [v.status for v in pre] == [N, R]
+  assert [v.status for v in found] == [I, R, I]
+  assert "precondition 'full learns' does not hold" in found[0].text
+  assert 'had it counted: reproduced' in found[0].text
+  assert verdicts.overall(found) == I
+  assert verdicts.overall([*found, verdicts.Verdict(N, '', {})]) == N
+  pre, found = verdicts.judge([gap], {**table, 'full': {**table['full'], 'acc': [0.95] * 3}},
+                              [learns])  # fmt: skip
+  assert [v.status for v in pre + found] == [R, R]
+  # A precondition that cannot be checked leaves its rules inconclusive too.
+  _, found = verdicts.judge([gap], {'window': table['window']}, [learns])
+  assert found[0].status == X  # the rule itself cannot run: not run, not inconclusive
+  _, found = verdicts.judge([loss], table, [{**trains, 'variants': ['gone']}, learns])
+  assert found[0].status == I and 'is not run' in found[0].text
+
+
+def test_preconditions_are_checked_before_any_work():
+  rules = [dict(kind='less', metric='loss', a='a', b='b', requires=['learns'])]
+  ok = dict(name='learns', kind='at_least', metric='acc', variants=['a'], value=0.9)
+  verdicts.check_preconditions([ok], rules, ['a', 'b'], ['acc', 'loss'])
+  cases = [
+    ([{**ok, 'name': None}], rules, 'needs a name'),
+    ([ok, ok], rules, "two preconditions are named 'learns'"),
+    ([{**ok, 'metric': 'accuracy'}], rules, "names metric 'accuracy', which the sweep"),
+    ([{**ok, 'variants': ['c']}], rules, "names variant 'c', which the sweep does not have"),
+    ([ok], [{**rules[0], 'requires': ['trains']}], "requires precondition 'trains'"),
+    ([ok], [{**rules[0], 'requires': 'learns'}], 'must be a list of precondition names'),
+  ]
+  for pre, rs, message in cases:
+    with pytest.raises(ValueError, match=message):
+      verdicts.check_preconditions(pre, rs, ['a', 'b'], ['acc', 'loss'])

@@ -226,29 +226,60 @@ def _table3(
   return lines
 
 
-def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str, list[str]]:
-  """(status, a note on rules that could not run, the Markdown lines of the claim and rules)."""
+def _judged(meta: Mapping, results: Sequence[Mapping]):
+  """(the preconditions' verdicts, the rules' verdicts) of a sweep's recorded numbers."""
   table = results_lib.metric_table(results)
-  found = [verdicts.evaluate(rule, table) for rule in meta.get('rules') or []]
+  return verdicts.judge(meta.get('rules') or [], table, meta.get('preconditions') or [])
+
+
+def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str, list[str]]:
+  """(status, a note on rules that held, were inconclusive or could not run, the Markdown lines
+  of the claim, the preconditions and the rules)."""
+  pre, found = _judged(meta, results)
   status = verdicts.overall(found)
   skipped = {r['variant']: r.get('error') for r in results if r.get('status') == 'skipped'}
   not_run = sum(v.status == verdicts.NOT_RUN for v in found)
+  unsure = sum(v.status == verdicts.INCONCLUSIVE for v in found)
   held = [v.rule.get('text') or v.rule['kind'] for v in found if v.status == verdicts.REPRODUCED]
   notes = []
-  if held and status == verdicts.NOT_REPRODUCED:  # a partial result is still a result
+  failed = [p.rule['name'] for p in pre if p.status != verdicts.REPRODUCED]
+  if failed:
+    notes.append(f'precondition not met: {"; ".join(failed)}')
+  if held and status != verdicts.REPRODUCED:  # a partial result is still a result
     notes.append(f'{len(held)} of {len(found)} rules held: {"; ".join(held)}')
+  if unsure and status != verdicts.INCONCLUSIVE:
+    notes.append(f'{unsure} of {len(found)} rules inconclusive at this budget')
   if not_run and status != verdicts.NOT_RUN:
     notes.append(f'{not_run} of {len(found)} rules could not run here: no verdict on them')
   note = '; '.join(notes)
   line = f'**Verdict: {status}.**' + (f' {note} (see below).' if note else '')
   lines = [f'**Claim.** {meta.get("claim") or "(not stated)"}', '', line, '']
+
+  def why_not_run(v):
+    if v.status != verdicts.NOT_RUN:
+      return ''
+    named = [v.rule.get(k) for k in ('a', 'b', 'variant')] + list(v.rule.get('variants') or [])
+    return ''.join(f' ({n}: {skipped[n]})' for n in dict.fromkeys(named) if n in skipped)
+
+  if pre:
+    lines += ['Preconditions (a rule that needs one that fails is inconclusive):', '']
+    for v in pre:
+      held_word = (
+        'holds'
+        if v.status == verdicts.REPRODUCED
+        else ('fails' if v.status == verdicts.NOT_REPRODUCED else v.status)
+      )
+      said = f' ({v.rule["text"]})' if v.rule.get('text') else ''
+      lines.append(
+        f'- **{v.rule["name"]}: {held_word}**{said}: {v.text}{why_not_run(v)}. '
+        f'Rule: `{_rule_text(v.rule)}`.'
+      )
+    lines += ['', 'Rules:', '']
   for i, v in enumerate(found):
     said = f' ({v.rule["text"]})' if v.rule.get('text') else ''
-    why = ''
-    if v.status == verdicts.NOT_RUN:
-      named = [v.rule.get(k) for k in ('a', 'b', 'variant')] + list(v.rule.get('variants') or [])
-      why = ''.join(f' ({n}: {skipped[n]})' for n in dict.fromkeys(named) if n in skipped)
-    lines.append(f'{i + 1}. **{v.status}**{said}: {v.text}{why}. Rule: `{_rule_text(v.rule)}`.')
+    lines.append(
+      f'{i + 1}. **{v.status}**{said}: {v.text}{why_not_run(v)}. Rule: `{_rule_text(v.rule)}`.'
+    )
   if not found:
     lines.append('The sweep states no rule: no verdict.')
   return status, note, lines
@@ -276,7 +307,7 @@ def revision_note(results: Sequence[Mapping]) -> tuple[str, bool]:
 
 
 def _rule_text(rule: Mapping) -> str:
-  return ', '.join(f'{k}={v!r}' for k, v in rule.items() if k != 'text')
+  return ', '.join(f'{k}={v!r}' for k, v in rule.items() if k not in ('text', 'name'))
 
 
 def write_report(workdir: str) -> str:
@@ -402,10 +433,10 @@ def _write_index(workdir: str, subs: list[str]) -> str:
 def summary(workdir: str) -> dict[str, Any]:
   """The sweep's verdict as data: {'name', 'status', 'verdicts': [(status, text), ...]}."""
   meta, results = results_lib.load_results(workdir)
-  table = results_lib.metric_table(results)
-  found = [verdicts.evaluate(rule, table) for rule in meta.get('rules') or []]
+  pre, found = _judged(meta, results)
   return {
     'name': meta['name'],
     'status': verdicts.overall(found),
+    'preconditions': [(v.rule['name'], v.status, v.text) for v in pre],
     'verdicts': [(v.status, v.text) for v in found],
   }

@@ -23,7 +23,7 @@ SWEEPS_DIR = os.path.join('configs', 'sweeps')
 _NAME = re.compile(r'[A-Za-z0-9_.+=-]+')  # variant names become directory names
 _FIELDS = (
   'name', 'claim', 'base', 'overrides', 'variants', 'axes', 'metrics', 'rule', 'rules', 'measure',
-  'measure_args', 'train', 'eval_variants', 'plots', 'description',
+  'measure_args', 'train', 'eval_variants', 'plots', 'description', 'preconditions',
 )  # fmt: skip
 
 
@@ -40,6 +40,9 @@ class Sweep:
     overrides: {dotted key: value} applied to every variant first.
     metrics: the metrics compared in the report (e.g. 'eval.loss', 'train.nll', measure keys).
     rules: the verdict rules (`transformer.research.verdicts.KINDS`); the claim holds if all hold.
+    preconditions: rules with a `name` that must hold for the rules to count, such as "full
+      attention learns the task"; a rule that `requires` a failed one (or any, when it lists
+      none) is inconclusive at this budget. Their metrics must be among `metrics`.
     measure: a function `measure(ctx: MeasureContext, **measure_args) -> dict` run after training
       (or instead of it when `train` is False): a name defined in the sweep file or in
       `research.measures.MEASURES`. Its numbers join the run's metrics; a list under the key
@@ -61,6 +64,7 @@ class Sweep:
   overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
   metrics: tuple[str, ...] = ('eval.loss',)
   rules: tuple[dict, ...] = ()
+  preconditions: tuple[dict, ...] = ()
   measure: str | Callable | None = None
   measure_args: dict[str, Any] = dataclasses.field(default_factory=dict)
   train: bool = True
@@ -194,6 +198,7 @@ def _from_spec(spec: dict, path: str, scale: int, module: Any) -> Sweep:
     overrides=_flatten(spec.get('overrides'), 'overrides'),
     metrics=(metrics,) if isinstance(metrics, str) else tuple(metrics),
     rules=tuple(dict(r) for r in rules),
+    preconditions=tuple(dict(r) for r in spec.get('preconditions') or ()),
     measure=spec.get('measure'),
     measure_args=dict(spec.get('measure_args') or {}),
     train=bool(spec.get('train', True)),
@@ -299,6 +304,9 @@ def check_sweep(sweep: Sweep) -> None:
     faults.check_config(config.train)
   for rule in sweep.rules:
     verdicts.check_rule(rule, sweep.all_variants)
+  verdicts.check_preconditions(
+    sweep.preconditions, sweep.rules, sweep.all_variants, list(sweep.metrics)
+  )
   if sweep.measure is not None:
     resolve_measure(sweep)
   report.check_plots(sweep.plots)

@@ -250,6 +250,7 @@ def sweep_metadata(sweep: Sweep, seeds: int, revision: str = 'unknown') -> dict:
       'eval_variants': sweep.eval_variants,
       'metrics': list(sweep.metrics),
       'rules': list(sweep.rules),
+      'preconditions': list(sweep.preconditions),
       'measure': sweep.measure_name,
       'measure_args': sweep.measure_args,
       'train': sweep.train,

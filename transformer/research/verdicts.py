@@ -8,6 +8,17 @@ a `Verdict`; nothing here is ever written by hand. The kinds and their keys are 
 
 Any rule may add `where={'metric': m, 'value': v}`: only the variants whose every seed has m == v
 take part (dropped from its lists; a rule whose `a`, `b` or `variant` fails it does not run).
+
+A verdict can also be INCONCLUSIVE ("inconclusive at this budget"), never counted as reproduced
+or not:
+- a gap rule (`less`, `greater`, `ordering`, `monotone`) with >= 2 seeds per variant whose gap
+  lies within the seeds' noise (`margin_std` pooled stds): neither shown nor refuted;
+- a rule with `chance=c` whose every compared value is indistinguishable from c (within
+  `chance_tolerance`, and within 2 standard errors over seeds; one seed and no tolerance: 10% of
+  c): an ordering among runs that learned nothing says nothing;
+- a rule whose precondition does not hold (`judge`): a sweep's `preconditions` are rules with a
+  `name`, such as "full attention learns the task"; a rule depends on the ones its `requires`
+  lists, or on all of them when it lists none.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import numpy as np
 REPRODUCED = 'reproduced'
 NOT_REPRODUCED = 'not reproduced at this scale'
 NOT_RUN = 'not run'
+INCONCLUSIVE = 'inconclusive at this budget'
 
 Table = Mapping[str, Mapping[str, Sequence[float]]]  # variant -> metric -> per-seed values
 
@@ -35,9 +47,10 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   # |mean(a) - mean(b)| <= tolerance (absolute) or rel_tolerance * max(|a|, |b|).
   'close': (('metric', 'a', 'b'), ('metric_a', 'metric_b', 'tolerance', 'rel_tolerance')),
   # the means over `variants` (one metric), in the listed order, rise (or fall) step by step.
-  'ordering': (('metric', 'variants'), ('direction', 'tolerance')),
+  # With >= 2 seeds a step counts when it exceeds margin_std pooled stds (default 2).
+  'ordering': (('metric', 'variants'), ('direction', 'tolerance', 'margin_std')),
   # within one variant, the metrics in the listed order rise (or fall) step by step.
-  'monotone': (('variant', 'metrics'), ('direction', 'tolerance')),
+  'monotone': (('variant', 'metrics'), ('direction', 'tolerance', 'margin_std')),
   # the std over seeds of a exceeds factor x that of b (needs >= 2 seeds).
   'variance_greater': (('metric', 'a', 'b'), ('factor',)),
   # least-squares fit log y = log c + slope * log x, across variants (x, y metrics) or within one
@@ -68,13 +81,14 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   'at_least': (('metric', 'variants', 'value'), ('every_seed',)),
   'at_most': (('metric', 'variants', 'value'), ('every_seed',)),
 }
-_COMMON = ('kind', 'text', 'where')
+_COMMON = ('kind', 'text', 'where', 'chance', 'chance_tolerance', 'requires', 'name')
 _LOWER_IS_BETTER_WORDS = ('loss', 'perplexity', 'nll', '_ms', 'ms@', 'mib', 'time', 'rise', 'std')
 
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-  """The outcome of one rule: `status` (REPRODUCED | NOT_REPRODUCED | NOT_RUN) and its numbers."""
+  """The outcome of one rule: `status` (REPRODUCED | NOT_REPRODUCED | INCONCLUSIVE | NOT_RUN)
+  and its numbers."""
 
   status: str
   text: str  # the comparison with its numbers, in words
@@ -138,6 +152,64 @@ def check_rule(rule: Mapping[str, Any], variants: Sequence[str] | None = None) -
     raise ValueError(f"where={where!r} must be {{'metric': a metric, 'value': a number}}")
   if rule.get('direction', 'increasing') not in ('increasing', 'decreasing'):
     raise ValueError(f"direction={rule['direction']!r} must be 'increasing' or 'decreasing'")
+  for key in ('chance', 'chance_tolerance', 'margin_std'):
+    value = rule.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+      raise ValueError(f'{key}={value!r} must be a number')
+  if rule.get('chance_tolerance') is not None and 'chance' not in rule:
+    raise ValueError('chance_tolerance needs chance (the value of the metric at chance)')
+  requires = rule.get('requires')
+  if requires is not None and (
+    isinstance(requires, str) or not all(isinstance(n, str) for n in requires)
+  ):
+    raise ValueError(f'requires={requires!r} must be a list of precondition names')
+
+
+def check_preconditions(
+  preconditions: Sequence[Mapping[str, Any]],
+  rules: Sequence[Mapping[str, Any]],
+  variants: Sequence[str] | None = None,
+  metrics: Sequence[str] | None = None,
+) -> None:
+  """Raises one ValueError for a precondition without a unique `name`, one that names an unknown
+  variant, or (when `metrics` is given) a metric the sweep does not record, and for a rule whose
+  `requires` names no precondition."""
+  names = []
+  for pre in preconditions:
+    check_rule(pre, variants)
+    name = pre.get('name')
+    if not isinstance(name, str) or not name:
+      raise ValueError(f'precondition {dict(pre)} needs a name (a string) for rules to require')
+    if name in names:
+      raise ValueError(f'two preconditions are named {name!r}; names must be unique')
+    if pre.get('requires'):
+      raise ValueError(f'precondition {name!r} has requires: preconditions do not chain')
+    names.append(name)
+    if metrics is not None:
+      for metric in _rule_metrics(pre):
+        if metric not in metrics:
+          raise ValueError(
+            f'precondition {name!r} names metric {metric!r}, which the sweep does not record; '
+            f'its metrics are: {", ".join(metrics)}'
+          )
+  for rule in rules:
+    check_rule(rule, variants)
+    for name in rule.get('requires') or ():
+      if name not in names:
+        shown = ', '.join(names) or 'none'
+        raise ValueError(
+          f'rule {rule.get("text") or rule["kind"]!r} requires precondition {name!r}; the '
+          f"sweep's preconditions are: {shown}"
+        )
+
+
+def _rule_metrics(rule: Mapping[str, Any]) -> list[str]:
+  """The metrics a rule reads (its `where` condition included)."""
+  found = [rule[k] for k in ('metric', 'metric_a', 'metric_b', 'x', 'y') if k in rule]
+  found += list(rule.get('metrics') or [])
+  if rule.get('where'):
+    found.append(rule['where']['metric'])
+  return list(dict.fromkeys(found))
 
 
 # Statistics over seeds -------------------------------------------------------------------------
@@ -213,6 +285,8 @@ def _less_or_greater(rule: Mapping, table: Table) -> Verdict:
   numbers.update(gap=gap, margin=margin)
   ok = gap > margin
   text = f'{lhs} {word} {rhs}: gap {fmt(gap)} {">" if ok else "<="} margin {fmt(margin)} ({how})'
+  if not ok and len(va) >= 2 and len(vb) >= 2 and gap >= -margin:  # neither way beyond noise
+    return Verdict(INCONCLUSIVE, f"{text}, within the seeds' noise", dict(rule), numbers)
   return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
 
 
@@ -254,21 +328,43 @@ def _close(rule: Mapping, table: Table) -> Verdict:
   return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
 
 
-def _steps(rule: Mapping, labels: list[str], means: list[float]) -> Verdict:
-  """Whether `means` rise (or fall) step by step, up to `tolerance`."""
+def _steps(rule: Mapping, labels: list[str], values: list[list[float]]) -> Verdict:
+  """Whether the means of `values` rise (or fall) step by step.
+
+  With one seed somewhere, a step may fall back by up to `tolerance`. With >= 2 seeds everywhere
+  each step is judged against the seeds' noise (`margin_std` pooled stds, default 2): a step
+  against the direction beyond it fails the rule; a step within it makes the rule inconclusive.
+  """
   rising = rule.get('direction', 'increasing') == 'increasing'
-  tol = float(rule.get('tolerance', 0.0))
-  bad = [
-    (labels[i], labels[i + 1])
-    for i in range(len(means) - 1)
-    if not ((means[i + 1] - means[i] if rising else means[i] - means[i + 1]) > -tol)
-  ]
-  shown = ', '.join(f'{label} {fmt(m)}' for label, m in zip(labels, means))
+  stats = [mean_std(v) for v in values]
+  means = [m for m, _ in stats]
+  seeded = all(len(v) >= 2 for v in values)
+  k = float(rule.get('margin_std', 2.0))
+  bad, flat = [], []
+  for i in range(len(means) - 1):
+    step = means[i + 1] - means[i] if rising else means[i] - means[i + 1]
+    pair = (labels[i], labels[i + 1])
+    if not seeded:
+      if not step > -float(rule.get('tolerance', 0.0)):
+        bad.append(pair)
+      continue
+    margin = k * math.sqrt((stats[i][1] ** 2 + stats[i + 1][1] ** 2) / 2)
+    if step < -margin:
+      bad.append(pair)
+    elif step <= margin:
+      flat.append(pair)
+  shown = ', '.join(f'{label} {fmt(m, sd)}' for label, (m, sd) in zip(labels, stats))
   text = f'{rule.get("direction", "increasing")}: {shown}'
+  numbers = dict(zip(labels, means))
   if bad:
     text += f'; breaks between {bad[0][0]} and {bad[0][1]}'
-  numbers = dict(zip(labels, means))
-  return Verdict(NOT_REPRODUCED if bad else REPRODUCED, text, dict(rule), numbers)
+    return Verdict(NOT_REPRODUCED, text, dict(rule), numbers)
+  if flat:
+    text += (
+      f"; {flat[0][0]} to {flat[0][1]} is within the seeds' noise ({k:g} pooled std over seeds)"
+    )
+    return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
+  return Verdict(REPRODUCED, text, dict(rule), numbers)
 
 
 def _ordering(rule: Mapping, table: Table) -> Verdict:
@@ -276,8 +372,8 @@ def _ordering(rule: Mapping, table: Table) -> Verdict:
   missing = _missing(rule, [(v, metric) for v in rule['variants']], table)
   if missing:
     return missing
-  means = [mean_std(_values(table, v, metric))[0] for v in rule['variants']]
-  verdict = _steps(rule, list(rule['variants']), means)
+  values = [_values(table, v, metric) for v in rule['variants']]
+  verdict = _steps(rule, list(rule['variants']), values)
   return dataclasses.replace(verdict, text=f'{metric} {verdict.text}')
 
 
@@ -286,8 +382,8 @@ def _monotone(rule: Mapping, table: Table) -> Verdict:
   missing = _missing(rule, [(variant, m) for m in rule['metrics']], table)
   if missing:
     return missing
-  means = [mean_std(_values(table, variant, m))[0] for m in rule['metrics']]
-  verdict = _steps(rule, list(rule['metrics']), means)
+  values = [_values(table, variant, m) for m in rule['metrics']]
+  verdict = _steps(rule, list(rule['metrics']), values)
   return dataclasses.replace(verdict, text=f'{variant}: {verdict.text}')
 
 
@@ -498,24 +594,96 @@ def _apply_where(rule: Mapping, table: Table) -> tuple[dict, Table, Verdict | No
   return kept, {v: m for v, m in table.items() if v not in failing}, None
 
 
+def _compared(rule: Mapping, table: Table) -> list[tuple[str, str]]:
+  """The (variant, metric) pairs whose values a rule compares."""
+  if rule['kind'] == 'monotone':
+    return [(rule['variant'], m) for m in rule['metrics']]
+  if rule['kind'] == 'fit_power_law':
+    if 'variant' in rule:
+      return [(rule['variant'], m) for m in rule['metrics']]
+    return [(v, rule['y']) for v in rule.get('variants') or list(table)]
+  if 'a' in rule:
+    (a, metric_a), (b, metric_b) = _pair(rule)
+    return [(a, metric_a), (b, metric_b)]
+  names = rule.get('variants') or rule.get('among') or list(table)
+  return [(v, rule['metric']) for v in names]
+
+
+def _at_chance(rule: Mapping, table: Table) -> str | None:
+  """Words saying that every value the rule compares is indistinguishable from rule['chance'],
+  or None when one is not (or the rule names no chance level)."""
+  if rule.get('chance') is None:
+    return None
+  chance = float(rule['chance'])
+  shown = []
+  for variant, metric in _compared(rule, table):
+    values = _values(table, variant, metric)
+    if not values:
+      continue
+    mean, std = mean_std(values)
+    tolerance = rule.get('chance_tolerance')
+    if len(values) >= 2:
+      noise = 2 * std / math.sqrt(len(values))  # 2 standard errors of the mean
+      tolerance = max(float(tolerance or 0.0), noise)
+    elif tolerance is None:
+      tolerance = 0.1 * abs(chance)
+    if not abs(mean - chance) <= float(tolerance):
+      return None
+    shown.append(f'{variant} {fmt(mean, std)}')
+  if not shown:
+    return None
+  return f'every compared value is at chance ({fmt(chance)}): {", ".join(shown)}'
+
+
 def evaluate(rule: Mapping[str, Any], table: Table) -> Verdict:
   """Applies one rule (see `KINDS`) to `table[variant][metric] -> per-seed values`."""
   check_rule(rule)
   if rule.get('where') is None:
-    return _EVALUATORS[rule['kind']](rule, table)
-  kept, table, skipped = _apply_where(rule, table)
-  if skipped is not None:
-    return skipped
-  verdict = _EVALUATORS[rule['kind']](kept, table)
-  return dataclasses.replace(verdict, rule=dict(rule))
+    verdict = _EVALUATORS[rule['kind']](rule, table)
+  else:
+    kept, table, skipped = _apply_where(rule, table)
+    if skipped is not None:
+      return skipped
+    verdict = dataclasses.replace(_EVALUATORS[rule['kind']](kept, table), rule=dict(rule))
+  if verdict.status in (REPRODUCED, NOT_REPRODUCED):
+    chance = _at_chance(rule, table)
+    if chance is not None:
+      text = f'{chance}; had it counted: {verdict.status}, {verdict.text}'
+      return dataclasses.replace(verdict, status=INCONCLUSIVE, text=text)
+  return verdict
+
+
+def judge(
+  rules: Sequence[Mapping[str, Any]],
+  table: Table,
+  preconditions: Sequence[Mapping[str, Any]] = (),
+) -> tuple[list[Verdict], list[Verdict]]:
+  """(the preconditions' verdicts, the rules' verdicts). A rule whose precondition (the ones its
+  `requires` names, else all) did not hold is INCONCLUSIVE, its own outcome given in words."""
+  pre = {p['name']: evaluate(p, table) for p in preconditions}
+  found = []
+  for rule in rules:
+    verdict = evaluate(rule, table)
+    needs = rule.get('requires') or list(pre)
+    failed = [n for n in needs if pre[n].status != REPRODUCED]
+    if failed and verdict.status != NOT_RUN:
+      name = failed[0]
+      why = 'does not hold' if pre[name].status == NOT_REPRODUCED else f'is {pre[name].status}'
+      text = (
+        f'precondition {name!r} {why} ({pre[name].text}); had it counted: {verdict.status}, '
+        f'{verdict.text}'
+      )
+      verdict = dataclasses.replace(verdict, status=INCONCLUSIVE, text=text)
+    found.append(verdict)
+  return list(pre.values()), found
 
 
 def overall(verdicts: Sequence[Verdict]) -> str:
-  """A claim's status from its rules: not reproduced if any rule fails, else reproduced if any
-  rule ran (rules that could not run are listed with it), else not run."""
+  """A claim's status from its rules: not reproduced if any rule fails, else inconclusive if any
+  rule is, else reproduced if any rule ran (rules that could not run are listed with it), else
+  not run."""
   statuses = [v.status for v in verdicts]
-  if NOT_REPRODUCED in statuses:
-    return NOT_REPRODUCED
-  if REPRODUCED in statuses:
-    return REPRODUCED
+  for status in (NOT_REPRODUCED, INCONCLUSIVE, REPRODUCED):
+    if status in statuses:
+      return status
   return NOT_RUN
