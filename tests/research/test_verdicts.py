@@ -212,9 +212,10 @@ def test_a_failed_precondition_makes_the_rules_that_need_it_inconclusive():
   gap = dict(kind='greater', metric='acc', a='full', b='window', requires=['full learns'])
   loss = dict(kind='less', metric='loss', a='full', b='window', requires=['trains'])
   both = dict(kind='less', metric='loss', a='full', b='window')  # needs every precondition
-  pre, found = verdicts.judge([gap, loss, both], table, [learns, trains])
+  free = {**both, 'requires': []}  # depends on no precondition
+  pre, found = verdicts.judge([gap, loss, both, free], table, [learns, trains])
   assert [v.status for v in pre] == [N, R]
-  assert [v.status for v in found] == [I, R, I]
+  assert [v.status for v in found] == [I, R, I, R]
   assert "precondition 'full learns' does not hold" in found[0].text
   assert 'had it counted: reproduced' in found[0].text
   assert verdicts.overall(found) == I

@@ -285,6 +285,37 @@ def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str,
   return status, note, lines
 
 
+def rejudge(workdir: str, allow_dirty: bool = False) -> str:
+  """Replaces the rules and preconditions recorded in workdir/sweep.json by those its sweep file
+  states now, and records the revision they come from (`rules_revision`): the recorded numbers
+  stay as they were run; only the judging changes. Returns that revision.
+
+  Raises:
+    ValueError: no results there, or (without `allow_dirty`) a source tree with changes.
+  """
+  from transformer.research import spec, sweeps
+
+  meta, _ = results_lib.load_results(workdir)
+  sweep = spec.load_sweep(meta['path'], int(meta.get('scale', 1)))
+  revision = sweeps.checked_revision([workdir], allow_dirty)
+  meta.update(
+    rules=list(sweep.rules), preconditions=list(sweep.preconditions), rules_revision=revision
+  )
+  util.write_json(os.path.join(workdir, results_lib.SWEEP_JSON), meta)
+  return revision
+
+
+def _rules_note(meta: Mapping, results: Sequence[Mapping]) -> str:
+  """A sentence when the rules were applied later than the runs were made (`rejudge`)."""
+  judged = meta.get('rules_revision')
+  if not judged or {r.get('git_revision') for r in results} == {judged}:
+    return ''
+  return (
+    f'The verdict applies the rules of `{meta["path"]}` at revision `{judged}` to these recorded '
+    f'runs (python -m experiments.report --workdir=... --rejudge).'
+  )
+
+
 def revision_note(results: Sequence[Mapping]) -> tuple[str, bool]:
   """(a Markdown sentence naming the commit of the runs, whether all are at one clean commit)."""
   counts = collections.Counter(r.get('git_revision') or 'unknown' for r in results)
@@ -339,7 +370,7 @@ def write_report(workdir: str) -> str:
     '',
     *verdict,
     '',
-    revision_note(results)[0],
+    ' '.join(filter(None, [revision_note(results)[0], _rules_note(meta, results)])),
     '',
     f'Runs: {len(results)} ({len(order)} variants x seeds {seeds}), scale {meta["scale"]}, '
     f'total wall time {wall / 60:.1f} min on {", ".join(backend)}. Regenerate with',

@@ -18,7 +18,7 @@ or not:
   c): an ordering among runs that learned nothing says nothing;
 - a rule whose precondition does not hold (`judge`): a sweep's `preconditions` are rules with a
   `name`, such as "full attention learns the task"; a rule depends on the ones its `requires`
-  lists, or on all of them when it lists none.
+  lists, or on all of them when it has no `requires` (`requires=[]`: on none).
 """
 
 from __future__ import annotations
@@ -664,7 +664,7 @@ def judge(
   found = []
   for rule in rules:
     verdict = evaluate(rule, table)
-    needs = rule.get('requires') or list(pre)
+    needs = list(pre) if rule.get('requires') is None else rule['requires']  # []: none
     failed = [n for n in needs if pre[n].status != REPRODUCED]
     if failed and verdict.status != NOT_RUN:
       name = failed[0]
