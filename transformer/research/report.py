@@ -286,9 +286,10 @@ def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str,
 
 
 def rejudge(workdir: str, allow_dirty: bool = False) -> str:
-  """Replaces the rules and preconditions recorded in workdir/sweep.json by those its sweep file
-  states now, and records the revision they come from (`rules_revision`): the recorded numbers
-  stay as they were run; only the judging changes. Returns that revision.
+  """Replaces the claim, description, rules and preconditions recorded in workdir/sweep.json by
+  those its sweep file states now, and records the revision they come from (`rules_revision`):
+  the recorded numbers stay as they were run; only the judging (and the words) change. Returns
+  that revision.
 
   Raises:
     ValueError: no results there, or (without `allow_dirty`) a source tree with changes.
@@ -299,7 +300,11 @@ def rejudge(workdir: str, allow_dirty: bool = False) -> str:
   sweep = spec.load_sweep(meta['path'], int(meta.get('scale', 1)))
   revision = sweeps.checked_revision([workdir], allow_dirty)
   meta.update(
-    rules=list(sweep.rules), preconditions=list(sweep.preconditions), rules_revision=revision
+    claim=sweep.claim,
+    description=sweep.description,
+    rules=list(sweep.rules),
+    preconditions=list(sweep.preconditions),
+    rules_revision=revision,
   )
   util.write_json(os.path.join(workdir, results_lib.SWEEP_JSON), meta)
   return revision
