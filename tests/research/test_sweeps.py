@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -415,3 +416,30 @@ def test_preconditions_load_with_the_sweep_and_show_in_the_report(tmp_path):
              for line in lines)  # fmt: skip
   meta['preconditions'][0]['value'] = 2.5
   assert report._verdict_lines(meta, results)[0] == verdicts.REPRODUCED
+
+
+def test_rejudge_applies_the_sweep_files_current_rules_to_recorded_runs(finished, tmp_path):
+  original, done, _, _ = finished
+  workdir, path = tmp_path / 'runs', str(tmp_path / 'tiny_sweep.py')
+  shutil.copytree(done, workdir)
+  meta = json.loads((workdir / 'sweep.json').read_text())
+  (workdir / 'sweep.json').write_text(json.dumps({**meta, 'path': path}))
+  shutil.copy(original, path)
+  numbers = [r['metrics'] for r in results_lib.read_results(str(workdir))]
+  text = open(report.write_report(str(workdir))).read()
+  assert '--rejudge' not in text
+  # The sweep file now requires a loss no 2-step run reaches: the same runs become
+  # inconclusive, and the report names the revision of the rules.
+  pre = (
+    "    preconditions=[dict(name='learns', kind='at_most', metric='eval.loss', "
+    "variants=['scaled'], value=0.01)],\n"
+  )
+  with open(path, 'w') as f:
+    f.write(_TINY_SWEEP.replace('    plots=[', pre + '    plots=['))
+  revision = report.rejudge(str(workdir), allow_dirty=True)
+  meta = json.loads((workdir / 'sweep.json').read_text())
+  assert meta['preconditions'][0]['name'] == 'learns' and meta['rules_revision'] == revision
+  text = open(report.write_report(str(workdir))).read()
+  assert f'**Verdict: {verdicts.INCONCLUSIVE}.**' in text
+  assert f'applies the rules of `{path}` at revision `{revision}`' in text
+  assert [r['metrics'] for r in results_lib.read_results(str(workdir))] == numbers
