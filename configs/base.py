@@ -49,8 +49,11 @@ def get_config() -> ml_collections.ConfigDict:
   m.share_embeddings = True  # one table for source and target (EncoderDecoder)
   m.tie_output = True  # output projection = transposed target embedding
   m.attention_scale = True  # 1/sqrt(d_k) scaling of the logits; False = the ablation
-  m.attention = 'softmax'  # softmax | linear (phi(q).phi(k), O(T); Katharopoulos et al. 2020)
+  # softmax | linear (phi(q).phi(k), O(T); Katharopoulos et al. 2020) | compressed (own block +
+  # mean-pooled other blocks, O(T * (block + T / block)); NSA's compression branch)
+  m.attention = 'softmax'
   m.linear_feature_map = 'elu'  # linear attention's phi: elu (elu + 1) | relu | softplus
+  m.compress_block = 16  # attention='compressed': positions pooled per block (divides rows)
   m.attention_impl = ml_collections.FieldReference(None, field_type=str)  # xla|chunked|pallas|cudnn
   m.attention_chunk_size = 128  # key block of the 'chunked' implementation
   m.window = ml_collections.FieldReference(None, field_type=tuple)  # sliding window (left, right)

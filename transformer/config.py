@@ -25,7 +25,8 @@ NORM_PLACEMENTS = ('pre', 'post')
 ACTIVATIONS = ('relu', 'gelu', 'gelu_tanh', 'swiglu')
 # The names a config may choose; `model.attention.register_implementation` adds its own here.
 ATTENTION_IMPLEMENTATIONS = [None, 'xla', 'chunked', 'pallas', 'cudnn']
-ATTENTIONS = ('softmax', 'linear')  # the attention itself; the implementations above are softmax's
+# the attention itself; the implementations above are softmax's
+ATTENTIONS = ('softmax', 'linear', 'compressed')
 LINEAR_FEATURE_MAPS = ('elu', 'relu', 'softplus')  # phi of linear attention (elu = elu(x) + 1)
 INITS = ('scaled', 'plain')
 INIT_DISTRIBUTIONS = ('xavier', 'normal')
@@ -76,6 +77,7 @@ class ModelConfig:
   attention_scale: bool = True  # scale logits by 1/sqrt(head_dim); False = the ablation
   attention: str = 'softmax'  # one of ATTENTIONS: softmax, or linear (Katharopoulos et al. 2020)
   linear_feature_map: str = 'elu'  # attention='linear': phi, one of LINEAR_FEATURE_MAPS
+  compress_block: int = 16  # attention='compressed': positions pooled per block; divides rows
   attention_impl: str | None = None  # one of ATTENTION_IMPLEMENTATIONS; None = pick for the backend
   attention_chunk_size: int = 128  # key block of the 'chunked' path
   window: tuple[int, int] | None = None  # self-attention sliding window (left, right)
@@ -273,6 +275,8 @@ def _validate(c: ModelConfig) -> None:
     )
   if c.attention == 'linear':
     _check_linear(c)
+  if c.attention == 'compressed':
+    _check_compressed(c)
   if c.family == 'encoder_decoder' and c.type_vocab_size:
     raise ValueError('type_vocab_size is for family=bidirectional_lm only; set it to 0')
   if c.num_classes and c.family != 'bidirectional_lm':
@@ -287,6 +291,44 @@ def _validate(c: ModelConfig) -> None:
     raise ValueError(
       f'rope_low_freq_factor={c.rope_low_freq_factor} and rope_high_freq_factor='
       f'{c.rope_high_freq_factor} must satisfy 0 < low < high for rope_scaling=llama3'
+    )
+
+
+def _check_compressed(c: ModelConfig) -> None:
+  """attention='compressed' pools keys over blocks of self attention: no window, ALiBi, softmax
+  kernel, probability dropout or cross attention, and a block that divides the context."""
+  block = c.compress_block
+  if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    raise ValueError(f'compress_block={block!r} must be a positive integer')
+  if c.max_length % block:
+    raise ValueError(
+      f'compress_block={block} does not divide max_length={c.max_length}: every row is cut into '
+      'whole blocks; choose a divisor of it'
+    )
+  if c.window is not None:
+    raise ValueError(
+      f"window={c.window} does not combine with attention='compressed', whose own block is "
+      'already its local window; set window=None'
+    )
+  if c.position == 'alibi':
+    raise ValueError(
+      "position='alibi' biases each key by its distance, which a pooled block does not have; "
+      "with attention='compressed' use rope, learned or sinusoidal"
+    )
+  if c.attention_impl is not None:
+    raise ValueError(
+      f"attention_impl={c.attention_impl!r} picks a softmax kernel; attention='compressed' has "
+      'its own path, so leave attention_impl=None'
+    )
+  if c.attention_dropout_rate > 0:
+    raise ValueError(
+      f'attention_dropout_rate={c.attention_dropout_rate} is not available with '
+      "attention='compressed'; set it to 0"
+    )
+  if c.family == 'encoder_decoder':
+    raise ValueError(
+      "attention='compressed' pools the keys of self attention; the encoder-decoder's cross "
+      "attention cannot use it. Use family='causal_lm' or 'bidirectional_lm'"
     )
 
 

@@ -117,3 +117,88 @@ def test_bad_input_is_one_clear_error():
     ca.compressed_attention(q, k[:, :8], v[:, :8], block=4)
   with pytest.raises(ValueError, match='must be a positive integer'):
     ca.compressed_attention(q, k, v, block=0)
+
+
+# In the model -----------------------------------------------------------------------------------
+def _tiny(family, **overrides):
+  from transformer.config import ModelConfig
+
+  base = dict(family=family, vocab_size=40, d_model=32, num_heads=4, d_ff=64, num_layers=2,
+              max_length=32, dropout_rate=0.0, tie_output=False, norm_placement='pre',
+              attention='compressed', compress_block=4)  # fmt: skip
+  return ModelConfig(**{**base, **overrides})
+
+
+def _random_model(cfg, seed):
+  from transformer.model import models
+
+  model = models.build(cfg)
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), **model.dummy_inputs())['params']
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(
+    lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype),
+    jax.tree.map(lambda x: x.value if hasattr(x, 'value') else x, shapes),
+  )
+  return model, params
+
+
+def test_kv_cache_decoding_equals_the_uncached_model_token_for_token():
+  from transformer.model import decode
+
+  model, params = _random_model(_tiny('causal_lm', position='rope', num_kv_heads=2), seed=3)
+  rng = np.random.default_rng(0)
+  tokens = np.zeros((4, 9), np.int32)
+  for row, n in enumerate((9, 4, 1, 6)):  # right-padded prompts that end inside a block
+    tokens[row, :n] = rng.integers(3, 40, n)
+  tokens[:, 0] = 1
+  tokens = jnp.asarray(tokens)
+  got = decode.generate(model, params, tokens, max_new_tokens=11)  # across 3 more blocks
+  want = decode.greedy_uncached_continue(model, params, tokens, 11)
+  np.testing.assert_array_equal(got, want)
+  assert len(set(map(tuple, np.asarray(got).tolist()))) > 1  # not a constant model
+
+
+def test_bidirectional_lm_padding_changes_nothing():
+  model, params = _random_model(_tiny('bidirectional_lm', position='learned'), seed=1)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(5, 40, (2, 12)).astype(np.int32)
+  segments = np.ones((2, 12), np.int32)
+  segments[0, 7:] = 0  # padding, whatever its tokens
+  logits = lambda t: np.asarray(
+    model.apply({'params': params}, jnp.asarray(t), segments=jnp.asarray(segments))
+  )
+  base = logits(tokens)
+  other = tokens.copy()
+  other[0, 7:] = rng.integers(5, 40, 5)
+  np.testing.assert_allclose(logits(other)[0, :7], base[0, :7], rtol=1e-6, atol=1e-6)
+  later = tokens.copy()
+  later[1, 11] = (later[1, 11] - 4) % 35 + 5  # a token in the last block reaches the first
+  assert not np.allclose(logits(later)[1, 0], base[1, 0])
+
+
+@pytest.mark.parametrize(
+  'overrides, message',
+  [
+    (dict(compress_block=5), 'compress_block=5 does not divide max_length=32'),
+    (dict(compress_block=0), 'compress_block=0 must be a positive integer'),
+    (dict(window=(8, 0)), r"window=\(8, 0\) does not combine with attention='compressed'"),
+    (dict(position='alibi'), "position='alibi' biases each key by its distance"),
+    (dict(attention_impl='chunked'), "attention_impl='chunked' picks a softmax kernel"),
+    (dict(attention_dropout_rate=0.1), 'attention_dropout_rate=0.1 is not available'),
+    (dict(family='encoder_decoder'), 'cross attention cannot use it'),
+  ],
+)
+def test_config_errors(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    _tiny(overrides.pop('family', 'causal_lm'), **overrides)
+
+
+def test_a_row_length_the_block_does_not_divide_is_an_error_before_any_work():
+  from configs import gpt_tiny
+  from transformer.training import knobs
+
+  config = gpt_tiny.get_config()
+  config.model.attention, config.model.compress_block = 'compressed', 8
+  config.data.max_length = 60
+  with pytest.raises(ValueError, match='compress_block=8 does not divide the row length'):
+    knobs.resolve_lengths(config)

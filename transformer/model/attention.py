@@ -18,6 +18,7 @@ from jax import Array
 
 from transformer import config, sharding
 from transformer.model import attention_paths as paths
+from transformer.model import compressed_attention as compressed
 from transformer.model import linear_attention as linear
 from transformer.model import matmul
 from transformer.model import positions as positions_lib
@@ -174,7 +175,8 @@ class CacheMode(NamedTuple):
 
 class MultiHeadAttention(nn.Module):
   """Self or cross attention: q/k/v/out projections around `dot_product_attention`, or around
-  `linear_attention.linear_attention` with kind='linear' (its cache is then a fixed-size state).
+  `linear_attention.linear_attention` with kind='linear' (its cache is then a fixed-size state),
+  or `compressed_attention.compressed_attention` with kind='compressed' (self attention only).
 
   Positions that act on q and k (RoPE) or on the logits (ALiBi) are applied here, for self
   attention only; absolute positions are added to the embeddings by the model.
@@ -197,8 +199,9 @@ class MultiHeadAttention(nn.Module):
   alibi: bool = False
   qkv_bias: bool | None = None  # biases on query/key/value; None = use_bias (which sets 'out')
   qk_norm: tuple[str, float] | None = None  # (norm kind, eps) over head_dim of q and k (Qwen3)
-  kind: str = 'softmax'  # 'softmax' | 'linear' (config.ATTENTIONS)
+  kind: str = 'softmax'  # 'softmax' | 'linear' | 'compressed' (config.ATTENTIONS)
   feature_map: str = 'elu'  # kind='linear': phi, a name in linear_attention.FEATURE_MAPS
+  compress_block: int = 16  # kind='compressed': positions pooled per block
 
   @nn.compact
   def __call__(
@@ -287,6 +290,12 @@ class MultiHeadAttention(nn.Module):
     if cache_mode is not None and cache_mode.phase == 'step':
       # [B, 1, N, H]: one new token per row against the cache
       out = self._attend_cache(q, k, v, self_attention, mask, positions, alibi_slopes)
+    elif self.kind == 'compressed':
+      if return_probs:
+        raise ValueError("return_probs=True needs kind='softmax': compressed attention pools keys")
+      if not self_attention:
+        raise ValueError("kind='compressed' pools the keys of self attention, not cross attention")
+      out = self._compressed(q, k, v, mask, prefill=cache_mode is not None)  # [B, T, N, H]
     elif self.kind == 'linear':
       if return_probs:
         raise ValueError("return_probs=True needs kind='softmax': linear attention has no probs")
@@ -328,6 +337,24 @@ class MultiHeadAttention(nn.Module):
       name='out',
     )(out)  # [B, T, D]
     return (y, probs) if return_probs else y
+
+  def _compressed(self, q, k, v, mask, prefill: bool):
+    """kind='compressed' over whole blocks. A prompt being prefilled may end inside a block: it
+    is padded at the end (padding segment 0), which no earlier causal query can see."""
+    T, block = q.shape[1], self.compress_block
+    pad = -T % block if (prefill and mask is not None and mask.causal) else 0
+    if pad:
+      grow = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+      q, k, v = grow(q), grow(k), grow(v)
+      real = jnp.ones((q.shape[0], T), jnp.int32)
+      segments = lambda ids: grow(real if ids is None else ids)
+      mask = MaskSpec(
+        causal=True,
+        q_segment_ids=segments(mask.q_segment_ids),
+        kv_segment_ids=segments(mask.kv_segment_ids),
+      )
+    out = compressed.compressed_attention(q, k, v, block=block, mask=mask, scale=self.scale)
+    return out[:, :T]
 
   # KV cache ----------------------------------------------------------------------------------
   def _update_cache(self, mode, k, v, self_attention, mask, positions, return_probs):
@@ -396,6 +423,9 @@ class MultiHeadAttention(nn.Module):
     over the state (k, v) = ([B, K, H, H], [B, K, 1, H]))."""
     if self.kind == 'linear':
       return linear.readout(q, k, v, self.feature_map)
+    if self.kind == 'compressed':  # self attention: the cache holds every written key
+      q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
+      return compressed.attend_step(q, k, v, q_pos, block=self.compress_block, scale=self.scale)
     scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
     if not self_attention:  # the cross mask is top-left aligned already: [B or 1, S]
       visible = (MaskSpec() if mask is None else mask).dense(1, k.shape[1])[:, 0, 0]

@@ -253,6 +253,7 @@ class Block(nn.Module):
         qk_norm=(cfg.norm, cfg.norm_eps) if cfg.qk_norm else None,
         kind=cfg.attention,
         feature_map=cfg.linear_feature_map,
+        compress_block=cfg.compress_block,
         name=name,
       )
 

@@ -47,6 +47,13 @@ def resolve_lengths(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
       f'{model.max_length}; set the context once, as model.max_length (data.max_length follows '
       'it), or train on rows no longer than it'
     )
+  block = model.get('compress_block')
+  if model.get('attention') == 'compressed' and isinstance(data.max_length, int) and block:
+    if data.max_length % block:
+      raise ValueError(
+        f'model.compress_block={block} does not divide the row length data.max_length='
+        f'{data.max_length}; choose a block that divides it'
+      )
   return config
 
 
