@@ -76,3 +76,20 @@ def test_fused_loss_resolution(tiny_config):
   t.fused_loss, t.loss_chunk_size = 'auto', 0
   with pytest.raises(ValueError, match='loss_chunk_size=0 must be a positive integer'):
     loss_chunk_size(t, cfg, _Device('cpu'))
+
+
+def test_the_initialisation_program_does_not_depend_on_the_seed(tiny_config):
+  # The seed is an argument of the compiled init: another seed hits JAX's compile cache.
+  runs = []
+  for seed in (0, 7):
+    config = tiny_config('causal_lm')
+    config.seed = seed
+    runs.append(Run(config, None, with_data=False))
+  text = [r._init_state.lower(r._seed).as_text() for r in runs]
+  assert text[0] == text[1]
+  a, b = (jax.tree_util.tree_leaves(r.init_state().params) for r in runs)
+  assert not np.array_equal(a[0], b[0])  # yet the seeds give different parameters
+  config = tiny_config('causal_lm')
+  config.seed = 2**32
+  with pytest.raises(ValueError, match=r'seed=4294967296 must be an integer in \[0, 2\*\*32\)'):
+    Run(config, None, with_data=False)

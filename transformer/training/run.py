@@ -86,13 +86,21 @@ class Run:
         f'train.grad_accum_steps={accum} must be >= 1 and divide the per-process batch of {rows}'
       )
     # Shardings from the parameters' logical axes; the state is created directly on them.
-    new_state = functools.partial(
-      create_state, self.model, self.model_cfg, self.tx, config.seed, config.train.loss_scale
+    # The seed is an argument, not a constant of the program: another seed reuses the compiled
+    # initialisation (from JAX's compile cache in a new process).
+    new_state = lambda seed, boxed=False: create_state(
+      self.model, self.model_cfg, self.tx, seed, config.train.loss_scale, boxed=boxed
     )
+    seed = config.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+      raise ValueError(f'seed={seed!r} must be an integer in [0, 2**32)')
+    self._seed = np.uint32(seed)
     p = self.partitioner
-    boxed = jax.eval_shape(functools.partial(new_state, boxed=True))
+    boxed = jax.eval_shape(functools.partial(new_state, boxed=True), self._seed)
     self.state_shardings = p.tree_shardings(boxed)
-    self.abstract_state = sharding.with_shardings(jax.eval_shape(new_state), self.state_shardings)
+    self.abstract_state = sharding.with_shardings(
+      jax.eval_shape(new_state, self._seed), self.state_shardings
+    )
     self.param_shardings = self.state_shardings.params
     # Outside the mesh context: flax would constrain DenseGeneral's flat init shapes.
     self._init_state = jax.jit(new_state, out_shardings=self.state_shardings)
@@ -138,7 +146,7 @@ class Run:
 
   def init_state(self) -> TrainState:
     """A fresh TrainState, each array created directly on its devices (never whole on one)."""
-    return self._init_state()
+    return self._init_state(self._seed)
 
   def place(self, batch: dict[str, np.ndarray]) -> dict[str, Array]:
     """This process's rows of a batch -> global arrays sharded over the mesh."""

@@ -66,9 +66,10 @@ def resolve_model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelC
 
 
 def create_state(
-  model, model_cfg, tx, seed: int, loss_scale: float, *, boxed: bool = False
+  model, model_cfg, tx, seed, loss_scale: float, *, boxed: bool = False
 ) -> TrainState:
-  """A fresh TrainState; `boxed` keeps the parameters' logical axis names (for shardings)."""
+  """A fresh TrainState from `seed` (an int, or a traced uint32); `boxed` keeps the parameters'
+  logical axis names (for shardings)."""
   params = models.init_params(model, jax.random.PRNGKey(seed), boxed=True)
   # The moments inherit the parameters' logical axes.
   state = state_from_params(params, tx, loss_scale if model_cfg.dtype == 'float16' else 1.0)
