@@ -3,6 +3,7 @@
   python -m experiments.bench_train --config=configs/gpt_bench.py [--steps=10]
   python -m experiments.bench_train --config=configs/gpt_bench.py --config.mesh.shape='(1,2,4)'
   python -m experiments.bench_train --config=configs/gpt_bench.py --compare=torch [--rounds=3]
+  python -m experiments.bench_train --config=configs/char_lm.py --compare=torch --parts
 
 The step is `transformer.training.run.Run.train_step`, jitted with the shardings of
 `config.mesh` exactly as in training, on random tokens of the config's batch and length.
@@ -13,6 +14,11 @@ one device. `--compare=torch` also builds the same GPT in PyTorch eager (Hugging
 GPT2LMHeadModel with SDPA, AdamW, the same threads) and alternates blocks of `--steps` steps of
 each, `--rounds` times, so that both see the same machine load; CPU-s/step is the process CPU
 time per step, steadier than wall time when other programs share the cores.
+
+`--parts` (with --compare=torch) then splits the step the same way on both sides, alternating:
+the forward pass alone, forward and backward (the gradient, no optimizer), and the whole step;
+and times each distinct weight matmul of a block at the step's [B*T] rows, as the model runs it
+(forward x @ W, input gradient g @ W^T, weight gradient x^T @ g) against torch.mm.
 """
 
 import os
@@ -30,6 +36,9 @@ _STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps (after 2 warm-up steps),
 _MATMUL = flags.DEFINE_integer('matmul_size', 2048, 'Size n of the n x n x n reference matmul.')
 _COMPARE = flags.DEFINE_enum('compare', '', ['', 'torch'], 'Also time PyTorch eager, alternating.')
 _ROUNDS = flags.DEFINE_integer('rounds', 3, 'With --compare: alternating rounds of --steps each.')
+_PARTS = flags.DEFINE_bool(
+  'parts', False, 'With --compare=torch: also time forward, gradient and weight matmuls.'
+)
 
 
 def _cpu_seconds() -> float:
@@ -165,6 +174,106 @@ def main():
     mfu = 100 * flops / step_time / peak
     print(f'| {name} | {speeds[name]:.0f} | {rounds_text} | {cpu:.2f} | {mfu:.1f}% |')
   print(f'sparrow / torch tokens/s: {speeds["sparrow"] / speeds["torch"]:.2f}x')
+  if _PARTS.value:
+    _parts(run, config, state_params(holder['state']), batch, reference, inputs, targets)
+
+
+def state_params(state):
+  """A copy of the parameters: the step donates the state it is given."""
+  import jax
+
+  return jax.tree_util.tree_map(lambda x: x.copy(), state.params)
+
+
+def _alternate(pairs: dict, steps: int, rounds: int) -> dict[str, float]:
+  """Median seconds of each callable, in alternating blocks of `steps` calls, `rounds` times."""
+  times = {name: [] for name in pairs}
+  for fn in pairs.values():
+    fn()  # warm-up (and compile)
+  for _ in range(rounds):
+    for name, fn in pairs.items():
+      times[name].append(float(np.median(_timed_block(fn, steps)[0])))
+  return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def _parts(run, config, params, batch, reference, inputs, targets) -> None:
+  """Forward, gradient and step, then each weight matmul, sparrow beside PyTorch."""
+  import jax
+
+  from transformer.training import steps
+  from transformer.training.run import loss_chunk_size
+
+  cfg = run.model_cfg
+  chunk = loss_chunk_size(config.train, cfg, jax.devices()[0])
+  rng = jax.random.PRNGKey(0)
+  loss = lambda p: steps.loss_sums(
+    run.model, run.family, p, batch, rng, label_smoothing=0.0, loss_chunk_size=chunk
+  )['loss']
+  forward, gradient = jax.jit(loss), jax.jit(jax.grad(loss))
+  ready = lambda fn: lambda: jax.block_until_ready(fn(params))
+  n, rounds = _STEPS.value, _ROUNDS.value
+  parts = _alternate(
+    {
+      'sparrow forward': ready(forward),
+      'torch forward': lambda: reference.forward(inputs, targets),
+      'sparrow forward + backward': ready(gradient),
+      'torch forward + backward': lambda: reference.gradient(inputs, targets),
+    },
+    n,
+    rounds,
+  )
+  print(f'\nparts of the step ({rounds} alternating rounds of {n}; medians in ms):')
+  print('| part | sparrow | torch | sparrow / torch time |')
+  print('|---|---|---|---|')
+  for part in ('forward', 'forward + backward'):
+    a, b = parts[f'sparrow {part}'], parts[f'torch {part}']
+    print(f'| {part} | {a * 1e3:.1f} | {b * 1e3:.1f} | {a / b:.2f}x |')
+
+  rows = batch['inputs'].shape[0] * batch['inputs'].shape[1]
+  d, heads = cfg.d_model, cfg.num_heads * cfg.head_size
+  shapes = {'query/key/value/out': (d, heads), 'mlp in': (d, cfg.d_ff), 'mlp out': (cfg.d_ff, d)}
+  print(f'\nweight matmuls at {rows} rows (medians in us; GFLOP/s in brackets):')
+  print('| matmul | x @ W sparrow / torch | g @ W^T sparrow / torch | x^T @ g sparrow / torch |')
+  print('|---|---|---|---|')
+  for name, (k, m) in shapes.items():
+    print(_matmul_row(name, rows, k, m, max(n, 20), rounds))
+
+
+def _matmul_row(name: str, rows: int, k: int, m: int, n: int, rounds: int) -> str:
+  """One table row: x @ W, g @ W^T and x^T @ g for [rows, k] x [k, m], sparrow / torch."""
+  import jax
+  import jax.numpy as jnp
+  import torch
+  from jax import lax
+
+  gen = np.random.default_rng(0)
+  x, w, g = (gen.standard_normal(s).astype(np.float32) for s in ((rows, k), (k, m), (rows, m)))
+  jx, jw, jg = map(jnp.asarray, (x, w, g))
+  tx, tw, tg = map(torch.from_numpy, (x, w, g))
+  mm, dx = jax.jit(jnp.matmul), jax.jit(lambda g, w: g @ w.T)
+  dw = jax.jit(lambda x, g: lax.dot_general(x, g, (((0,), (0,)), ((), ()))))  # as matmul.py
+  t = _alternate(
+    {
+      'jf': lambda: mm(jx, jw).block_until_ready(),
+      'tf': lambda: torch.mm(tx, tw),
+      'jd': lambda: dx(jg, jw).block_until_ready(),
+      'td': lambda: torch.mm(tg, tw.t()),
+      'jw': lambda: dw(jx, jg).block_until_ready(),
+      'tw': lambda: torch.mm(tx.t(), tg),
+    },
+    n,
+    rounds,
+  )
+  flops = 2 * rows * k * m
+
+  def cell(a, b):
+    rate = lambda key: flops / t[key] / 1e9
+    return f'{t[a] * 1e6:.0f} [{rate(a):.0f}] / {t[b] * 1e6:.0f} [{rate(b):.0f}]'
+
+  return (
+    f'| {name} [{rows}, {k}] x [{k}, {m}] | {cell("jf", "tf")} | {cell("jd", "td")} | '
+    f'{cell("jw", "tw")} |'
+  )
 
 
 if __name__ == '__main__':

@@ -68,12 +68,28 @@ class TorchGPTStep:
     as_long = lambda x: self.torch.as_tensor(x, dtype=self.torch.long)
     return as_long(inputs), as_long(targets)
 
-  def step(self, inputs, targets) -> float:
-    """One optimizer step on [B, T] tensors; returns the mean cross-entropy."""
+  def loss(self, inputs, targets):
+    """The mean cross-entropy of one forward pass (a tensor that can be backpropagated)."""
     logits = self.model(input_ids=inputs).logits  # [B, T, V]
-    loss = self.torch.nn.functional.cross_entropy(
+    return self.torch.nn.functional.cross_entropy(
       logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     )
+
+  def forward(self, inputs, targets) -> float:
+    """The loss of a forward pass with no gradient kept (for timing the forward alone)."""
+    with self.torch.no_grad():
+      return self.loss(inputs, targets).item()
+
+  def gradient(self, inputs, targets) -> float:
+    """Forward and backward, gradients then dropped: the step without the optimizer."""
+    loss = self.loss(inputs, targets)
+    loss.backward()
+    self.model.zero_grad(set_to_none=True)
+    return loss.item()
+
+  def step(self, inputs, targets) -> float:
+    """One optimizer step on [B, T] tensors; returns the mean cross-entropy."""
+    loss = self.loss(inputs, targets)
     loss.backward()
     if self.clip_norm:
       self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)

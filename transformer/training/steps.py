@@ -45,21 +45,10 @@ def train_step(
 
   def micro_step(params, micro, micro_rng):
     def loss_fn(p):
-      out = model.apply(
-        {'params': p},
-        **model_inputs(family, micro),
-        deterministic=False,
-        rngs={'dropout': micro_rng},
-        **({'head_inputs': True} if loss_chunk_size else {}),
-      )
-      if loss_chunk_size:  # out: HeadInputs(hidden [B, T, D], table [V, D], bias [V] | None)
-        sums = objectives.head_cross_entropy(
-          *out, micro['targets'], micro['weights'], label_smoothing, loss_chunk_size
-        )
-      else:  # out: logits [B, T, V]
-        sums = objectives.compute_metrics(
-          out, micro['targets'], micro['weights'], label_smoothing, accuracy=False
-        )
+      sums = loss_sums(
+        model, family, p, micro, micro_rng, label_smoothing=label_smoothing,
+        loss_chunk_size=loss_chunk_size,
+      )  # fmt: skip
       # Normalise by a static size so fp16 gradients stay in range; undone below.
       return sums['loss'] * state.loss_scale / micro['weights'].size, sums
 
@@ -120,6 +109,34 @@ def train_step(
     good_steps=good_steps,
   )
   return new_state, metrics
+
+
+def loss_sums(
+  model: Any,
+  family: str,
+  params: Any,
+  batch: dict[str, Array],
+  rng: Array,
+  *,
+  label_smoothing: float,
+  loss_chunk_size: int | None,
+) -> dict[str, Array]:
+  """The summed training loss of one batch in training mode (dropout from `rng`), with the fused
+  head and loss when `loss_chunk_size` is set: what `train_step` differentiates."""
+  out = model.apply(
+    {'params': params},
+    **model_inputs(family, batch),
+    deterministic=False,
+    rngs={'dropout': rng},
+    **({'head_inputs': True} if loss_chunk_size else {}),
+  )
+  if loss_chunk_size:  # out: HeadInputs(hidden [B, T, D], table [V, D], bias [V] | None)
+    return objectives.head_cross_entropy(
+      *out, batch['targets'], batch['weights'], label_smoothing, loss_chunk_size
+    )
+  return objectives.compute_metrics(  # out: logits [B, T, V]
+    out, batch['targets'], batch['weights'], label_smoothing, accuracy=False
+  )
 
 
 def batch_slice(micros: dict[str, Array]) -> dict[str, Array]:
