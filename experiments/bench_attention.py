@@ -4,9 +4,9 @@
       [--dtype=float32|bfloat16] [--repeats=5] [--json=out.json]
 
 Self attention (T = S), N = 8 heads, batch B = max(1, tokens // (N * T)) so that B * N * T stays
-near a token budget (--tokens): 2^19 on GPU/TPU, 8192 on CPU (B = 1 from T = 1024 on). The default
-CPU sweep (T = 256..4096, float32, xla and chunked) takes ~7 minutes on 2 cores, most of it at
-T = 4096 where B * N = 8 is the floor; --head_dims=64 halves that.
+near a token budget (--tokens): 2^19 on GPU/TPU, 8192 on CPU (B = 1 from T = 1024 on). The
+default CPU sweep (T = 256..4096, float32, xla, chunked and compressed) takes ~8 minutes on 2
+cores, most of it at T = 4096 where B * N = 8 is the floor; --head_dims=64 halves that.
 Times are medians of --repeats synchronised runs after one warm-up, of the forward and of forward
 + backward (jax.vjp, random cotangent). FLOPs follow FlashAttention: forward 4 * B * N * T * S * H,
 forward + backward 3.5x that, causal counted as half; %mm is the fraction of a dense matmul's
@@ -24,7 +24,12 @@ from absl import flags
 from experiments import cli
 from transformer.research import timing
 
-IMPLEMENTATIONS = ('xla', 'chunked', 'pallas', 'pallas_triton', 'pallas_mosaic', 'cudnn')
+# 'compressed' is not a softmax kernel but hierarchical compression attention (its own block plus
+# mean-pooled blocks, model.attention='compressed') at a block near sqrt(T): other numbers, another
+# cost, T * (block + T / block); its FLOP columns count what dense attention would need.
+IMPLEMENTATIONS = (
+  'xla', 'chunked', 'pallas', 'pallas_triton', 'pallas_mosaic', 'cudnn', 'compressed',
+)  # fmt: skip
 NUM_HEADS = timing.NUM_HEADS
 
 _LENGTHS = flags.DEFINE_list(
@@ -141,6 +146,8 @@ def main():
       for causal in (False, True):
         for name in timed:
           row = {'implementation': name, 'T': T, 'head_dim': H, 'causal': causal, 'batch': B}
+          if name == 'compressed':
+            row['block'] = timing.compress_block(T)
           row |= {'heads': NUM_HEADS, 'dtype': dtype_name}
           try:
             row |= timing.measure(name, B, T, H, causal, dtype, _REPEATS.value)

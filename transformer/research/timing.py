@@ -3,6 +3,7 @@ against, and the cost of one attention configuration. The benchmarks and the swe
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -13,9 +14,22 @@ NUM_HEADS = 8  # the attention benchmarks' heads
 PALLAS_KERNELS = {'pallas_triton': 'gpu', 'pallas_mosaic': 'mosaic_gpu'}
 
 
+def compress_block(T: int) -> int:
+  """The block of the 'compressed' rows: the power of two nearest sqrt(T), where the cost
+  T * (block + T / block) is lowest; it divides T when T is a power of two."""
+  return 2 ** round(math.log2(math.sqrt(T)))
+
+
 def attention_fn(implementation: str, causal: bool) -> Callable:
-  """`(q, k, v) -> out` for a `dot_product_attention` implementation or a `PALLAS_KERNELS` name."""
+  """`(q, k, v) -> out` for a `dot_product_attention` implementation, a `PALLAS_KERNELS` name,
+  or 'compressed' (hierarchical compression attention at `compress_block(T)`)."""
   mask = MaskSpec(causal=causal)
+  if implementation == 'compressed':
+    from transformer.model.compressed_attention import compressed_attention
+
+    return lambda q, k, v: compressed_attention(
+      q, k, v, block=compress_block(q.shape[1]), mask=mask
+    )
   if implementation in PALLAS_KERNELS:
     from kernels import flash_attention
 
