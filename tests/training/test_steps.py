@@ -93,3 +93,35 @@ def test_the_initialisation_program_does_not_depend_on_the_seed(tiny_config):
   config.seed = 2**32
   with pytest.raises(ValueError, match=r'seed=4294967296 must be an integer in \[0, 2\*\*32\)'):
     Run(config, None, with_data=False)
+
+
+def test_the_cond_and_the_select_update_alike(monkeypatch, tmp_path, tiny_config):
+  # CPU updates under a cond, other backends select between new and old state: both keep the
+  # state through a non-finite step and take the same finite one.
+  from transformer.training import steps
+
+  config = tiny_config('causal_lm')
+  run = Run(config, str(tmp_path))
+  batch = next(run.task.train_iterator())
+  rng = jax.random.PRNGKey(0)
+  results = {}
+  for cond in (True, False):
+    monkeypatch.setattr(steps, 'update_under_cond', lambda cond=cond: cond)
+    step = _step(run, None)
+    good, metrics = step(run.init_state(), batch, rng)
+    state = run.init_state()
+    poisoned = jax.tree_util.tree_map(lambda x: x.at[(0,) * x.ndim].set(np.nan), state.params)
+    bad = state.replace(params=poisoned)
+    kept = jax.tree_util.tree_map(np.asarray, (bad.params, bad.opt_state))
+    after, bad_metrics = step(bad, batch, rng)
+    assert float(bad_metrics['skipped']) == 1.0 and int(after.step) == 1
+    jax.tree_util.tree_map(np.testing.assert_array_equal, (after.params, after.opt_state), kept)
+    assert float(metrics['skipped']) == 0.0
+    results[cond] = good.params
+  jax.tree_util.tree_map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), *results.values()
+  )
+  moved = jax.tree_util.tree_map(
+    lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), results[True], run.init_state().params
+  )
+  assert max(jax.tree_util.tree_leaves(moved)) > 1e-5  # the finite step did update
