@@ -28,7 +28,9 @@ def main():
   from transformer.research import report
 
   if _REJUDGE.value:
-    revision = report.rejudge(_WORKDIR.value, _ALLOW_DIRTY.value)
+    from transformer.research import sweeps
+
+    revision = sweeps.rejudge(_WORKDIR.value, _ALLOW_DIRTY.value)
     print(f'rules of revision {revision} recorded in {_WORKDIR.value}')
   print(f'wrote {report.write_report(_WORKDIR.value)}')
 

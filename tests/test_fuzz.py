@@ -144,7 +144,7 @@ def test_fuzz_model_config_overrides():
     assert config.to_dict()['d_model'] == model['d_model']  # built: a legitimate config
     return 'built'
 
-  outcomes = _run_cases(list(_config_cases(150, seed=0)), check, seconds=10)
+  outcomes = _run_cases(list(_config_cases(300, seed=0)), check, seconds=10)
   assert outcomes['built'] >= 3 and outcomes['ValueError'] >= 100, outcomes
 
 

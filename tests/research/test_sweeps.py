@@ -436,7 +436,7 @@ def test_rejudge_applies_the_sweep_files_current_rules_to_recorded_runs(finished
   )
   with open(path, 'w') as f:
     f.write(_TINY_SWEEP.replace('    plots=[', pre + '    plots=['))
-  revision = report.rejudge(str(workdir), allow_dirty=True)
+  revision = sweeps.rejudge(str(workdir), allow_dirty=True)
   meta = json.loads((workdir / 'sweep.json').read_text())
   assert meta['preconditions'][0]['name'] == 'learns' and meta['rules_revision'] == revision
   text = open(report.write_report(str(workdir))).read()

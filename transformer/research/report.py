@@ -285,31 +285,6 @@ def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str,
   return status, note, lines
 
 
-def rejudge(workdir: str, allow_dirty: bool = False) -> str:
-  """Replaces the claim, description, rules and preconditions recorded in workdir/sweep.json by
-  those its sweep file states now, and records the revision they come from (`rules_revision`):
-  the recorded numbers stay as they were run; only the judging (and the words) change. Returns
-  that revision.
-
-  Raises:
-    ValueError: no results there, or (without `allow_dirty`) a source tree with changes.
-  """
-  from transformer.research import spec, sweeps
-
-  meta, _ = results_lib.load_results(workdir)
-  sweep = spec.load_sweep(meta['path'], int(meta.get('scale', 1)))
-  revision = sweeps.checked_revision([workdir], allow_dirty)
-  meta.update(
-    claim=sweep.claim,
-    description=sweep.description,
-    rules=list(sweep.rules),
-    preconditions=list(sweep.preconditions),
-    rules_revision=revision,
-  )
-  util.write_json(os.path.join(workdir, results_lib.SWEEP_JSON), meta)
-  return revision
-
-
 def _rules_note(meta: Mapping, results: Sequence[Mapping]) -> str:
   """A sentence when the rules were applied later than the runs were made (`rejudge`)."""
   judged = meta.get('rules_revision')

@@ -32,6 +32,7 @@ from transformer.research.results import (
   append_result,
   config_dict,
   final_metrics,
+  load_results,
   model_numbers,
   read_curve,
   read_results,
@@ -422,3 +423,26 @@ def regenerate(
       run_sweep(sweep, workdir, seeds=n, parallel=parallel, log=log, variants=variants,
                 allow_dirty=allow_dirty, ignore_changes=[root], source_dir=source_dir)  # fmt: skip
   return report.write_report(root)
+
+
+def rejudge(workdir: str, allow_dirty: bool = False) -> str:
+  """Replaces the claim, description, rules and preconditions recorded in workdir/sweep.json by
+  those its sweep file states now, and records the revision they come from (`rules_revision`):
+  the recorded numbers stay as they were run; only the judging (and the words) change. Returns
+  that revision.
+
+  Raises:
+    ValueError: no results there, or (without `allow_dirty`) a source tree with changes.
+  """
+  meta, _ = load_results(workdir)
+  sweep = spec.load_sweep(meta['path'], int(meta.get('scale', 1)))
+  revision = checked_revision([workdir], allow_dirty)
+  meta.update(
+    claim=sweep.claim,
+    description=sweep.description,
+    rules=list(sweep.rules),
+    preconditions=list(sweep.preconditions),
+    rules_revision=revision,
+  )
+  util.write_json(os.path.join(workdir, SWEEP_JSON), meta)
+  return revision
