@@ -53,6 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
   # mean-pooled other blocks, O(T * (block + T / block)); NSA's compression branch)
   m.attention = 'softmax'
   m.linear_feature_map = 'elu'  # linear attention's phi: elu (elu + 1) | relu | softplus
+  m.short_conv = 0  # causal_lm: taps of a depthwise causal conv before self attention (0 = none)
   m.compress_block = 16  # attention='compressed': positions pooled per block (divides rows)
   m.attention_impl = ml_collections.FieldReference(None, field_type=str)  # xla|chunked|pallas|cudnn
   m.attention_chunk_size = 128  # key block of the 'chunked' implementation
@@ -127,6 +128,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.recall_queries = 8  # recall: queried keys, each followed by its value (<= recall_pairs)
   d.recall_order = 'random'  # recall: query order, random (MQAR) | pairs (a fixed distance back)
   d.recall_filler = 'random'  # recall: filler digits random | constant (all '0')
+  d.recall_loss = 'all'  # recall: tokens that carry loss, all | answers (Zoology's: the values)
   d.recall_seed = 0  # recall: fixes the generated examples
 
   # Objective and training loop ---------------------------------------------------------------

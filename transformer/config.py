@@ -78,6 +78,7 @@ class ModelConfig:
   attention: str = 'softmax'  # one of ATTENTIONS: softmax, or linear (Katharopoulos et al. 2020)
   linear_feature_map: str = 'elu'  # attention='linear': phi, one of LINEAR_FEATURE_MAPS
   compress_block: int = 16  # attention='compressed': positions pooled per block; divides rows
+  short_conv: int = 0  # causal depthwise convolution of this many taps before self attention
   attention_impl: str | None = None  # one of ATTENTION_IMPLEMENTATIONS; None = pick for the backend
   attention_chunk_size: int = 128  # key block of the 'chunked' path
   window: tuple[int, int] | None = None  # self-attention sliding window (left, right)
@@ -272,6 +273,13 @@ def _validate(c: ModelConfig) -> None:
     raise ValueError(
       f'attention_dropout_rate={c.attention_dropout_rate} needs the materialised probabilities of '
       f"attention_impl='xla' (or None), not {c.attention_impl!r}; set attention_dropout_rate=0"
+    )
+  if isinstance(c.short_conv, bool) or not isinstance(c.short_conv, int) or c.short_conv < 0:
+    raise ValueError(f'short_conv={c.short_conv!r} must be an integer >= 0 (0 = none)')
+  if c.short_conv and c.family != 'causal_lm':
+    raise ValueError(
+      f'short_conv={c.short_conv} is a causal convolution for a decoder-only model '
+      f"(family='causal_lm'), not family={c.family!r}; set short_conv=0"
     )
   if c.attention == 'linear':
     _check_linear(c)

@@ -103,8 +103,52 @@ def test_task_builds_deterministic_disjoint_splits_with_byte_tokens():
     (dict(recall_queries=0), 'recall_queries=0 must be an integer >= 1'),
     (dict(recall_order='sorted'), "recall_order='sorted' is not valid; choose one of"),
     (dict(recall_filler='dots'), "recall_filler='dots' is not valid; choose one of"),
+    (dict(recall_loss='keys'), "recall_loss='keys' is not valid; choose one of"),
   ],
 )
 def test_bad_knobs(overrides, message):
   with pytest.raises(ValueError, match=message):
     recall.generate(_cfg(**overrides))
+
+
+@pytest.mark.parametrize('pack', [False, True])
+def test_answers_loss_weighs_exactly_the_answers(pack):
+  """recall_loss='answers': weight 1 on each queried value and 0 elsewhere (keys, pairs, filler,
+  eos, padding), in eval and in training batches, packed or not."""
+  cfg = _cfg(recall_loss='answers', pack=pack, max_length=160, batch_size=4)  # 2 fit a row
+  task = data.build(cfg, family='causal_lm', workdir=None, seed=0)
+  batches = [task.eval_batches()[0], next(task.train_iterator())]
+  examples_per_row = []
+  for batch in batches:
+    for row in range(len(batch['targets'])):
+      ids, weights, seg = batch['targets'][row], batch['weights'][row], batch['segments'][row]
+      # each example (segment) in the row: its answers, read back from its own text
+      bounds = [0] + [t for t in range(1, len(seg)) if seg[t] != seg[t - 1]] + [len(seg)]
+      examples_per_row.append(len(set(seg[seg > 0])))
+      expected = np.zeros_like(weights)
+      for lo, hi in zip(bounds[:-1], bounds[1:]):
+        tokens = [int(t) for t in ids[lo:hi] if t > 0]
+        if not tokens:
+          continue
+        text = task.tokenizer.decode(tokens[:-1])
+        for offset, value in recall.answers(text, 11, 37):
+          assert task.tokenizer.decode([int(ids[lo + offset])]) == value
+          expected[lo + offset] = 1.0
+      np.testing.assert_array_equal(weights, expected)
+      assert weights.sum() == 5 * examples_per_row[-1]
+  assert max(examples_per_row) == (2 if pack else 1)
+  # 'all' weighs every real token
+  full = data.build(_cfg(), family='causal_lm', workdir=None, seed=0).eval_batches()[0]
+  np.testing.assert_array_equal(full['weights'], (full['targets'] > 0).astype(np.float32))
+
+
+@pytest.mark.parametrize(
+  'overrides, family, message',
+  [
+    (dict(tokenizer='char'), 'causal_lm', "needs one token per character: data.tokenizer='byte'"),
+    ({}, 'bidirectional_lm', "family='bidirectional_lm' is not one"),
+  ],
+)
+def test_answers_loss_needs_a_causal_lm_with_byte_tokens(overrides, family, message):
+  with pytest.raises(ValueError, match=message):
+    data.build(_cfg(recall_loss='answers', **overrides), family=family, workdir=None, seed=0)

@@ -182,6 +182,8 @@ class Batcher:
     max_lengths: stream -> longest row length ({'inputs': S, 'targets': T} or {'': T}).
     buckets: stream -> allowed padded lengths (see bucket_lengths).
     vocab_size, mlm_prob: for bidirectional_lm masking.
+    scored: causal_lm only: the target positions of each example that carry loss (weight 1; the
+      rest weigh 0), e.g. the answers of a recall example; None scores every target.
   """
 
   family: str
@@ -189,9 +191,17 @@ class Batcher:
   buckets: dict[str, tuple[int, ...]]
   vocab_size: int
   mlm_prob: float
+  scored: tuple[int, ...] | None = None
 
   def format(self, parts: tuple[np.ndarray, ...]) -> dict[str, dict[str, np.ndarray]]:
-    return format_example(self.family, parts)
+    example = format_example(self.family, parts)
+    if self.scored is not None and self.family == 'causal_lm':
+      weights = example['']['weights']
+      keep = np.zeros_like(weights)
+      at = np.asarray(self.scored, np.int64)
+      keep[at[at < len(weights)]] = 1.0
+      example['']['weights'] = weights * keep
+    return example
 
   def mask(self, batch: dict[str, np.ndarray], seed: Sequence[int]) -> dict[str, np.ndarray]:
     """bidirectional_lm: BERT-masks the batch's inputs (weights 1 where masked); else a no-op.

@@ -18,12 +18,27 @@ FILLER = string.digits  # the gap between the pairs and the queries: noise, neve
 # Query order: random (MQAR), or the pairs' own (each answer a fixed distance back).
 ORDERS = ('random', 'pairs')
 FILLERS = ('random', 'constant')  # filler digits drawn at random, or all '0' (nothing to predict)
+# Which tokens carry loss: all of them, or only the answers (the value after each queried key), as
+# Zoology trains: the pairs and the filler are noise to a model, and the keys asked next are too.
+LOSSES = ('all', 'answers')
 
 
 def layout(pairs: int, gap: int, queries: int) -> dict[str, int]:
   """Character offsets of an example: the pairs at [0, 2 * pairs), filler up to `query_start`,
   then query j's key at query_start + 2j and its value (the answer) at query_start + 2j + 1."""
   return {'query_start': 2 * pairs + gap, 'length': 2 * pairs + gap + 2 * queries}
+
+
+def scored_positions(pairs: int, gap: int, queries: int) -> tuple[int, ...]:
+  """Target positions of the answers: with a bos first, target t is character t."""
+  start = layout(pairs, gap, queries)['query_start']
+  return tuple(start + 2 * j + 1 for j in range(queries))
+
+
+def key_positions(pairs: int, gap: int, queries: int) -> tuple[int, ...]:
+  """Target positions of the queried keys (a key is predictable only in order='pairs')."""
+  start = layout(pairs, gap, queries)['query_start']
+  return tuple(start + 2 * j for j in range(queries))
 
 
 def check(pairs: int, gap: int, queries: int) -> None:
@@ -86,6 +101,9 @@ def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict
   """
   knobs = int(cfg.recall_pairs), int(cfg.recall_gap), int(cfg.recall_queries)
   seed = int(cfg.recall_seed)
+  loss = cfg.get('recall_loss', 'all')
+  if loss not in LOSSES:
+    raise ValueError(f'recall_loss={loss!r} is not valid; choose one of {LOSSES}')
   style = str(cfg.get('recall_order', 'random')), str(cfg.get('recall_filler', 'random'))
   train = sample(np.random.default_rng([seed, 1]), cfg.num_train_examples, *knobs, *style)
   evaluation = sample(np.random.default_rng([seed, 2]), cfg.num_eval_examples, *knobs, *style)

@@ -446,6 +446,7 @@ def build(
     buckets={s: batching.bucket_lengths(n, cfg.buckets) for s, n in max_lengths.items()},
     vocab_size=tokenizer.vocab_size,
     mlm_prob=cfg.mlm_prob,
+    scored=_scored(cfg, family),
   )
   eval_rows = cfg.eval_batch_size // process_count
   info = {
@@ -476,6 +477,24 @@ def build(
     _pack=bool(cfg.pack),
     _process=process_index,
   )
+
+
+def _scored(cfg, family: str) -> tuple[int, ...] | None:
+  """The target positions that carry loss (Batcher.scored): recall's answers, or None = all."""
+  if cfg.task != 'recall' or cfg.get('recall_loss', 'all') == 'all':
+    return None
+  if family != 'causal_lm':
+    raise ValueError(
+      f'recall_loss={cfg.recall_loss!r} scores answers of a causal LM; family={family!r} is not '
+      "one; use recall_loss='all'"
+    )
+  if cfg.tokenizer != 'byte':
+    raise ValueError(
+      f'recall_loss={cfg.recall_loss!r} finds the answers by character offset and needs one '
+      f"token per character: data.tokenizer='byte', not {cfg.tokenizer!r}"
+    )
+  knobs = int(cfg.recall_pairs), int(cfg.recall_gap), int(cfg.recall_queries)
+  return recall.scored_positions(*knobs)
 
 
 def _grammar_token_info(task_info: dict, documents: list[str], tokenizer) -> dict:

@@ -20,18 +20,24 @@ from transformer.training.state import model_inputs
 
 
 def recall_accuracy(ctx) -> dict[str, float]:
-  """Share of the held-out answers (the value after each queried key) predicted by argmax.
+  """Argmax accuracy on the held-out queries, each scored from the logits at the position that
+  predicts it: `recall.accuracy` on the answers (the value after each queried key, the recall),
+  `recall.key_accuracy` on the queried keys themselves.
 
+  A queried key is predictable only when the keys are asked in the pairs' own order
+  (recall_order='pairs'); in a random order the best guess is one of the keys not yet asked.
   `recall.min_distance` is the shortest distance in tokens from a queried key back to its pair.
   """
   run, params = ctx.load()
   dcfg = ctx.config.data
   pairs, gap = int(dcfg.recall_pairs), int(dcfg.recall_gap)
   logits_fn = jax.jit(lambda p, x: run.model.apply({'params': p}, **x))
-  correct = total = 0
+  hits = {'value': 0, 'key': 0}
+  total = 0
   distances = []
   for batch in run.task.eval_batches():
     logits = np.asarray(logits_fn(params, model_inputs(run.family, batch)))  # [B, T, V]
+    predicted = logits.argmax(-1)  # [B, T]
     for row, targets in enumerate(batch['targets']):
       ids = [int(t) for t in targets if t > 0]
       if not ids:
@@ -40,10 +46,15 @@ def recall_accuracy(ctx) -> dict[str, float]:
       if len(text) != len(ids) - 1:
         raise ValueError('recall_accuracy needs one token per character: data.tokenizer=byte')
       for offset, _ in recall.answers(text, pairs, gap):  # targets[t] is character t
-        correct += int(np.argmax(logits[row, offset]) == targets[offset])
+        hits['value'] += int(predicted[row, offset] == targets[offset])
+        hits['key'] += int(predicted[row, offset - 1] == targets[offset - 1])
         total += 1
         distances.append(offset - 1 - text.index(text[offset - 1]))
-  return {'recall.accuracy': correct / total, 'recall.min_distance': float(min(distances))}
+  return {
+    'recall.accuracy': hits['value'] / total,
+    'recall.key_accuracy': hits['key'] / total,
+    'recall.min_distance': float(min(distances)),
+  }
 
 
 def step_cost(config: ml_collections.ConfigDict, length: int, steps: int = 3) -> dict[str, float]:
