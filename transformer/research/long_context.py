@@ -14,6 +14,7 @@ import ml_collections
 import numpy as np
 
 from transformer.data import recall
+from transformer.research import timing
 from transformer.research.measures import synthetic_batch
 from transformer.training.run import Run
 from transformer.training.state import model_inputs
@@ -59,10 +60,13 @@ def recall_accuracy(ctx) -> dict[str, float]:
 
 def step_cost(config: ml_collections.ConfigDict, length: int, steps: int = 3) -> dict[str, float]:
   """Median training-step time (ms, after one warm-up) and XLA's compiled temp memory (MiB) of
-  `config`'s model at batch 1 and `length` tokens, on random tokens."""
+  `config`'s model at batch 1 and `length` tokens, on random tokens. Compressed attention pools
+  blocks of `timing.compress_block(length)` (about sqrt(length), where its cost is lowest)."""
   config = ml_collections.ConfigDict(config.to_dict())
   config.data.batch_size, config.data.max_length = 1, length
   config.model.max_length = max(int(config.model.max_length), length)
+  if config.model.get('attention') == 'compressed':  # the block of least cost at this length
+    config.model.compress_block = timing.compress_block(length)
   run = Run(config, None, with_data=False)
   batch = run.place(synthetic_batch(run.model_cfg, 1, length))
   state, key = run.init_state(), run.replicate(jax.random.PRNGKey(1))
