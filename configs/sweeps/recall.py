@@ -122,4 +122,15 @@ def get_sweep(scale: int = 1) -> dict:
     metrics=['eval.loss', 'recall.accuracy', 'recall.key_accuracy'],
     preconditions=preconditions,
     rules=rules,
+    plots=[
+      dict(
+        kind='lines',
+        metric='recall.accuracy',
+        x=list(_PAIRS),
+        lines={arm: [f'p{n}_{arm}' for n in _PAIRS] for arm in attention},
+        title='recall against the number of key-value pairs (mean and std over seeds)',
+        xlabel='key-value pairs',
+        ylabel='value accuracy (chance 1/26)',
+      ),
+    ],  # fmt: skip
   )

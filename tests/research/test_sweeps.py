@@ -444,3 +444,27 @@ def test_rejudge_applies_the_sweep_files_current_rules_to_recorded_runs(finished
   assert f'**Verdict: {verdicts.INCONCLUSIVE}.**' in text
   assert f'applies the rules of `{path}` at revision `{revision}`' in text
   assert [r['metrics'] for r in results_lib.read_results(str(workdir))] == numbers
+
+
+def test_rejudge_takes_new_plots_and_a_lines_plot_draws_one_line_per_arm(finished, tmp_path):
+  original, done, _, _ = finished
+  workdir, path = tmp_path / 'runs', str(tmp_path / 'tiny_sweep.py')
+  shutil.copytree(done, workdir)
+  meta = json.loads((workdir / 'sweep.json').read_text())
+  (workdir / 'sweep.json').write_text(json.dumps({**meta, 'path': path}))
+  lines = (
+    "dict(kind='lines', metric='eval.loss', x=[1, 2], "
+    "lines={'both': ['scaled', 'unscaled'], 'gap': ['scaled', 'missing']}), "
+  )
+  with open(path, 'w') as f:
+    f.write(_TINY_SWEEP.replace('    plots=[', '    plots=[' + lines))
+  sweeps.rejudge(str(workdir), allow_dirty=True)
+  assert [p['kind'] for p in json.loads((workdir / 'sweep.json').read_text())['plots']] == [
+    'lines',
+    'scatter',
+  ]
+  text = open(report.write_report(str(workdir))).read()
+  assert '](plot_0.png)' in text and '](plot_1.png)' in text
+  assert os.path.getsize(workdir / 'plot_0.png') > 1000
+  with pytest.raises(ValueError, match=r"lines plot: 'a' has 1 variants for \[1, 2\]"):
+    report.check_plots([dict(kind='lines', metric='m', x=[1, 2], lines={'a': ['v']})])

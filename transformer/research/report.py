@@ -26,6 +26,9 @@ PLOT_KINDS = {
   'series': (('metrics', 'x'), ('variants', 'title', 'xlabel', 'ylabel', 'logx', 'logy')),
   # one point per variant: metric x against metric y; fit=True draws the fitted power law
   'scatter': (('x', 'y'), ('variants', 'title', 'xlabel', 'ylabel', 'logx', 'logy', 'fit')),
+  # one line per entry of `lines` (name -> variants, one per x): metric against the numbers in x
+  # (e.g. recall accuracy against the number of pairs, one line per attention)
+  'lines': (('metric', 'x', 'lines'), ('title', 'xlabel', 'ylabel', 'logx', 'logy')),
 }
 
 
@@ -44,6 +47,10 @@ def check_plots(plots: Sequence[Mapping]) -> None:
       raise ValueError(f'plot of kind {kind!r} has unknown key {unknown[0]!r}')
     if kind == 'series' and len(plot['metrics']) != len(plot['x']):
       raise ValueError(f'series plot: metrics {plot["metrics"]} and x {plot["x"]} differ in size')
+    if kind == 'lines':
+      for name, variants in plot['lines'].items():
+        if len(variants) != len(plot['x']):
+          raise ValueError(f'lines plot: {name!r} has {len(variants)} variants for {plot["x"]}')
 
 
 def _save(fig, workdir: str, name: str) -> str:
@@ -142,9 +149,14 @@ def plot_extra(workdir: str, index: int, plot: Mapping, table: Mapping, order: l
   plt = util.pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
   variants = [v for v in (plot.get('variants') or order) if v in table]
-  if plot['kind'] == 'series':
-    for v in variants:
-      stats = [_mean_std(table[v].get(m)) for m in plot['metrics']]
+  if plot['kind'] in ('series', 'lines'):
+    rows = (
+      {v: [(v, m) for m in plot['metrics']] for v in variants}
+      if plot['kind'] == 'series'
+      else {name: [(v, plot['metric']) for v in vs] for name, vs in plot['lines'].items()}
+    )
+    for v, cells in rows.items():
+      stats = [_mean_std(table[u].get(m)) if u in table else (math.nan, math.nan) for u, m in cells]
       ys = np.array([m for m, _ in stats])
       errors = np.array([s if math.isfinite(s) else 0.0 for _, s in stats])
       ok = np.isfinite(ys)
@@ -168,7 +180,7 @@ def plot_extra(workdir: str, index: int, plot: Mapping, table: Mapping, order: l
     ax.set_xscale('log')
   if plot.get('logy'):
     ax.set_yscale('log')
-  if plot['kind'] == 'series':  # label the measured x values themselves, not powers of ten
+  if plot['kind'] != 'scatter':  # label the measured x values themselves, not powers of ten
     from matplotlib.ticker import NullFormatter
 
     ax.set_xticks(plot['x'], [f'{x:g}' for x in plot['x']])

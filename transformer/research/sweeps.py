@@ -426,7 +426,7 @@ def regenerate(
 
 
 def rejudge(workdir: str, allow_dirty: bool = False) -> str:
-  """Replaces the claim, description, rules and preconditions recorded in workdir/sweep.json by
+  """Replaces the claim, description, rules, preconditions and plots recorded in sweep.json by
   those its sweep file states now, and records the revision they come from (`rules_revision`):
   the recorded numbers stay as they were run; only the judging (and the words) change. Returns
   that revision.
@@ -442,6 +442,7 @@ def rejudge(workdir: str, allow_dirty: bool = False) -> str:
     description=sweep.description,
     rules=list(sweep.rules),
     preconditions=list(sweep.preconditions),
+    plots=list(sweep.plots),
     rules_revision=revision,
   )
   util.write_json(os.path.join(workdir, SWEEP_JSON), meta)
