@@ -153,3 +153,24 @@ def test_attention_maps_are_causal_distributions(gpt, translator):
     assert np.all(np.triu(probs, k=1) == 0)  # causal: nothing above the diagonal
   cross = {k: v for k, v in translator.attention_maps('one', source='1').items() if 'cross' in k}
   assert cross and all(v.shape[-1] == 2 for v in cross.values())  # source '1' + eos
+
+
+def test_run_with_cache_and_hooks_on_a_run_and_a_translator(gpt, translator):
+  logits, cache = gpt.run_with_cache('hello', names=lambda n: n.endswith('hook_pattern'))
+  maps = gpt.attention_maps('hello')
+  assert len(cache) == len(maps) == gpt.cfg.num_layers
+  for layer, probs in enumerate(maps.values()):
+    np.testing.assert_allclose(cache[f'blocks.{layer}.attn.hook_pattern'][0], probs, rtol=1e-5)
+  ids = [1] + gpt.tokenizer.encode('hello')
+  np.testing.assert_allclose(logits, gpt.logits(np.asarray([ids])), rtol=1e-5, atol=1e-5)
+  zero = {'blocks.0.hook_mlp_out': lambda x, _: x * 0.0}
+  assert np.abs(gpt.run_with_hooks('hello', zero) - logits).max() > 1e-4
+  _, cache = translator.run_with_cache(
+    'one', source='1', names=['decoder.blocks.0.hook_resid_post']
+  )
+  assert cache['decoder.blocks.0.hook_resid_post'].shape[:2] == (
+    1,
+    1 + len(translator.tokenizer.encode('one')),
+  )
+  with pytest.raises(ValueError, match='needs source='):
+    translator.run_with_cache('one')

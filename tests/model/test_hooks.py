@@ -23,69 +23,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-import transformers
+import torch_models
+from torch_models import VOCAB
 
 from transformer.config import ModelConfig
-from transformer.inference import hf
 from transformer.model import hooks, models
-
-VOCAB = 83
-
-
-def _randomise(model, seed):
-  generator = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if p.ndim == 1:
-        noise = 0.2 * torch.randn(p.shape, generator=generator)
-        p.copy_(noise if name.endswith('bias') else 1.0 + noise)
-  return model.eval()
-
-
-def _gpt2():
-  config = transformers.GPT2Config(
-    vocab_size=VOCAB, n_positions=32, n_embd=30, n_layer=3, n_head=3, layer_norm_epsilon=1e-4,
-    initializer_range=0.3, attn_implementation='eager',
-  )  # fmt: skip
-  torch.manual_seed(0)
-  return _randomise(transformers.GPT2LMHeadModel(config), 1)
-
-
-def _llama():
-  config = transformers.LlamaConfig(
-    vocab_size=VOCAB, hidden_size=36, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-    intermediate_size=40, num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-5,
-    initializer_range=0.3, tie_word_embeddings=False, attn_implementation='eager',
-  )  # fmt: skip
-  torch.manual_seed(1)
-  return _randomise(transformers.LlamaForCausalLM(config), 2)
 
 
 @pytest.fixture(scope='module')
 def models_both(tmp_path_factory):
-  """{name: (torch model, sparrow cfg, params)} for a GPT-2 and a Llama (GQA 3, RoPE)."""
-  root = tmp_path_factory.mktemp('hooks_hf')
-  out = {}
-  for name, build in (('gpt2', _gpt2), ('llama', _llama)):
-    model = build()
-    directory = str(root / name)
-    model.save_pretrained(directory, safe_serialization=True)
-    _, cfg, params, _ = hf.convert_in_memory(directory)
-    out[name] = (model, cfg, params)
-  return out
+  return torch_models.build_both(tmp_path_factory.mktemp('hooks_hf'))
 
 
 def _ids(seed, B=2, T=11):
   return np.random.default_rng(seed).integers(1, VOCAB, (B, T)).astype(np.int32)
-
-
-def _blocks(model):
-  return model.transformer.h if hasattr(model, 'transformer') else model.model.layers
-
-
-def _out_proj(model, layer):
-  block = _blocks(model)[layer]
-  return block.attn.c_proj if hasattr(block, 'attn') else block.self_attn.o_proj
 
 
 @pytest.mark.parametrize('name', ['gpt2', 'llama'])
@@ -97,7 +48,7 @@ def test_cached_activations_equal_pytorchs_attentions_hidden_states_and_head_out
   N, H = cfg.num_heads, cfg.head_size
   z_torch = {}
   handles = [
-    _out_proj(model, layer).register_forward_pre_hook(
+    torch_models.out_proj(model, layer).register_forward_pre_hook(
       lambda mod, args, layer=layer: z_torch.__setitem__(layer, args[0].detach().numpy())
     )
     for layer in range(cfg.num_layers)
@@ -135,7 +86,7 @@ def test_zero_ablating_a_head_equals_the_same_ablation_in_pytorch(models_both, n
     x[..., head * H : (head + 1) * H] = 0
     return (x,)
 
-  handle = _out_proj(model, layer).register_forward_pre_hook(zero)
+  handle = torch_models.out_proj(model, layer).register_forward_pre_hook(zero)
   with torch.no_grad():
     want = model(torch.tensor(ids)).logits.numpy()
   handle.remove()

@@ -21,6 +21,7 @@ import numpy as np
 from transformer import data
 from transformer.config import ModelConfig
 from transformer.model import capture, decode, models
+from transformer.model import hooks as hooks_lib
 
 Array = jax.Array
 MASK_TEXT = '[MASK]'  # what fill_mask replaces
@@ -418,6 +419,36 @@ class Model:
     `text` is a string (tokenised like training input) or int token ids [T]. EncoderDecoder: the
     decoder side gets `text` and the encoder `source`.
     """
+    inputs = self._hook_inputs(text, source, 'attention_maps')
+    maps = capture.attention_maps(self.cfg, self.params, inputs['inputs'],
+                                  decoder_inputs=inputs.get('decoder_inputs'))  # fmt: skip
+    return {name: np.asarray(m)[0] for name, m in maps.items()}
+
+  def run_with_cache(
+    self, text: str | Any, *, names: Any = None, source: str | None = None
+  ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(logits, {hook name: activation}) of one forward pass, keeping only the activations that
+    `names` asks for: a list of TransformerLens-style names such as 'blocks.0.attn.hook_pattern'
+    (`transformer.model.hooks.hook_names(cfg)` lists them), a predicate on them, or None (all).
+
+    `text`: a string (tokenised like training input), or int token ids [T] or [B, T].
+    EncoderDecoder: the decoder side gets `text` and the encoder `source`.
+    """
+    inputs = self._hook_inputs(text, source, 'run_with_cache')
+    logits, cache = hooks_lib.run_jit(self.cfg, self.params, inputs, names=names)
+    return np.asarray(logits), {k: np.asarray(v) for k, v in cache.items()}
+
+  def run_with_hooks(
+    self, text: str | Any, hooks: dict | None = None, *, source: str | None = None
+  ) -> np.ndarray:
+    """Logits with `hooks` applied: {hook name: fn(activation, name) -> activation}, each of
+    which may read its activation or return a replacement (e.g. zero one head's hook_z).
+    Pure and jit-compiled once per set of hook functions."""
+    inputs = self._hook_inputs(text, source, 'run_with_hooks')
+    return np.asarray(hooks_lib.run_jit(self.cfg, self.params, inputs, hooks=hooks or {})[0])
+
+  def _hook_inputs(self, text: Any, source: Any, method: str) -> dict[str, np.ndarray]:
+    """Model inputs for one text or token rows: bos + ids (decoder side), source ids + eos."""
 
     def ids(value, prefix):
       if isinstance(value, str):
@@ -427,16 +458,12 @@ class Model:
 
     if self.cfg.family == 'encoder_decoder':
       if source is None:
-        raise ValueError('EncoderDecoder.attention_maps needs source=... (the encoder input)')
+        raise ValueError(f'EncoderDecoder.{method} needs source=... (the encoder input)')
       src = ids(source, [])
       if isinstance(source, str):
         src = np.concatenate([src, [[data.EOS_ID]]], axis=1)
-      maps = capture.attention_maps(
-        self.cfg, self.params, src, decoder_inputs=ids(text, [data.BOS_ID])
-      )
-    else:
-      maps = capture.attention_maps(self.cfg, self.params, ids(text, [data.BOS_ID]))
-    return {name: np.asarray(m)[0] for name, m in maps.items()}
+      return {'inputs': src, 'decoder_inputs': ids(text, [data.BOS_ID])}
+    return {'inputs': ids(text, [data.BOS_ID])}
 
   # Helpers ---------------------------------------------------------------------------------------
   def _encode(self, text: str) -> list[int]:

@@ -1,0 +1,66 @@
+"""Small random PyTorch models from `transformers` that tests import into sparrow and compare
+against: a GPT-2 (LayerNorm, learned positions) and a Llama (GQA 3, RoPE, RMSNorm)."""
+
+import os
+
+import torch
+import transformers
+
+from transformer.inference import hf
+
+os.environ['HF_HUB_OFFLINE'] = '1'
+
+VOCAB = 83
+
+
+def _randomise(model, seed):
+  generator = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if p.ndim == 1:
+        noise = 0.2 * torch.randn(p.shape, generator=generator)
+        p.copy_(noise if name.endswith('bias') else 1.0 + noise)
+  return model.eval()
+
+
+def _gpt2():
+  config = transformers.GPT2Config(
+    vocab_size=VOCAB, n_positions=32, n_embd=30, n_layer=3, n_head=3, layer_norm_epsilon=1e-4,
+    initializer_range=0.3, attn_implementation='eager',
+  )  # fmt: skip
+  torch.manual_seed(0)
+  return _randomise(transformers.GPT2LMHeadModel(config), 1)
+
+
+def _llama():
+  config = transformers.LlamaConfig(
+    vocab_size=VOCAB, hidden_size=36, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+    intermediate_size=40, num_hidden_layers=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+    initializer_range=0.3, tie_word_embeddings=False, attn_implementation='eager',
+  )  # fmt: skip
+  torch.manual_seed(1)
+  return _randomise(transformers.LlamaForCausalLM(config), 2)
+
+
+def build_both(root) -> dict:
+  """{name: (torch model, sparrow cfg, params)} for a GPT-2 and a Llama (GQA 3, RoPE), each
+  saved under the directory `root` and imported from there."""
+  out = {}
+  for name, build in (('gpt2', _gpt2), ('llama', _llama)):
+    model = build()
+    directory = str(root / name)
+    model.save_pretrained(directory, safe_serialization=True)
+    _, cfg, params, _ = hf.convert_in_memory(directory)
+    out[name] = (model, cfg, params)
+  return out
+
+
+def blocks(model):
+  """The PyTorch model's transformer blocks."""
+  return model.transformer.h if hasattr(model, 'transformer') else model.model.layers
+
+
+def out_proj(model, layer: int):
+  """The attention output projection of block `layer` (its input: the heads' outputs)."""
+  block = blocks(model)[layer]
+  return block.attn.c_proj if hasattr(block, 'attn') else block.self_attn.o_proj

@@ -1,0 +1,246 @@
+"""Interventions on a model through its hook points (transformer.model.hooks): head ablation,
+activation patching, attribution patching, direct logit attribution and head detectors.
+
+Every function takes a model config, its parameters and model inputs (the keyword arguments of
+the model, e.g. {'inputs': ids [B, T]}), so it serves sparrow's own runs and imported Hugging Face
+models alike; `inference.Model` wraps the common ones. A `metric` maps logits [B, T, V] to a
+scalar, e.g. `logit_diff(position, good, bad)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer.config import ModelConfig
+from transformer.model import hooks, models
+
+Metric = Callable[[jax.Array], jax.Array]
+# The activations `patching` can patch, by position ([L, T] maps) or by head ([L, N] maps).
+PATCHABLE = {
+  'resid_pre': 'hook_resid_pre',
+  'attn_out': 'hook_attn_out',
+  'mlp_out': 'hook_mlp_out',
+  'z': 'attn.hook_z',
+}
+ABLATIONS = ('zero', 'mean', 'resample')
+
+
+def logit_diff(position: int, good: int, bad: int) -> Metric:
+  """Mean over rows of logit[good] - logit[bad] at `position` (negative counts from the end)."""
+  return lambda logits: jnp.mean(logits[:, position, good] - logits[:, position, bad])
+
+
+def _check_heads(cfg: ModelConfig, heads: Sequence[tuple[int, int]]) -> None:
+  for layer, head in heads:
+    if not (0 <= layer < cfg.num_layers and 0 <= head < cfg.num_heads):
+      raise ValueError(
+        f'head (layer={layer}, head={head}) does not exist: layers are 0..{cfg.num_layers - 1} '
+        f'and heads 0..{cfg.num_heads - 1}'
+      )
+
+
+def ablate_heads(
+  cfg: ModelConfig,
+  params: Any,
+  inputs: dict,
+  heads: Sequence[tuple[int, int]],
+  mode: str = 'zero',
+  reference: dict | None = None,
+  seed: int = 0,
+) -> jax.Array:
+  """Logits with the outputs (hook_z) of `heads` [(layer, head), ...] replaced: by zeros, by their
+  mean over the rows of a `reference` batch (per position), or by a random reference row's."""
+  if mode not in ABLATIONS:
+    raise ValueError(f'mode={mode!r} is not valid; choose one of {ABLATIONS}')
+  _check_heads(cfg, heads)
+  layers = sorted({layer for layer, _ in heads})
+  names = [f'blocks.{layer}.attn.hook_z' for layer in layers]
+  ref = None
+  if mode != 'zero':
+    if reference is None:
+      raise ValueError(f"mode={mode!r} needs a reference batch (reference={{'inputs': ...}})")
+    ref = hooks.run_jit(cfg, params, reference, names=names)[1]
+  B = int(np.shape(inputs['inputs'])[0])
+  rows = np.random.default_rng(seed).integers(0, 1 << 30, B)
+
+  def replace(layer):
+    which = [h for l_, h in heads if l_ == layer]
+
+    def fn(z, name):
+      if mode == 'zero':
+        new = jnp.zeros_like(z)
+      else:
+        other = ref[name]  # [B', T, N, H]
+        if other.shape[1:] != z.shape[1:]:
+          raise ValueError(
+            f'the reference batch has rows of {other.shape[1]} tokens and the input {z.shape[1]}'
+          )
+        new = (
+          jnp.broadcast_to(other.mean(0), z.shape)
+          if mode == 'mean'
+          else other[rows % other.shape[0]]
+        )
+      return z.at[:, :, which].set(new[:, :, which])
+
+    return fn
+
+  hook_fns = {f'blocks.{layer}.attn.hook_z': replace(layer) for layer in layers}
+  return hooks.run(cfg, params, inputs, hooks=hook_fns)[0]
+
+
+def _name(cfg: ModelConfig, activation: str, layer: int) -> str:
+  if activation not in PATCHABLE:
+    raise ValueError(f'activation={activation!r} is not valid; choose one of {tuple(PATCHABLE)}')
+  return f'blocks.{layer}.{PATCHABLE[activation]}'
+
+
+def patching(
+  cfg: ModelConfig, params: Any, clean: dict, corrupted: dict, metric: Metric, activation: str
+) -> np.ndarray:
+  """Activation patching: the metric of the corrupted run with one activation taken from the
+  clean run, for every layer and position ([L, T]; activation 'resid_pre', 'attn_out' or
+  'mlp_out') or every layer and head ([L, N]; activation 'z', all positions at once)."""
+  names = [_name(cfg, activation, layer) for layer in range(cfg.num_layers)]
+  _, cache = hooks.run_jit(cfg, params, clean, names=names)
+  T = int(np.shape(corrupted['inputs'])[1])
+  if int(np.shape(clean['inputs'])[1]) != T:
+    raise ValueError('clean and corrupted inputs must have the same shape [B, T]')
+  count = cfg.num_heads if activation == 'z' else T
+  out = np.zeros((cfg.num_layers, count), np.float32)
+  for layer, name in enumerate(names):
+    source = cache[name]
+
+    def patched(params, inputs, index, name=name, source=source):
+      axis = 2 if activation == 'z' else 1
+      pick = lambda x: jnp.take(x, index, axis=axis)
+      put = lambda x: (
+        x.at[:, :, index].set(pick(source)) if axis == 2 else x.at[:, index].set(pick(source))
+      )
+      logits, _ = hooks.run(cfg, params, inputs, hooks={name: lambda x, _: put(x)})
+      return metric(logits)
+
+    fn = jax.jit(patched)
+    for index in range(count):
+      out[layer, index] = float(fn(params, corrupted, index))
+  return out
+
+
+def attribution_patching(
+  cfg: ModelConfig, params: Any, clean: dict, corrupted: dict, metric: Metric, activation: str
+) -> np.ndarray:
+  """The gradient approximation of `patching` (Nanda 2023): metric(corrupted) plus
+  (clean - corrupted) . d metric / d activation at the corrupted run, per layer and position (or
+  head), from one forward and one backward pass."""
+  names = [_name(cfg, activation, layer) for layer in range(cfg.num_layers)]
+  clean_acts = hooks.run_jit(cfg, params, clean, names=names)[1]
+  corr_logits, corr_acts = hooks.run_jit(cfg, params, corrupted, names=names)
+  base = float(metric(corr_logits))
+
+  def with_deltas(deltas):
+    add = {name: (lambda x, n, name=name: x + deltas[name]) for name in names}
+    return metric(hooks.run(cfg, params, corrupted, hooks=add)[0])
+
+  zeros = {name: jnp.zeros_like(corr_acts[name]) for name in names}
+  grads = jax.jit(jax.grad(with_deltas))(zeros)
+  out = []
+  for name in names:
+    product = (clean_acts[name] - corr_acts[name]) * grads[name]  # [B, T, D] or [B, T, N, H]
+    if activation == 'z':
+      out.append(np.asarray(product.sum((0, 1, 3))))  # [N]
+    else:
+      out.append(np.asarray(product.sum((0, 2))))  # [T]
+  return base + np.stack(out)
+
+
+def direct_logit_attribution(
+  cfg: ModelConfig, params: Any, inputs: dict, position: int, good: int, bad: int
+) -> dict[str, np.ndarray]:
+  """The logit difference logit[good] - logit[bad] at `position`, split over what wrote to the
+  residual stream: the embeddings, every head, each attention's output bias, every MLP, and the
+  final norm's bias. Each part goes through the final norm with its cached scale (centred for a
+  LayerNorm) and the unembedding, so the parts sum to the logit difference. {part: [B]}."""
+  if cfg.family != 'causal_lm' or cfg.norm_placement != 'pre':
+    raise ValueError(
+      'direct_logit_attribution splits the residual stream of a pre-LN causal_lm model; this one '
+      f'is family={cfg.family!r}, norm_placement={cfg.norm_placement!r}'
+    )
+  L = cfg.num_layers
+  names = ['blocks.0.hook_resid_pre', 'ln_final.hook_scale']
+  names += [f'blocks.{l_}.attn.hook_z' for l_ in range(L)]
+  names += [f'blocks.{l_}.hook_mlp_out' for l_ in range(L)]
+  logits, cache = hooks.run_jit(cfg, params, inputs, names=names)
+  module = models.build(hooks.hook_config(cfg))
+  D = cfg.d_model
+  unembed = module.apply({'params': params}, jnp.eye(D)[None], method=lambda m, x: m.head(x))[0]
+  direction = np.asarray(unembed[:, good] - unembed[:, bad], np.float64)  # [D]
+  norm = params['decoder']['stack']['final_norm']
+  w = np.asarray(norm['scale'], np.float64)
+  scale = np.asarray(cache['ln_final.hook_scale'], np.float64)[:, position]  # [B, 1]
+
+  def through(x):  # [B, D] at `position` -> [B]
+    x = np.asarray(x, np.float64)
+    if cfg.norm == 'layernorm':
+      x = x - x.mean(-1, keepdims=True)
+    return (x * scale * w) @ direction
+
+  parts = {'embed': through(cache['blocks.0.hook_resid_pre'][:, position])}
+  for layer in range(L):
+    attn = params['decoder']['stack'][f'layer_{layer}']['self_attention']['out']
+    w_o = np.asarray(attn['kernel'], np.float64)  # [N, H, D]
+    z = np.asarray(cache[f'blocks.{layer}.attn.hook_z'], np.float64)[:, position]  # [B, N, H]
+    for head in range(cfg.num_heads):
+      parts[f'blocks.{layer}.attn.head_{head}'] = through(z[:, head] @ w_o[head])
+    if 'bias' in attn:
+      bias = np.broadcast_to(np.asarray(attn['bias'], np.float64), (z.shape[0], D))
+      parts[f'blocks.{layer}.attn.bias'] = through(bias)
+    parts[f'blocks.{layer}.mlp'] = through(cache[f'blocks.{layer}.hook_mlp_out'][:, position])
+  if 'bias' in norm:
+    parts['ln_final.bias'] = np.full(z.shape[0], np.asarray(norm['bias'], np.float64) @ direction)
+  parts['total'] = np.asarray(logits[:, position, good] - logits[:, position, bad], np.float64)
+  return parts
+
+
+# Head detectors on repeated random tokens -----------------------------------------------------
+def repeated_tokens(vocab_size: int, length: int, batch: int, seed: int = 0, low: int = 4):
+  """[B, 1 + 2 * length] int32: a bos (1), then `length` random tokens twice (ids >= low)."""
+  rng = np.random.default_rng(seed)
+  half = rng.integers(low, vocab_size, (batch, length))
+  return np.concatenate([np.ones((batch, 1), np.int64), half, half], axis=1).astype(np.int32)
+
+
+def detector_scores(patterns: np.ndarray, length: int) -> dict[str, np.ndarray]:
+  """Previous-token, duplicate-token and induction scores of every head from its patterns
+  [B, N, T, T] on `repeated_tokens` rows (T = 1 + 2 * length): the mean attention, over the
+  second copy's queries, to the previous token, to the same token's first occurrence, and to the
+  token after that occurrence. Each is in [0, 1]."""
+  p = np.asarray(patterns, np.float64)
+  queries = np.arange(1 + length, 1 + 2 * length)  # the second copy
+  at = lambda offset: p[:, :, queries, queries - offset].mean((0, 2))  # [N]
+  return {
+    'previous_token': at(1),
+    'duplicate_token': at(length),
+    'induction': at(length - 1),
+  }
+
+
+def head_detectors(
+  cfg: ModelConfig, params: Any, length: int = 25, batch: int = 8, seed: int = 0
+) -> dict[str, np.ndarray]:
+  """`detector_scores` of every layer ({kind: [L, N]}) and the induction loss: the mean loss on
+  the second copy of `repeated_tokens` (low when the model copies from context), with the
+  first copy's for comparison."""
+  tokens = repeated_tokens(cfg.vocab_size, length, batch, seed)
+  names = [f'blocks.{layer}.attn.hook_pattern' for layer in range(cfg.num_layers)]
+  logits, cache = hooks.run_jit(cfg, params, {'inputs': jnp.asarray(tokens)}, names=names)
+  scores = [detector_scores(cache[n], length) for n in names]
+  out = {k: np.stack([s[k] for s in scores]) for k in scores[0]}
+  logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)[:, :-1])  # predicts tokens[1:]
+  nll = -np.asarray(jnp.take_along_axis(logp, jnp.asarray(tokens)[:, 1:, None], -1))[..., 0]
+  out['induction_loss'] = float(nll[:, length:].mean())  # predicting the second copy
+  out['first_copy_loss'] = float(nll[:, 1:length].mean())
+  return out
