@@ -226,9 +226,20 @@ def test_inspect_a_hugging_face_folder(tmp_path):
   tok.save(os.path.join(folder, 'tokenizer.json'))
   out = tmp_path / 'report'
   cmd = [sys.executable, '-m', 'experiments.inspect', f'--workdir={folder}', f'--out={out}']
-  result = subprocess.run(cmd + ['--text=w3 w9 w1 w4'], capture_output=True, text=True, timeout=300)
+  corrupt = ['--text=w3 w9 w1 w4', '--corrupt=w3 w9 w2 w4']
+  result = subprocess.run(cmd + corrupt, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   report = (out / 'inspect.md').read_text()
+  assert '[patching.md](patching.md)' in report
+  patching = (out / 'patching.md').read_text()
+  for section in ('Patching `resid_pre`', 'Patching `z` by layer and head', 'Zero-ablating each',
+                  '## Direct logit attribution', 'Induction loss', '| 1 |'):  # fmt: skip
+    assert section in patching
+  assert {'patch_resid_pre.png', 'patch_z.png', 'ablation.png', 'dla.png'} <= set(os.listdir(out))
+  bad = subprocess.run(cmd + ['--text=w3 w9', '--corrupt=w3 w9 w2'], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+  assert bad.returncode != 0
+  assert bad.stderr.strip().splitlines()[-1].startswith('error: --corrupt must give as many tokens')
   for section in ('## Attention maps', '## Activations', 'outlier dims', '## Logit lens'):
     assert section in report
   names = set(os.listdir(out))

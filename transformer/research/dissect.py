@@ -158,12 +158,32 @@ def inspect_model(model: Any, text: str, out: str, *, top: int = 3, max_plots: i
   return path
 
 
-def inspect(workdir: str, text: str | None = None, out: str | None = None, step=None) -> str:
+def inspect(
+  workdir: str, text: str | None = None, out: str | None = None, step=None, corrupt=None
+) -> str:
   """What experiments.inspect runs: `inspect_model` for a Hugging Face folder or a workdir imported
-  from one (default out: DIR/inspect), else `inspection.inspect_run` for a sparrow run."""
+  from one (default out: DIR/inspect), else `inspection.inspect_run` for a sparrow run. With
+  `corrupt` (a causal LM and --text), also `interventions.corruption_report` into the same out."""
   from transformer.inference import hf
   from transformer.inference.api import load
 
+  if corrupt is not None and not text:
+    raise ValueError('--corrupt needs --text: the clean prompt it is compared with')
+  out = out or os.path.join(workdir, 'inspect')
   if hf.is_hf_dir(workdir) or os.path.isfile(os.path.join(workdir, hf.HF_CONFIG)):
-    return inspect_model(load(workdir, step), text, out or os.path.join(workdir, 'inspect'))
-  return inspect_run(workdir, text, out, step)
+    path = inspect_model(load(workdir, step), text, out)
+  else:
+    path = inspect_run(workdir, text, out, step)
+  if corrupt is not None:
+    from transformer.research import interventions
+
+    model = load(workdir, step)
+    clean, corrupted = _tokens(model, text), _tokens(model, corrupt)
+    piece = getattr(model.tokenizer, 'token', lambda i: None)
+    label = lambda ids: [model.tokenizer.decode([i]) or piece(i) or f'<{i}>' for i in ids]
+    interventions.corruption_report(
+      model, clean, corrupted, (label(clean), label(corrupted)), out
+    )
+    with open(path, 'a') as f:
+      f.write(f'\nPatching the clean prompt into `{corrupt}`: [patching.md](patching.md)\n')
+  return path

@@ -9,6 +9,7 @@ scalar, e.g. `logit_diff(position, good, bad)`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -244,3 +245,120 @@ def head_detectors(
   out['induction_loss'] = float(nll[:, length:].mean())  # predicting the second copy
   out['first_copy_loss'] = float(nll[:, 1:length].mean())
   return out
+
+
+# The report of a clean and a corrupted prompt (experiments.inspect --corrupt) -----------------
+def _heatmap(values: np.ndarray, path: str, title: str, xlabel: str, xticks=None) -> str:
+  from transformer import util
+
+  plt = util.pyplot()
+  L, X = values.shape
+  fig, ax = plt.subplots(figsize=(1.5 + 0.35 * X, 1.0 + 0.35 * L))
+  limit = max(float(np.nanmax(np.abs(values))), 1e-6)
+  image = ax.imshow(values, cmap='RdBu', vmin=-limit, vmax=limit, aspect='auto')
+  ax.set_xticks(range(X), xticks if xticks is not None else range(X), rotation=90, fontsize=6)
+  ax.set_yticks(range(L), [f'layer {i}' for i in range(L)], fontsize=7)
+  ax.set_xlabel(xlabel, fontsize=8)
+  ax.set_title(title, fontsize=9)
+  fig.colorbar(image, ax=ax, fraction=0.04)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return os.path.basename(path)
+
+
+def _bars(parts: dict[str, float], path: str, title: str) -> str:
+  from transformer import util
+
+  plt = util.pyplot()
+  fig, ax = plt.subplots(figsize=(max(4.0, 0.22 * len(parts)), 3.2))
+  ax.bar(range(len(parts)), list(parts.values()), color='tab:blue')
+  ax.set_xticks(range(len(parts)), list(parts), rotation=90, fontsize=6)
+  ax.axhline(0, color='k', lw=0.5)
+  ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return os.path.basename(path)
+
+
+def corruption_report(model: Any, clean: list[int], corrupt: list[int], labels, out: str) -> str:
+  """Writes `out`/patching.md for a causal LM (`inference.Model`) on a clean and a corrupted
+  prompt of the same length: the logit difference between the clean and the corrupted run's
+  top next tokens, activation patching of the residual stream, attention and MLP outputs by
+  layer and position and of every head, the effect of zero-ablating each head on the clean run,
+  direct logit attribution (pre-LN models) and the head detector scores."""
+  cfg, params = model.cfg, model.params
+  if cfg.family != 'causal_lm':
+    raise ValueError(f'--corrupt needs a causal_lm model (next-token logits), not {cfg.family!r}')
+  if len(clean) != len(corrupt):
+    raise ValueError(
+      f'--corrupt must give as many tokens as --text to patch position by position: {len(corrupt)} '
+      f'against {len(clean)}'
+    )
+  os.makedirs(out, exist_ok=True)
+  clean_in = {'inputs': jnp.asarray([clean], jnp.int32)}
+  corr_in = {'inputs': jnp.asarray([corrupt], jnp.int32)}
+  clean_logits = np.asarray(hooks.run_jit(cfg, params, clean_in)[0])[0, -1]
+  corr_logits = np.asarray(hooks.run_jit(cfg, params, corr_in)[0])[0, -1]
+  good, bad = int(clean_logits.argmax()), int(corr_logits.argmax())
+  if good == bad:  # the corruption does not change the top guess: compare with the runner-up
+    bad = int(np.argsort(-clean_logits)[1])
+  metric = logit_diff(-1, good, bad)
+  name = lambda t: model.tokenizer.decode([t]) or f'<{t}>'
+  clean_m, corr_m = (
+    float(clean_logits[good] - clean_logits[bad]),
+    float(corr_logits[good] - corr_logits[bad]),
+  )
+  span = clean_m - corr_m if abs(clean_m - corr_m) > 1e-6 else 1.0
+  lines = ['# Patching a clean into a corrupted prompt', '']
+  lines += [f'Clean: {" ".join(f"`{t}`" for t in labels[0])}', '']
+  lines += [f'Corrupted: {" ".join(f"`{t}`" for t in labels[1])}', '']
+  lines += [
+    f'Metric: logit(`{name(good)}`) - logit(`{name(bad)}`) after the last token: '
+    f'{clean_m:.3f} clean, {corr_m:.3f} corrupted. The maps show (patched - corrupted) / '
+    '(clean - corrupted): 1 where one activation taken from the clean run restores the clean '
+    'metric, 0 where it changes nothing.',
+    '',
+  ]
+  for activation, xlabel in (('resid_pre', 'position'), ('attn_out', 'position'),
+                             ('mlp_out', 'position'), ('z', 'head')):  # fmt: skip
+    values = (patching(cfg, params, clean_in, corr_in, metric, activation) - corr_m) / span
+    ticks = labels[0] if xlabel == 'position' else None
+    file = _heatmap(values, os.path.join(out, f'patch_{activation}.png'),
+                    f'patching {activation}', xlabel, ticks)  # fmt: skip
+    lines += [
+      f'## Patching `{activation}` by layer and {xlabel}',
+      '',
+      f'![{activation}]({file})',
+      '',
+    ]
+  effect = np.zeros((cfg.num_layers, cfg.num_heads))
+  for layer in range(cfg.num_layers):
+    for head in range(cfg.num_heads):
+      logits = ablate_heads(cfg, params, clean_in, [(layer, head)])
+      effect[layer, head] = float(metric(logits)) - clean_m
+  file = _heatmap(effect, os.path.join(out, 'ablation.png'), 'zero-ablating one head', 'head')
+  lines += ['## Zero-ablating each head (change of the clean metric)', '', f'![ablation]({file})']
+  lines.append('')
+  if cfg.norm_placement == 'pre':
+    parts = direct_logit_attribution(cfg, params, clean_in, -1, good, bad)
+    total = float(parts.pop('total')[0])
+    parts = {k: float(v[0]) for k, v in parts.items()}
+    file = _bars(parts, os.path.join(out, 'dla.png'), f'direct logit attribution (sum {total:.3f})')
+    top = sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:5]
+    lines += ['## Direct logit attribution on the clean prompt', '', f'![dla]({file})', '']
+    lines += ['Largest parts: ' + ', '.join(f'{k} {v:+.3f}' for k, v in top), '']
+  scores = head_detectors(cfg, params)
+  lines += ['## Head detectors (repeated random tokens)', '']
+  lines += [f'Induction loss {scores["induction_loss"]:.3f} nats on the repeated half, '
+            f'{scores["first_copy_loss"]:.3f} on the first.', '']  # fmt: skip
+  lines += ['| layer | previous token | duplicate token | induction |', '|---|---|---|---|']
+  fmt = lambda row: ', '.join(f'{x:.2f}' for x in row)
+  for layer in range(cfg.num_layers):
+    row = [fmt(scores[k][layer]) for k in ('previous_token', 'duplicate_token', 'induction')]
+    lines.append(f'| {layer} | ' + ' | '.join(row) + ' |')
+  path = os.path.join(out, 'patching.md')
+  with open(path, 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  return path
