@@ -19,6 +19,7 @@ if sys.version_info >= (3, 12) and importlib.util.find_spec('torch') is None:
 
 os.environ['HF_HUB_OFFLINE'] = '1'
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,7 +104,7 @@ def _tiny(**overrides):
               activation='swiglu', num_kv_heads=2)  # fmt: skip
   cfg = ModelConfig(**{**base, **overrides})
   model = models.build(cfg)
-  params = model.init(jax.random.PRNGKey(3), **model.dummy_inputs())['params']
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(3), **model.dummy_inputs())['params'])
   rng = np.random.default_rng(4)
   params = jax.tree.map(lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype), params)
   return cfg, model, params
@@ -186,5 +187,22 @@ def test_names_of_every_family():
   model = models.build(enc_dec)
   params = model.init(jax.random.PRNGKey(0), **model.dummy_inputs())['params']
   inputs = {'inputs': jnp.ones((1, 5), jnp.int32), 'decoder_inputs': jnp.ones((1, 4), jnp.int32)}
-  _, cache = hooks.run(enc_dec, params, inputs, names=lambda n: 'cross_attn.hook_pattern' in n)
+  picked = lambda n: 'cross_attn.hook_pattern' in n or 'ln_final' in n
+  _, cache = hooks.run(enc_dec, params, inputs, names=picked)
   assert cache['decoder.blocks.0.cross_attn.hook_pattern'].shape == (1, 2, 4, 5)
+  assert cache['decoder.ln_final.hook_scale'].shape == (1, 4, 1)  # the decoder's, not the encoder's
+
+
+def test_the_final_norm_scale_rebuilds_the_final_hidden_state():
+  from transformer.model.capture import capture
+
+  cfg, model, params = _tiny(activation='gelu')
+  ids = jnp.asarray(_ids(5, T=6) % 49 + 1)
+  last = f'blocks.{cfg.num_layers - 1}.hook_resid_post'
+  _, cache = hooks.run(cfg, params, {'inputs': ids}, names=[last, 'ln_final.hook_scale'])
+  x = np.asarray(cache[last], np.float64)
+  norm = params['decoder']['stack']['final_norm']
+  x = x - x.mean(-1, keepdims=True)
+  rebuilt = x * np.asarray(cache['ln_final.hook_scale']) * norm['scale'] + norm['bias']
+  want = capture(cfg, params, {'inputs': ids}, with_attention=False).hidden['decoder/stack']
+  np.testing.assert_allclose(rebuilt, want, rtol=1e-5, atol=1e-5)

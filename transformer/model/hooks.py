@@ -246,6 +246,8 @@ def _interceptor(cfg: ModelConfig, state: _State):
       if name == 'self_attention_norm':  # post-LN: the normalised sum is the residual stream
         return state.see(prefix + 'hook_resid_mid', next_fun(*args, **kwargs))
     if isinstance(module, Norm) and name == 'final_norm':
+      if cfg.family == 'encoder_decoder' and path[0] != 'decoder':
+        return next_fun(*args, **kwargs)  # the encoder's final norm has no hook point
       side = 'decoder.' if cfg.family == 'encoder_decoder' else ''
       if state.wants(side + 'ln_final.hook_scale'):
         if side + 'ln_final.hook_scale' in state.hooks:
