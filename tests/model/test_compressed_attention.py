@@ -202,3 +202,15 @@ def test_a_row_length_the_block_does_not_divide_is_an_error_before_any_work():
   config.data.max_length = 60
   with pytest.raises(ValueError, match='compress_block=8 does not divide the row length'):
     knobs.resolve_lengths(config)
+
+
+@pytest.mark.parametrize('block', [16, 32])
+def test_a_model_with_blocks_longer_than_8_initialises_and_runs(block):
+  """The initialising inputs are one whole block (a row of 8 tokens cannot be cut into 16s)."""
+  from transformer.model import models
+
+  cfg = _tiny('causal_lm', compress_block=block, max_length=2 * block)
+  model = models.build(cfg)
+  params = models.init_params(model, jax.random.PRNGKey(0))
+  logits = model.apply({'params': params}, jnp.ones((2, 2 * block), jnp.int32))
+  assert logits.shape == (2, 2 * block, cfg.vocab_size) and np.isfinite(logits).all()

@@ -284,8 +284,8 @@ class EncoderDecoder(nn.Module):
       head_inputs=head_inputs,
     )  # [B, T, V]
 
-  def dummy_inputs(self, batch: int = 1, length: int = 8) -> dict[str, Any]:
-    tokens = jnp.ones((batch, length), jnp.int32)  # [B, T]; only shapes matter, for init
+  def dummy_inputs(self, batch: int = 1, length: int | None = None) -> dict[str, Any]:
+    tokens = jnp.ones((batch, length or _dummy_length(self.cfg)), jnp.int32)  # only shapes matter
     return {'inputs': tokens, 'decoder_inputs': tokens}
 
 
@@ -328,8 +328,8 @@ class CausalLM(nn.Module):
     )  # [B, T, D]
     return self.head(y, head_inputs)  # [B, T, V], or HeadInputs
 
-  def dummy_inputs(self, batch: int = 1, length: int = 8) -> dict[str, Any]:
-    return {'inputs': jnp.ones((batch, length), jnp.int32)}
+  def dummy_inputs(self, batch: int = 1, length: int | None = None) -> dict[str, Any]:
+    return {'inputs': jnp.ones((batch, length or _dummy_length(self.cfg)), jnp.int32)}
 
 
 class BidirectionalLM(nn.Module):
@@ -388,8 +388,14 @@ class BidirectionalLM(nn.Module):
       return HeadInputs(h, embedding.table(), bias)
     return embedding.attend(h) + bias.astype(h.dtype)  # [B, T, V]
 
-  def dummy_inputs(self, batch: int = 1, length: int = 8) -> dict[str, Any]:
-    return {'inputs': jnp.ones((batch, length), jnp.int32)}
+  def dummy_inputs(self, batch: int = 1, length: int | None = None) -> dict[str, Any]:
+    return {'inputs': jnp.ones((batch, length or _dummy_length(self.cfg)), jnp.int32)}
+
+
+def _dummy_length(cfg: ModelConfig) -> int:
+  """The row length of the inputs that initialise a model: 8 tokens, or one compressed block
+  (compressed attention cuts rows into whole blocks); only shapes matter."""
+  return cfg.compress_block if cfg.attention == 'compressed' else 8
 
 
 _FAMILIES = {

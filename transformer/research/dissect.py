@@ -181,9 +181,7 @@ def inspect(
     clean, corrupted = _tokens(model, text), _tokens(model, corrupt)
     piece = getattr(model.tokenizer, 'token', lambda i: None)
     label = lambda ids: [model.tokenizer.decode([i]) or piece(i) or f'<{i}>' for i in ids]
-    interventions.corruption_report(
-      model, clean, corrupted, (label(clean), label(corrupted)), out
-    )
+    interventions.corruption_report(model, clean, corrupted, (label(clean), label(corrupted)), out)
     with open(path, 'a') as f:
       f.write(f'\nPatching the clean prompt into `{corrupt}`: [patching.md](patching.md)\n')
   return path
