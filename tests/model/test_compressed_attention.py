@@ -204,7 +204,7 @@ def test_a_row_length_the_block_does_not_divide_is_an_error_before_any_work():
     knobs.resolve_lengths(config)
 
 
-@pytest.mark.parametrize('block', [16, 32])
+@pytest.mark.parametrize('block', [16])
 def test_a_model_with_blocks_longer_than_8_initialises_and_runs(block):
   """The initialising inputs are one whole block (a row of 8 tokens cannot be cut into 16s)."""
   from transformer.model import models
