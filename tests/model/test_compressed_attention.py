@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_helpers import random_model
 
 from transformer.model import compressed_attention as ca
 from transformer.model.masks import MaskSpec
@@ -129,23 +130,10 @@ def _tiny(family, **overrides):
   return ModelConfig(**{**base, **overrides})
 
 
-def _random_model(cfg, seed):
-  from transformer.model import models
-
-  model = models.build(cfg)
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), **model.dummy_inputs())['params']
-  rng = np.random.default_rng(seed)
-  params = jax.tree.map(
-    lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype),
-    jax.tree.map(lambda x: x.value if hasattr(x, 'value') else x, shapes),
-  )
-  return model, params
-
-
 def test_kv_cache_decoding_equals_the_uncached_model_token_for_token():
   from transformer.model import decode
 
-  model, params = _random_model(_tiny('causal_lm', position='rope', num_kv_heads=2), seed=3)
+  model, params = random_model(_tiny('causal_lm', position='rope', num_kv_heads=2), seed=3)
   rng = np.random.default_rng(0)
   tokens = np.zeros((4, 9), np.int32)
   for row, n in enumerate((9, 4, 1, 6)):  # right-padded prompts that end inside a block
@@ -159,7 +147,7 @@ def test_kv_cache_decoding_equals_the_uncached_model_token_for_token():
 
 
 def test_bidirectional_lm_padding_changes_nothing():
-  model, params = _random_model(_tiny('bidirectional_lm', position='learned'), seed=1)
+  model, params = random_model(_tiny('bidirectional_lm', position='learned'), seed=1)
   rng = np.random.default_rng(0)
   tokens = rng.integers(5, 40, (2, 12)).astype(np.int32)
   segments = np.ones((2, 12), np.int32)

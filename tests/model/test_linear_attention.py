@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_helpers import random_model
 
 from transformer import config as config_lib
 from transformer.config import ModelConfig
-from transformer.model import decode, models
+from transformer.model import decode
 from transformer.model import linear_attention as linear
 from transformer.model.attention import CacheMode, MaskSpec, MultiHeadAttention
 
@@ -262,17 +263,6 @@ def tiny(family, **overrides):
     attention_chunk_size=4,
   )
   return ModelConfig(**{**base, **overrides})
-
-
-def random_model(cfg, seed):
-  model = models.build(cfg)
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), **model.dummy_inputs())['params']
-  rng = np.random.default_rng(seed)
-  params = jax.tree.map(
-    lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype),
-    jax.tree.map(lambda x: x.value if hasattr(x, 'value') else x, shapes),
-  )
-  return model, params
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_helpers import random_model
 
 from transformer.config import ModelConfig
-from transformer.model import decode, models
+from transformer.model import decode
 from transformer.model.layers import ShortConv
 from transformer.model.masks import MaskSpec
 
@@ -78,14 +79,7 @@ def _model(seed, **overrides):
   base = dict(family='causal_lm', vocab_size=40, d_model=32, num_heads=4, d_ff=64, num_layers=2,
               max_length=32, dropout_rate=0.0, tie_output=False, norm_placement='pre',
               position='rope', short_conv=3)  # fmt: skip
-  model = models.build(ModelConfig(**{**base, **overrides}))
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), **model.dummy_inputs())['params']
-  rng = np.random.default_rng(seed)
-  params = jax.tree.map(
-    lambda x: jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype),
-    jax.tree.map(lambda x: x.value if hasattr(x, 'value') else x, shapes),
-  )
-  return model, params
+  return random_model(ModelConfig(**{**base, **overrides}), seed)
 
 
 def test_in_a_model_the_past_is_causal_and_packed_examples_stay_apart():
