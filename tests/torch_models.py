@@ -13,7 +13,7 @@ os.environ['HF_HUB_OFFLINE'] = '1'
 VOCAB = 83
 
 
-def _randomise(model, seed):
+def randomise(model, seed):
   generator = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
@@ -29,7 +29,7 @@ def _gpt2():
     initializer_range=0.3, attn_implementation='eager',
   )  # fmt: skip
   torch.manual_seed(0)
-  return _randomise(transformers.GPT2LMHeadModel(config), 1)
+  return randomise(transformers.GPT2LMHeadModel(config), 1)
 
 
 def _llama():
@@ -39,7 +39,7 @@ def _llama():
     initializer_range=0.3, tie_word_embeddings=False, attn_implementation='eager',
   )  # fmt: skip
   torch.manual_seed(1)
-  return _randomise(transformers.LlamaForCausalLM(config), 2)
+  return randomise(transformers.LlamaForCausalLM(config), 2)
 
 
 def build_both(root) -> dict:

@@ -206,3 +206,44 @@ def test_the_final_norm_scale_rebuilds_the_final_hidden_state():
   rebuilt = x * np.asarray(cache['ln_final.hook_scale']) * norm['scale'] + norm['bias']
   want = capture(cfg, params, {'inputs': ids}, with_attention=False).hidden['decoder/stack']
   np.testing.assert_allclose(rebuilt, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_imported_bert_post_ln_matches_pytorchs_attentions_and_hidden_states(tmp_path):
+  import transformers
+
+  from transformer.inference import hf
+
+  config = transformers.BertConfig(
+    vocab_size=VOCAB, hidden_size=24, num_hidden_layers=2, num_attention_heads=3,
+    intermediate_size=40, max_position_embeddings=32, layer_norm_eps=1e-4,
+    initializer_range=0.3, attn_implementation='eager',
+  )  # fmt: skip
+  torch.manual_seed(2)
+  model = torch_models.randomise(transformers.BertForMaskedLM(config), 3)
+  model.save_pretrained(str(tmp_path / 'bert'), safe_serialization=True)
+  _, cfg, params, _ = hf.convert_in_memory(str(tmp_path / 'bert'))
+  assert cfg.family == 'bidirectional_lm' and cfg.norm_placement == 'post'
+  ids = _ids(6, T=9)
+  types = np.zeros_like(ids)
+  with torch.no_grad():
+    out = model(torch.tensor(ids), token_type_ids=torch.tensor(types), output_attentions=True,
+                output_hidden_states=True)  # fmt: skip
+  inputs = {'inputs': jnp.asarray(ids), 'token_types': jnp.asarray(types)}
+  wanted = lambda n: n.endswith(('hook_pattern', 'hook_resid_post', 'hook_resid_mid'))
+  logits, cache = hooks.run_jit(cfg, params, inputs, names=wanted)
+  np.testing.assert_allclose(logits, out.logits.numpy(), rtol=2e-4, atol=2e-4)
+  seen = {}
+  for layer in range(cfg.num_layers):
+    b = f'blocks.{layer}.'
+    np.testing.assert_allclose(cache[b + 'attn.hook_pattern'], out.attentions[layer].numpy(),
+                               rtol=2e-4, atol=2e-5)  # fmt: skip
+    np.testing.assert_allclose(cache[b + 'hook_resid_post'], out.hidden_states[layer + 1].numpy(),
+                               rtol=2e-4, atol=2e-4)  # fmt: skip
+    # Post-LN: the residual stream between attention and MLP is BERT's attention.output.LayerNorm
+    norm = model.bert.encoder.layer[layer].attention.output.LayerNorm
+    handle = norm.register_forward_hook(lambda m, a, y, layer=layer: seen.__setitem__(layer, y))
+    with torch.no_grad():
+      model(torch.tensor(ids), token_type_ids=torch.tensor(types))
+    handle.remove()
+    np.testing.assert_allclose(cache[b + 'hook_resid_mid'], seen[layer].numpy(), rtol=2e-4,
+                               atol=2e-4)  # fmt: skip
