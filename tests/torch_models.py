@@ -13,12 +13,14 @@ os.environ['HF_HUB_OFFLINE'] = '1'
 VOCAB = 83
 
 
-def randomise(model, seed):
+def randomise(model, seed, scale: float = 0.2):
+  """1-D parameters away from their init: biases to noise, norm weights to 1 + noise (std
+  `scale`), so that every bias and norm weight matters in a comparison."""
   generator = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
       if p.ndim == 1:
-        noise = 0.2 * torch.randn(p.shape, generator=generator)
+        noise = scale * torch.randn(p.shape, generator=generator)
         p.copy_(noise if name.endswith('bias') else 1.0 + noise)
   return model.eval()
 

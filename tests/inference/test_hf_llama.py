@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
+import torch_models
 import transformers
 
 from transformer.config import ModelConfig
@@ -33,17 +34,6 @@ from transformer.model import decode, models
 
 VOCAB = 101  # not a multiple of 8
 LENGTH = 12
-
-
-def _randomise(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-  """Norm weights to 1 + noise and biases to noise: away from their init values of 1 and 0."""
-  generator = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if p.ndim == 1:
-        noise = 0.3 * torch.randn(p.shape, generator=generator)
-        p.copy_(noise if name.endswith('bias') else 1.0 + noise)
-  return model.eval()
 
 
 def _llama_kwargs(**overrides):
@@ -102,7 +92,7 @@ def hf_models(tmp_path_factory):
   out = {}
   for i, (name, build) in enumerate(BUILDERS.items()):
     torch.manual_seed(i)
-    model = _randomise(build(), seed=10 + i)
+    model = torch_models.randomise(build(), seed=10 + i, scale=0.3)
     directory = str(root / name)
     model.save_pretrained(directory, safe_serialization=True)
     out[name] = (model, directory)
@@ -250,7 +240,7 @@ def bert_model(tmp_path_factory):
     initializer_range=0.2,
   )
   torch.manual_seed(5)
-  model = _randomise(transformers.BertModel(config, add_pooling_layer=False), seed=6)
+  model = torch_models.randomise(transformers.BertModel(config, add_pooling_layer=False), 6, 0.3)
   directory = str(tmp_path_factory.mktemp('bert_model') / 'bert')
   model.save_pretrained(directory, safe_serialization=True)
   return model, directory

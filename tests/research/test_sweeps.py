@@ -419,12 +419,19 @@ def test_preconditions_load_with_the_sweep_and_show_in_the_report(tmp_path):
   assert report._verdict_lines(meta, results)[0] == verdicts.REPRODUCED
 
 
-def test_rejudge_applies_the_sweep_files_current_rules_to_recorded_runs(finished, tmp_path):
+def _rejudgeable_copy(finished, tmp_path):
+  """(the sweep file, a copy of the finished runs, a sweep-file path the copy's sweep.json
+  names): rejudging the copy reads whatever the test writes at that path."""
   original, done, _, _ = finished
   workdir, path = tmp_path / 'runs', str(tmp_path / 'tiny_sweep.py')
   shutil.copytree(done, workdir)
   meta = json.loads((workdir / 'sweep.json').read_text())
   (workdir / 'sweep.json').write_text(json.dumps({**meta, 'path': path}))
+  return original, workdir, path
+
+
+def test_rejudge_applies_the_sweep_files_current_rules_to_recorded_runs(finished, tmp_path):
+  original, workdir, path = _rejudgeable_copy(finished, tmp_path)
   shutil.copy(original, path)
   numbers = [r['metrics'] for r in results_lib.read_results(str(workdir))]
   text = open(report.write_report(str(workdir))).read()
@@ -447,11 +454,7 @@ def test_rejudge_applies_the_sweep_files_current_rules_to_recorded_runs(finished
 
 
 def test_rejudge_takes_new_plots_and_a_lines_plot_draws_one_line_per_arm(finished, tmp_path):
-  original, done, _, _ = finished
-  workdir, path = tmp_path / 'runs', str(tmp_path / 'tiny_sweep.py')
-  shutil.copytree(done, workdir)
-  meta = json.loads((workdir / 'sweep.json').read_text())
-  (workdir / 'sweep.json').write_text(json.dumps({**meta, 'path': path}))
+  original, workdir, path = _rejudgeable_copy(finished, tmp_path)
   lines = (
     "dict(kind='lines', metric='eval.loss', x=[1, 2], "
     "lines={'both': ['scaled', 'unscaled'], 'gap': ['scaled', 'missing']}), "
