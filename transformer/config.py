@@ -44,7 +44,7 @@ class ModelConfig:
   num_heads: int = 8  # query heads
   num_kv_heads: int | None = None  # key/value heads (GQA/MQA); None = num_heads
   head_dim: int | None = None  # None = d_model // num_heads
-  d_ff: int = 2048  # feed-forward hidden width
+  d_ff: int = 2048  # feed-forward hidden width; 0: attention-only layers (no MLP)
   num_layers: int = 6  # encoder layers, or the only stack of an LM
   num_decoder_layers: int | None = None  # EncoderDecoder only; None = num_layers
   max_length: int = 512  # longest sequence for learned positions
@@ -220,7 +220,7 @@ def _validate(c: ModelConfig) -> None:
   _choice('dtype', c.dtype, tuple(DTYPES))
   _choice('param_dtype', c.param_dtype, tuple(DTYPES))
   _check_types(c)
-  positive = ['vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_layers', 'max_length']
+  positive = ['vocab_size', 'd_model', 'num_heads', 'num_layers', 'max_length']
   positive += ['attention_chunk_size']
   optional_positive = ['num_kv_heads', 'head_dim', 'rope_original_max_length']
   for name in positive + optional_positive:
@@ -235,6 +235,8 @@ def _validate(c: ModelConfig) -> None:
     or c.num_decoder_layers < 0
   ):
     raise ValueError(f'num_decoder_layers={c.num_decoder_layers!r} must be a non-negative integer')
+  if not isinstance(c.d_ff, int) or isinstance(c.d_ff, bool) or c.d_ff < 0:
+    raise ValueError(f'd_ff={c.d_ff!r} must be a non-negative integer (0: attention-only layers)')
   for name in ('type_vocab_size', 'num_classes'):
     if getattr(c, name) < 0:
       raise ValueError(f'{name}={getattr(c, name)!r} must be >= 0')

@@ -111,7 +111,12 @@ def _tiny(**overrides):
 
 
 @pytest.mark.parametrize(
-  'overrides', [{}, dict(norm_placement='post', position='learned', activation='gelu')]
+  'overrides',
+  [
+    {},
+    dict(norm_placement='post', position='learned', activation='gelu'),
+    dict(d_ff=0, position='learned'),  # attention only
+  ],
 )
 def test_the_residual_stream_adds_up_and_scores_give_the_pattern(overrides):
   cfg, model, params = _tiny(**overrides)
@@ -127,7 +132,11 @@ def test_the_residual_stream_adds_up_and_scores_give_the_pattern(overrides):
     np.testing.assert_allclose(probs / probs.sum(-1, keepdims=True), c['attn.hook_pattern'],
                                rtol=1e-5, atol=1e-6)  # fmt: skip
     assert np.isneginf(scores[..., 0, 1:]).all()  # causal: the first query sees one key
-    if cfg.norm_placement == 'pre':
+    if cfg.norm_placement == 'pre' and not cfg.d_ff:  # attention only: no MLP, no resid_mid
+      assert not any('mlp' in k or 'resid_mid' in k for k in c)
+      np.testing.assert_allclose(c['hook_resid_post'], c['hook_resid_pre'] + c['hook_attn_out'],
+                                 rtol=1e-5, atol=1e-5)  # fmt: skip
+    elif cfg.norm_placement == 'pre':
       np.testing.assert_allclose(c['hook_resid_mid'], c['hook_resid_pre'] + c['hook_attn_out'],
                                  rtol=1e-5, atol=1e-5)  # fmt: skip
       np.testing.assert_allclose(c['hook_resid_post'], c['hook_resid_mid'] + c['hook_mlp_out'],
@@ -136,7 +145,7 @@ def test_the_residual_stream_adds_up_and_scores_give_the_pattern(overrides):
       np.testing.assert_array_equal(
         c['hook_resid_pre'], cache[f'blocks.{layer - 1}.hook_resid_post']
       )
-  if cfg.activation == 'swiglu':  # hook_post = silu(gate) * linear
+  if cfg.activation == 'swiglu' and cfg.d_ff:  # hook_post = silu(gate) * linear
     pre, lin = cache['blocks.0.mlp.hook_pre'], cache['blocks.0.mlp.hook_pre_linear']
     np.testing.assert_allclose(cache['blocks.0.mlp.hook_post'], jax.nn.silu(pre) * lin, rtol=1e-5,
                                atol=1e-6)  # fmt: skip

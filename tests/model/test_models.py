@@ -290,7 +290,7 @@ def test_scaled_init_shrinks_residual_outputs():
     (dict(norm='batchnorm'), "norm='batchnorm' is not valid"),
     (dict(remat='some'), "remat='some' is not valid"),
     (dict(attention_impl='flash'), "attention_impl='flash' is not valid"),
-    (dict(d_ff=-4), 'd_ff=-4 must be a positive integer'),
+    (dict(d_ff=-4), 'd_ff=-4 must be a non-negative integer'),
     (dict(num_layers=0), 'num_layers=0 must be a positive integer'),
     (dict(vocab_size=-1), 'vocab_size=-1 must be a positive integer'),
     (dict(dropout_rate=1.5), 'dropout_rate=1.5 must be in [0, 1)'),
@@ -336,3 +336,41 @@ def test_norm_bias_false_drops_every_layernorm_bias_and_matches_a_numpy_referenc
   x64 = x.astype(np.float64)
   want = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5) * scale
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('layers', [1, 2])
+def test_attention_only_layers_have_no_mlp_and_match_a_numpy_reference(layers):
+  cfg = tiny('causal_lm', d_ff=0, num_layers=layers, d_model=12, num_heads=3, vocab_size=23,
+             position='learned', use_bias=False, norm_bias=False, scale_embeddings=False,
+             norm_placement='pre')  # fmt: skip
+  model, params = init(cfg, seed=layers)
+  rng = np.random.default_rng(layers)
+  params = jax.tree.map(lambda p: jnp.asarray(0.5 * rng.standard_normal(p.shape), p.dtype), params)
+  stack = params['decoder']['stack']
+  assert all(set(stack[f'layer_{i}']) == {'self_attention', 'self_attention_norm'}
+             for i in range(layers))  # fmt: skip
+  x = tokens(rng, (2, 7), vocab=23, low=0)
+  got = np.asarray(model.apply({'params': params}, x))
+
+  p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  s64 = p64['decoder']['stack']
+
+  def ln(h, scale):
+    h = h - h.mean(-1, keepdims=True)
+    return h / np.sqrt((h * h).mean(-1, keepdims=True) + cfg.norm_eps) * scale
+
+  emb = p64['embedding']['embedding']
+  h = emb[np.asarray(x)] + p64['decoder']['embedder']['positions']['positions']['embedding'][:7]
+  causal = np.tril(np.ones((7, 7), bool))
+  for i in range(layers):
+    a = s64[f'layer_{i}']['self_attention']
+    n = ln(h, s64[f'layer_{i}']['self_attention_norm']['scale'])
+    q, k, v = (np.einsum('btd,dnh->bnth', n, a[w]['kernel']) for w in ('query', 'key', 'value'))
+    scores = np.where(causal, q @ k.transpose(0, 1, 3, 2) / np.sqrt(4), -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    z = (probs / probs.sum(-1, keepdims=True)) @ v  # [B, N, T, H]
+    h = h + np.einsum('bnth,nhd->btd', z, a['out']['kernel'])  # no MLP: straight to the next
+  want = ln(h, s64['final_norm']['scale']) @ emb.T  # the tied head
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  flops = models.flops_per_token(cfg, 7)
+  assert flops['matmul_params'] == layers * 4 * 12 * 12 + 23 * 12  # Q, K, V, O and the head

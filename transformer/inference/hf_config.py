@@ -380,6 +380,10 @@ def check_exportable(arch: str, cfg: ModelConfig) -> None:
     raise ValueError(
       f'cannot export activation={cfg.activation!r} as {arch}; it needs one of {valid}'
     )
+  if not cfg.d_ff:
+    raise ValueError(
+      f'cannot export an attention-only model (d_ff=0) as {arch}: its layers have MLPs'
+    )
   if arch == 'bert' and cfg.type_vocab_size < 1:
     raise ValueError('cannot export this model as bert: BERT needs token types, model has none')
   try:

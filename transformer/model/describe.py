@@ -27,7 +27,7 @@ def describe(cfg: ModelConfig, seq_len: int | None = None) -> str:
     layers = f'{cfg.num_layers} encoder + {cfg.decoder_layers} decoder'
   lines = [
     f'model: {cfg.family}',
-    f'  layers {layers}, d_model {cfg.d_model}, d_ff {cfg.d_ff}, '
+    f'  layers {layers}, d_model {cfg.d_model}, d_ff {cfg.d_ff or "0 (attention only)"}, '
     f'heads {cfg.num_heads} (kv {cfg.kv_heads}, head_dim {cfg.head_size}), vocab {cfg.vocab_size}',
     f'  positions {cfg.position} (max_length {cfg.max_length}), {cfg.norm_placement}-{cfg.norm} '
     f'eps {cfg.norm_eps:g}, activation {cfg.activation}, dropout {cfg.dropout_rate:g}',

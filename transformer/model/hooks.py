@@ -67,14 +67,16 @@ def hook_names(cfg: ModelConfig) -> list[str]:
   def block(prefix: str, layer: int, cross: bool) -> list[str]:
     b = f'{prefix}blocks.{layer}.'
     out = [b + 'hook_resid_pre', *(f'{b}attn.{h}' for h in _ATTN), b + 'hook_attn_out']
-    out.append(b + 'hook_resid_mid')
+    if cfg.d_ff or cross:  # attention-only: resid_post follows the attention (TransformerLens)
+      out.append(b + 'hook_resid_mid')
     if cross:
       out += [*(f'{b}cross_attn.{h}' for h in _ATTN), b + 'hook_cross_attn_out']
-    out.append(b + 'mlp.hook_pre')
-    if cfg.activation == 'swiglu':
-      out.append(b + 'mlp.hook_pre_linear')
-    out += [b + 'mlp.hook_post', b + 'hook_mlp_out', b + 'hook_resid_post']
-    return out
+    if cfg.d_ff:
+      out.append(b + 'mlp.hook_pre')
+      if cfg.activation == 'swiglu':
+        out.append(b + 'mlp.hook_pre_linear')
+      out += [b + 'mlp.hook_post', b + 'hook_mlp_out']
+    return out + [b + 'hook_resid_post']
 
   if cfg.family == 'encoder_decoder':
     for layer in range(cfg.num_layers):

@@ -237,7 +237,8 @@ class ShortConv(nn.Module):
 
 
 class Block(nn.Module):
-  """One Transformer layer: self attention, optional cross attention, feed-forward.
+  """One Transformer layer: self attention, optional cross attention, feed-forward (none when
+  `d_ff=0`: attention only).
 
   Each sub-layer is `x + dropout(f(norm(x)))` with pre-LN, or `norm(x + dropout(f(x)))` with
   post-LN (the paper). `scanned=True` returns `(x, None)` for `nn.scan`. With `cache_mode`, the
@@ -336,8 +337,9 @@ class Block(nn.Module):
         ),
         'cross_attention',
       )  # [B, T, D]
-    ffn = FeedForward(cfg, out_init, name='mlp')
-    x = sublayer(x, lambda h: ffn(h, self.deterministic), 'mlp')  # [B, T, D]
+    if cfg.d_ff:  # d_ff=0: an attention-only layer (Elhage et al. 2021), no MLP sub-layer
+      ffn = FeedForward(cfg, out_init, name='mlp')
+      x = sublayer(x, lambda h: ffn(h, self.deterministic), 'mlp')  # [B, T, D]
     x = sharding.constrain(x, ('batch', 'length', 'embed'))
     return (x, None) if self.scanned else x
 

@@ -173,7 +173,7 @@ def direct_logit_attribution(
   L = cfg.num_layers
   names = ['blocks.0.hook_resid_pre', 'ln_final.hook_scale']
   names += [f'blocks.{l_}.attn.hook_z' for l_ in range(L)]
-  names += [f'blocks.{l_}.hook_mlp_out' for l_ in range(L)]
+  names += [f'blocks.{l_}.hook_mlp_out' for l_ in range(L) if cfg.d_ff]
   logits, cache = hooks.run_jit(cfg, params, inputs, names=names)
   module = models.build(hooks.hook_config(cfg))
   D = cfg.d_model
@@ -199,7 +199,8 @@ def direct_logit_attribution(
     if 'bias' in attn:
       bias = np.broadcast_to(np.asarray(attn['bias'], np.float64), (z.shape[0], D))
       parts[f'blocks.{layer}.attn.bias'] = through(bias)
-    parts[f'blocks.{layer}.mlp'] = through(cache[f'blocks.{layer}.hook_mlp_out'][:, position])
+    if cfg.d_ff:
+      parts[f'blocks.{layer}.mlp'] = through(cache[f'blocks.{layer}.hook_mlp_out'][:, position])
   if 'bias' in norm:
     parts['ln_final.bias'] = np.full(z.shape[0], np.asarray(norm['bias'], np.float64) @ direction)
   parts['total'] = np.asarray(logits[:, position, good] - logits[:, position, bad], np.float64)
