@@ -324,6 +324,8 @@ def corruption_report(model: Any, clean: list[int], corrupt: list[int], labels, 
   ]
   for activation, xlabel in (('resid_pre', 'position'), ('attn_out', 'position'),
                              ('mlp_out', 'position'), ('z', 'head')):  # fmt: skip
+    if activation == 'mlp_out' and not cfg.d_ff:
+      continue  # attention only
     values = (patching(cfg, params, clean_in, corr_in, metric, activation) - corr_m) / span
     ticks = labels[0] if xlabel == 'position' else None
     file = _heatmap(values, os.path.join(out, f'patch_{activation}.png'),
