@@ -123,6 +123,8 @@ def get_config() -> ml_collections.ConfigDict:
   d.grammar_seed = 0  # grammar: fixes the Markov chain and its documents
   d.grammar_words = 256  # grammar: number of word types
   d.grammar_join = 1  # grammar: documents joined into one example (long rows; extrapolation)
+  d.grammar_successors = 0  # grammar: successors of each word (0: 2-6, the default chain)
+  d.grammar_repeat = 0.0  # grammar: probability that an example is followed by a copy of itself
   d.recall_pairs = 16  # recall: key-value pairs per example (at most 26 distinct keys)
   d.recall_gap = 64  # recall: filler tokens between the pairs and the queries
   d.recall_queries = 8  # recall: queried keys, each followed by its value (<= recall_pairs)
@@ -140,6 +142,9 @@ def get_config() -> ml_collections.ConfigDict:
   t.loss_chunk_size = 4096  # vocabulary rows per chunk of the fused loss
   t.log_every = 50  # steps between console/TensorBoard scalars
   t.head_entropy_every = 0  # steps between head attention-entropy scalars (TensorBoard); 0 = off
+  # Steps between induction telemetry (causal_lm): each head's induction and previous-token
+  # scores and the in-context loss, to metrics.jsonl and TensorBoard; 0 = off.
+  t.induction_every = 0
   t.eval_every = 500  # steps between evaluations (and at the end)
   t.eval_train_loss = True  # evaluation also scores as many training rows: train_loss beside it
   t.checkpoint_every = 500  # steps between checkpoints (and at the end)

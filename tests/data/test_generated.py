@@ -165,3 +165,31 @@ def test_grammar_join_makes_long_examples_of_consecutive_documents():
   assert joined_eval[1] == ' '.join(plain_eval[3:6])
   with pytest.raises(ValueError, match='grammar_join=0 must be >= 1'):
     grammar.generate(_cfg(task='grammar', grammar_join=0))
+
+
+def test_grammar_repeat_follows_examples_by_verbatim_copies():
+  plain_train, _, plain_info = grammar.generate(_cfg(task='grammar'))
+  train, evaluation, info = grammar.generate(_cfg(task='grammar', grammar_repeat=0.5))
+  copied = [t == f'{p} {p}' for t, p in zip(train, plain_train)]
+  assert all(c or t == p for c, t, p in zip(copied, train, plain_train))  # copy or untouched
+  assert 0.4 < np.mean(copied) < 0.6  # about half, drawn per example
+  words = lambda docs: sum(d.count(' ') + 1 for d in docs)
+  fresh = words(plain_train) / words(train)
+  assert info['entropy_per_word'] == pytest.approx(plain_info['entropy_per_word'] * fresh)
+  everything, _, _ = grammar.generate(_cfg(task='grammar', grammar_repeat=1.0))
+  assert everything == [f'{p} {p}' for p in plain_train]
+  assert grammar.generate(_cfg(task='grammar', grammar_repeat=0.5))[1] == evaluation  # seeded
+
+
+def test_grammar_successors_fixes_how_many_words_may_follow_each_word():
+  default = grammar.make_grammar(0)
+  assert grammar.make_grammar(0, successors=0).transitions.tolist() == default.transitions.tolist()
+  words = len(default.words)
+  for k in (1, 16, words):
+    g = grammar.make_grammar(0, successors=k)
+    follow = (g.transitions[:words, :words] > 0).sum(1)  # word -> word transitions
+    assert (follow == k).all()
+  rates = [grammar.make_grammar(0, successors=k).entropy_per_word() for k in (4, 32, 256)]
+  assert rates[0] < rates[1] < rates[2]  # closer to random words
+  with pytest.raises(ValueError, match='grammar_successors=300 is out of range'):
+    grammar.make_grammar(0, successors=300)

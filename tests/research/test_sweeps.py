@@ -24,7 +24,7 @@ def get_sweep(scale):
       'data.eval_batch_size': 4, 'data.num_train_examples': 64, 'data.num_eval_examples': 8,
       'train.steps': 2 * scale, 'train.log_every': 1, 'train.eval_every': 2,
       'train.checkpoint_every': 2, 'train.eval_decode_examples': 0, 'optim.warmup_steps': 1,
-      'train.head_entropy_every': 2,
+      'train.head_entropy_every': 2, 'train.induction_every': 2,
     },
     variants={'scaled': {}, 'unscaled': {'model.attention_scale': False}},
     metrics=['eval.loss', 'train.loss'],
@@ -102,6 +102,13 @@ def test_two_variant_sweep_writes_results_and_curves(finished):
   events = os.path.join(workdir, 'scaled', 'seed_0', 'tensorboard')
   data = b''.join(open(os.path.join(events, name), 'rb').read() for name in os.listdir(events))
   assert b'head_entropy/decoder/stack/layer_0/self_attention/head_1' in data
+  # So did the induction telemetry, also into the run's curve (train.induction_every).
+  assert b'telemetry/induction.layer_0.head_1' in data
+  probe = results_lib.read_curve(os.path.join(workdir, 'scaled', 'seed_0'))['induction']
+  assert [p['step'] for p in probe] == [1, 2]
+  assert all(0 <= p[f'{k}.layer_0.head_{h}'] <= 1 for p in probe for k in ('induction',
+             'previous_token') for h in (0, 1))  # fmt: skip
+  assert all(math.isfinite(p['induction.loss']) for p in probe)
   assert lines[0]['config']['model']['attention_scale'] is True
   assert lines[1]['config']['model']['attention_scale'] is False
 

@@ -21,6 +21,7 @@ _REFUSED = {
   'train.max_decode_length': [0],
   'train.loss_scale_period': [0],
   'train.head_entropy_every': [-1],
+  'train.induction_every': [-1, 2.5],
   'train.num_samples': [-1],
   'train.eval_decode_examples': [-3],
   'train.label_smoothing': [1.0, -0.1, float('nan')],
@@ -35,6 +36,8 @@ _REFUSED = {
   'data.num_train_examples': [0, -1],
   'data.num_eval_examples': [0],
   'data.grammar_join': [0],
+  'data.grammar_successors': [-1],
+  'data.grammar_repeat': [-0.1, 1.5, float('nan'), '0.5'],
   'data.vocab_size': [0, 6],
   'data.mlm_prob': [0.0, 1.5, float('nan')],
   'data.prepare_workers': [0, -1],
@@ -45,6 +48,8 @@ _ACCEPTED = {  # the smallest values that work
   'train.steps': 1,
   'train.eval_every': 1,
   'train.head_entropy_every': 0,
+  'train.induction_every': 0,
+  'data.grammar_repeat': 1.0,
   'train.num_samples': 0,
   'train.label_smoothing': 0.0,
   'data.batch_size': 1,
@@ -106,4 +111,13 @@ def test_the_context_is_set_once_and_a_conflict_is_one_error():
   with pytest.raises(ValueError, match='data.max_length=300 is longer than the context model'):
     knobs.check_config(config)
   config.model.family = 'encoder_decoder'  # which ignores data.max_length
+  knobs.check_config(config)
+
+
+def test_induction_telemetry_needs_a_causal_lm():
+  config = _with('train.induction_every', 5)
+  config.model.family = 'bidirectional_lm'
+  with pytest.raises(ValueError, match="induction_every=5 .* needs model.family='causal_lm'"):
+    knobs.check_config(config)
+  config.model.family = 'causal_lm'
   knobs.check_config(config)

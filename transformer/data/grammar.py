@@ -126,21 +126,26 @@ def _make_words(rng: np.random.Generator, count: int) -> list[str]:
   return list(words)
 
 
-def make_grammar(seed: int, num_words: int = 256) -> Grammar:
-  """A random sparse Markov chain over `num_words` word types, fixed by `seed`."""
+def make_grammar(seed: int, num_words: int = 256, successors: int = 0) -> Grammar:
+  """A random sparse Markov chain over `num_words` word types, fixed by `seed`. Each word has
+  2-6 successors, or exactly `successors` when > 0 (more: text closer to random words)."""
   if not 2 * _START_WORDS <= num_words <= 5000:
     raise ValueError(f'grammar_words={num_words} is out of range; use {2 * _START_WORDS}..5000')
+  if not 0 <= successors <= num_words:
+    raise ValueError(
+      f'grammar_successors={successors} is out of range; use 1..grammar_words={num_words}, or '
+      '0 for 2-6 per word'
+    )
   rng = np.random.default_rng(seed)
   words = _make_words(rng, num_words)
   n = num_words + 2
   period, end = num_words, num_words + 1
   p = np.zeros([n, n])
   for w in range(num_words):
-    successors = rng.choice(
-      num_words, size=rng.integers(*_SUCCESSORS, endpoint=True), replace=False
-    )
+    count = successors or rng.integers(*_SUCCESSORS, endpoint=True)
+    after = rng.choice(num_words, size=count, replace=False)
     sentence_end = rng.uniform(*_SENTENCE_END)
-    p[w, successors] = (1 - sentence_end) * rng.dirichlet(np.ones(len(successors)))
+    p[w, after] = (1 - sentence_end) * rng.dirichlet(np.ones(len(after)))
     p[w, period] = sentence_end
   starts = rng.choice(num_words, size=_START_WORDS, replace=False)
   start_probs = rng.dirichlet(np.ones(_START_WORDS))
@@ -150,18 +155,35 @@ def make_grammar(seed: int, num_words: int = 256) -> Grammar:
   return Grammar(words=tuple(words), transitions=p)
 
 
+def _repeat(examples: list[str], p: float, rng) -> tuple[list[str], float]:
+  """Each example, with probability p, followed by a space and a verbatim copy of itself; and
+  the share of words that are not copies."""
+  out, words, copied = [], 0, 0
+  for example, coin in zip(examples, rng.random(len(examples))):
+    n = example.count(' ') + 1
+    words += n
+    if coin < p:
+      example, words, copied = f'{example} {example}', words + n, copied + n
+    out.append(example)
+  return out, 1.0 - copied / max(words, 1)
+
+
 def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict]:
   """Train documents, eval documents and info for the `grammar` task.
 
   With `cfg.grammar_join` = J > 1, each example is J consecutive documents joined by spaces (long
   rows for length extrapolation); the joins drop J - 1 END symbols, so the entropy floor in
-  `info` is then a close approximation.
+  `info` is then a close approximation. With `cfg.grammar_repeat` = p > 0, each example is
+  followed by a copy of itself with probability p (text with repeated spans); the floor then
+  counts the copies' words as free, an approximation (where a copy starts is not known).
 
   Returns:
     (train, eval, info); info holds `entropy_per_word` and `unigram_entropy_per_word` in nats,
     and `train_words`, the number of words (incl. '.' and END) in the training documents.
   """
-  grammar = make_grammar(int(cfg.grammar_seed), int(cfg.grammar_words))
+  grammar = make_grammar(
+    int(cfg.grammar_seed), int(cfg.grammar_words), int(cfg.get('grammar_successors', 0))
+  )
   join = int(cfg.get('grammar_join', 1))
   if join < 1:
     raise ValueError(f'grammar_join={join} must be >= 1 (documents per example)')
@@ -174,8 +196,13 @@ def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict
   if join > 1:  # long examples: `join` documents in a row, separated by a space
     train = [' '.join(train[i : i + join]) for i in range(0, len(train), join)]
     evaluation = [' '.join(evaluation[i : i + join]) for i in range(0, len(evaluation), join)]
+  repeat = cfg.get('grammar_repeat', 0.0)
+  fresh = 1.0  # the share of words that are not copies
+  if repeat:  # text with repeated spans: an example followed by itself, as induction heads use
+    train, fresh = _repeat(train, repeat, np.random.default_rng([cfg.grammar_seed, 3]))
+    evaluation, _ = _repeat(evaluation, repeat, np.random.default_rng([cfg.grammar_seed, 4]))
   info = {
-    'entropy_per_word': grammar.entropy_per_word(),
+    'entropy_per_word': grammar.entropy_per_word() * fresh,
     'unigram_entropy_per_word': grammar.unigram_entropy_per_word(),
     'train_words': train_words,
   }

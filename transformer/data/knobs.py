@@ -19,6 +19,7 @@ MIN_INT = {
   'num_eval_examples': 1,
   'grammar_words': 1,
   'grammar_join': 1,
+  'grammar_successors': 0,
   'grammar_seed': 0,
   'vocab_size': 7,  # more than the 5 special ids + 1
   'prepare_workers': 1,
@@ -56,6 +57,7 @@ def check_data_config(cfg: Any) -> None:
       continue  # follows model.max_length (transformer.training.knobs.resolve_lengths)
     check_int('data', cfg, key, minimum)
   check_fraction('data', cfg, 'mlm_prob', low_open=True, high_open=False)
+  check_fraction('data', cfg, 'grammar_repeat', low_open=False, high_open=False)
   from transformer.data import stream, text_stream
 
   text_stream.check_config(cfg)

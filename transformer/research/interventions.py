@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.config import ModelConfig
-from transformer.model import hooks, models
+from transformer.model import hooks, models, probes
 
 Metric = Callable[[jax.Array], jax.Array]
 # The activations `patching` can patch, by position ([L, T] maps) or by head ([L, N] maps).
@@ -208,26 +208,8 @@ def direct_logit_attribution(
 
 
 # Head detectors on repeated random tokens -----------------------------------------------------
-def repeated_tokens(vocab_size: int, length: int, batch: int, seed: int = 0, low: int = 4):
-  """[B, 1 + 2 * length] int32: a bos (1), then `length` random tokens twice (ids >= low)."""
-  rng = np.random.default_rng(seed)
-  half = rng.integers(low, vocab_size, (batch, length))
-  return np.concatenate([np.ones((batch, 1), np.int64), half, half], axis=1).astype(np.int32)
-
-
-def detector_scores(patterns: np.ndarray, length: int) -> dict[str, np.ndarray]:
-  """Previous-token, duplicate-token and induction scores of every head from its patterns
-  [B, N, T, T] on `repeated_tokens` rows (T = 1 + 2 * length): the mean attention, over the
-  second copy's queries, to the previous token, to the same token's first occurrence, and to the
-  token after that occurrence. Each is in [0, 1]."""
-  p = np.asarray(patterns, np.float64)
-  queries = np.arange(1 + length, 1 + 2 * length)  # the second copy
-  at = lambda offset: p[:, :, queries, queries - offset].mean((0, 2))  # [N]
-  return {
-    'previous_token': at(1),
-    'duplicate_token': at(length),
-    'induction': at(length - 1),
-  }
+repeated_tokens = probes.repeated_tokens
+detector_scores = probes.detector_scores
 
 
 def head_detectors(
@@ -236,16 +218,7 @@ def head_detectors(
   """`detector_scores` of every layer ({kind: [L, N]}) and the induction loss: the mean loss on
   the second copy of `repeated_tokens` (low when the model copies from context), with the
   first copy's for comparison."""
-  tokens = repeated_tokens(cfg.vocab_size, length, batch, seed)
-  names = [f'blocks.{layer}.attn.hook_pattern' for layer in range(cfg.num_layers)]
-  logits, cache = hooks.run_jit(cfg, params, {'inputs': jnp.asarray(tokens)}, names=names)
-  scores = [detector_scores(cache[n], length) for n in names]
-  out = {k: np.stack([s[k] for s in scores]) for k in scores[0]}
-  logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)[:, :-1])  # predicts tokens[1:]
-  nll = -np.asarray(jnp.take_along_axis(logp, jnp.asarray(tokens)[:, 1:, None], -1))[..., 0]
-  out['induction_loss'] = float(nll[:, length:].mean())  # predicting the second copy
-  out['first_copy_loss'] = float(nll[:, 1:length].mean())
-  return out
+  return probes.induction_probe(cfg, params, repeated_tokens(cfg.vocab_size, length, batch, seed))
 
 
 # The report of a clean and a corrupted prompt (experiments.inspect --corrupt) -----------------

@@ -348,7 +348,10 @@ def generation(ctx, examples: int = 64, new_tokens: int = 24) -> dict[str, Any]:
     raise ValueError(
       f'generation needs data.task=grammar (the true grammar scores it), not {run.task.name!r}'
     )
-  grammar = data.make_grammar(int(ctx.config.data.grammar_seed), int(ctx.config.data.grammar_words))
+  d = ctx.config.data
+  grammar = data.make_grammar(
+    int(d.grammar_seed), int(d.grammar_words), int(d.get('grammar_successors', 0))
+  )
   tok, family = run.task.tokenizer, run.family
   pairs = run.task.eval_examples(examples)
   prompts = [[data.BOS_ID] + tok.encode(p)[: ctx.config.data.max_length // 2] for p, _ in pairs]

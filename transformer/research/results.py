@@ -27,9 +27,9 @@ def config_dict(config: ml_collections.ConfigDict) -> dict:
 
 
 def read_curve(workdir: str) -> dict[str, list[dict]]:
-  """{'train': [...], 'eval': [...], 'event': [...]} from the run's metrics.jsonl (resumes
-  included, once each)."""
-  curve = {'train': [], 'eval': [], 'event': []}
+  """{'train': [...], 'eval': [...], 'event': [...], 'induction': [...]} from the run's
+  metrics.jsonl (resumes included, once each)."""
+  curve = {'train': [], 'eval': [], 'event': [], 'induction': []}
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):
     return curve

@@ -17,6 +17,7 @@ MIN_INT = {
   'loss_chunk_size': 1,
   'log_every': 1,
   'head_entropy_every': 0,  # 0 = off
+  'induction_every': 0,  # 0 = off
   'eval_every': 1,
   'checkpoint_every': 1,
   'keep_checkpoints': 1,
@@ -69,5 +70,10 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f'train.loss_scale={scale!r} must be a finite number > 0')
   if scale <= 0:
     raise ValueError(f'train.loss_scale={scale!r} must be a finite number > 0')
+  if tcfg.get('induction_every', 0) and config.model.get('family') != 'causal_lm':
+    raise ValueError(
+      f'train.induction_every={tcfg.induction_every} probes next-token heads; it needs '
+      f"model.family='causal_lm', not {config.model.get('family')!r}"
+    )
   faults.check_config(tcfg)
   check_data_config(config.data)

@@ -19,7 +19,7 @@ import numpy as np
 
 from transformer import data, util
 from transformer.config import ModelConfig
-from transformer.model import models
+from transformer.model import models, probes
 from transformer.model.capture import capture, entropy_by_layer
 from transformer.training import checkpoint, events, faults, knobs, peers
 from transformer.training.faults import (  # noqa: F401 - the loop's outcomes
@@ -356,6 +356,10 @@ class _Loop:
     if entropy_every and step % entropy_every == 0:  # attention entropy per head, on this batch
       inputs = model_inputs(self.run.family, host_batch)
       log_head_entropy(self.writer, self.run.model_cfg, state.params, inputs, step)
+    induction_every = tcfg.get('induction_every', 0)
+    if induction_every and (step % induction_every == 0 or step == 1):
+      log_induction(self.writer, self.metrics_log, self.run.model_cfg, state.params, host_batch,
+                    step)  # fmt: skip
     if step % tcfg.eval_every == 0 or last:
       self.progress.close()
       self.eval_metrics, samples = self.run.evaluate(state.params)
@@ -460,6 +464,39 @@ def _report_eval(writer, step: int, metrics: dict, samples: list[tuple]) -> None
   if writer is not None and samples:
     text = '\n\n'.join(f'source: {s}  \nreference: {r}  \noutput: {o}' for s, r, o in samples)
     writer.text('eval/samples', text, step)
+
+
+def log_induction(writer, log, cfg: ModelConfig, params: Any, batch: dict, step: int, rows=16):
+  """Induction telemetry: every head's previous-token, duplicate-token and induction score on
+  repeated random tokens drawn from the ids of the batch just trained on (`probes`), the loss on
+  their second copy against the first, and the batch's in-context loss (last quarter of each
+  document against its first). To metrics.jsonl (kind 'induction') and TensorBoard; process 0
+  of a single-process run only, as `log_head_entropy`."""
+  if jax.process_count() > 1:
+    return
+  batch = {k: np.asarray(v)[:rows] for k, v in batch.items() if v is not None}
+  inputs = model_inputs('causal_lm', batch)
+  pool = np.unique(batch['inputs'][batch['weights'] > 0])
+  pool = pool[pool >= 4]  # the special ids (padding, bos, eos, unknown) are not drawn
+  if len(pool) < 2:
+    return
+  length = max(2, min(25, (cfg.max_length - 1) // 2))
+  probe = probes.induction_probe(cfg, params, probes.repeated_tokens(0, length, 8, seed=step,
+                                                                     pool=pool))  # fmt: skip
+  values = {
+    'induction.max': float(probe['induction'].max()),
+    'previous_token.max': float(probe['previous_token'].max()),
+    'induction.loss': probe['induction_loss'],
+    'induction.first_copy_loss': probe['first_copy_loss'],
+    **{f'induction.{k}': v for k, v in probes.in_context_loss(
+      cfg, params, inputs, batch['targets'], batch['weights']).items()},
+  }  # fmt: skip
+  for kind in ('induction', 'previous_token'):
+    for layer, heads in enumerate(probe[kind]):
+      for head, value in enumerate(heads):
+        values[f'{kind}.layer_{layer}.head_{head}'] = float(value)
+  log.write(step, 'induction', values)
+  _write_scalars(writer, step, values, prefix='telemetry/')
 
 
 def log_head_entropy(writer, cfg: ModelConfig, params: Any, inputs: dict, step: int, rows=4):
