@@ -22,7 +22,7 @@ import json
 from absl import flags
 
 from experiments import cli
-from transformer.research import timing
+from transformer.bench import timing
 
 # 'compressed' is not a softmax kernel but hierarchical compression attention (its own block plus
 # mean-pooled blocks, model.attention='compressed') at a block near sqrt(T): other numbers, another

@@ -29,7 +29,7 @@ import numpy as np
 from absl import flags
 
 from experiments import cli
-from transformer.research import timing
+from transformer.bench import timing
 
 _CONFIG = cli.define_config('configs/gpt_bench.py')
 _STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps (after 2 warm-up steps), per round.')
@@ -59,8 +59,8 @@ def _timed_block(step, steps: int) -> tuple[list[float], float]:
 def main():
   import jax
 
+  from transformer.bench import torch_reference
   from transformer.model import models
-  from transformer.research import measures, torch_reference
   from transformer.training.run import Run
 
   config = _CONFIG.value
@@ -76,7 +76,7 @@ def main():
   length = (
     config.data.max_length if cfg.family != 'encoder_decoder' else config.data.max_target_length
   )
-  host_batch = measures.synthetic_batch(cfg, batch_size, length)
+  host_batch = timing.synthetic_batch(cfg, batch_size, length)
   batch = run.place(host_batch)
   state = run.init_state()
   key = run.replicate(jax.random.PRNGKey(1))

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from transformer import data
-from transformer.config import ModelConfig
 from transformer.research import measures
 
 
@@ -43,15 +42,6 @@ def test_gold_token_alignment_with_bytes():
   assert gold[0].tolist() == [True, False, False]  # 'o' of 'one' <- the hundreds digit
   assert not gold[3].any()  # the space belongs to no word
   assert gold[-1].tolist() == [False, False, True]  # 'e' of 'five' <- the ones digit
-
-
-@pytest.mark.parametrize('family', ['encoder_decoder', 'causal_lm', 'bidirectional_lm'])
-def test_synthetic_batch_has_the_family_inputs(family):
-  cfg = ModelConfig(family=family, vocab_size=50, d_model=16, num_heads=2, d_ff=32, num_layers=1)
-  batch = measures.synthetic_batch(cfg, 4, 12)
-  assert {'targets', 'weights', 'inputs'} <= set(batch)
-  assert all(v.shape == (4, 12) for v in batch.values())
-  assert batch['inputs'].min() >= 5 and batch['inputs'].max() < 50
 
 
 def test_entropy_summary_separates_heads_from_layers():

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from transformer.research import timing
+from transformer.bench import timing
 
 IMPLEMENTATIONS = ('xla', 'chunked', 'cudnn', 'pallas_triton', 'pallas_mosaic')
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 tensor-core FLOP/s
@@ -201,13 +201,12 @@ def train_speed(name: str, smoke: bool, steps: int, matmul: float) -> dict:
   import jax
 
   from transformer.model import models
-  from transformer.research import measures
   from transformer.training.run import Run
 
   config = _train_config(name, smoke)
   run = Run(config, None, with_data=False)
   cfg, B, T = run.model_cfg, config.data.batch_size, config.data.max_length
-  batch = run.place(measures.synthetic_batch(cfg, B, T))
+  batch = run.place(timing.synthetic_batch(cfg, B, T))
   state, key = run.init_state(), run.replicate(jax.random.PRNGKey(1))
   for _ in range(2):  # compile and warm up
     state, metrics = run.train_step(state, batch, key)
@@ -357,7 +356,7 @@ def built_kernels(dump_dir: str) -> list[dict]:
   holds SETMAXNREG (register reallocation that reached the binary)."""
   import glob
 
-  from transformer.research import ptxas
+  from transformer.bench import ptxas
 
   rows = []
   for k in ptxas.mosaic_kernels(dump_dir):

@@ -20,7 +20,7 @@ import tempfile
 import time
 import traceback
 
-from transformer.research import ptxas
+from transformer.bench import ptxas
 
 GiB = 2**30
 # Set before jax is imported: CUDA is the compile target only, the backend stays the CPU; ptxas
@@ -300,7 +300,7 @@ def compile_step(preset: str, mesh_name: str, implementation: str, gpu: Gpu, dum
   """The preset's jitted train step (`transformer.training.run.Run`) compiled for `gpu` x N."""
   import jax
 
-  from transformer.research import measures
+  from transformer.bench import timing
   from transformer.training.run import Run
 
   config = load_preset(preset, implementation)
@@ -325,7 +325,7 @@ def compile_step(preset: str, mesh_name: str, implementation: str, gpu: Gpu, dum
       run = Run(config, None, list(mesh.devices.flat), with_data=False)
   except ValueError as error:
     return result | {'ok': False, 'error': f'ValueError: {error}'[:400]}
-  host = measures.synthetic_batch(run.model_cfg, config.data.batch_size, config.data.max_length)
+  host = timing.synthetic_batch(run.model_cfg, config.data.batch_size, config.data.max_length)
   batch_sharding = run.partitioner.batch_sharding()
   batch = {
     k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding) for k, v in host.items()

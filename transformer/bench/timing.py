@@ -1,5 +1,6 @@
 """Timing on any backend: synchronised medians, the dense-matmul FLOP/s that MFU is measured
-against, and the cost of one attention configuration. The benchmarks and the sweeps share these."""
+against, the cost of one attention configuration, and a batch of random tokens to time a training
+step on. The benchmarks and the sweeps share these."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import math
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from transformer.model.attention import MaskSpec, dot_product_attention
+from transformer.training.state import model_inputs
 
 NUM_HEADS = 8  # the attention benchmarks' heads
 # The 'pallas' implementation with its GPU kernel pinned (benchmarks report both side by side).
@@ -107,3 +111,26 @@ def measure(
     row[f'{name}_temp_mib'] = None if memory is None else memory.temp_size_in_bytes / 2**20
     row[f'{name}_ms'] = 1e3 * median_seconds(compiled, args, repeats)
   return row
+
+
+def synthetic_batch(cfg, batch_size: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
+  """A full training batch of random tokens for `cfg`'s family: [batch_size, length] arrays."""
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(5, cfg.vocab_size, size=(batch_size, length + 1)).astype(np.int32)
+  ones = np.ones((batch_size, length), np.int32)
+  positions = np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length))
+  batch = {
+    'inputs': tokens[:, :-1],
+    'targets': tokens[:, 1:],
+    'decoder_inputs': tokens[:, :-1],
+    'segments': ones,
+    'inputs_segments': ones,
+    'targets_segments': ones,
+    'positions': positions,
+    'inputs_positions': positions,
+    'targets_positions': positions,
+    'token_types': np.zeros_like(ones),
+    'weights': np.ones((batch_size, length), np.float32),
+  }
+  needed = model_inputs(cfg.family, batch).keys() | {'targets', 'weights'}
+  return {k: v for k, v in batch.items() if k in needed}

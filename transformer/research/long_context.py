@@ -13,9 +13,8 @@ import jax
 import ml_collections
 import numpy as np
 
+from transformer.bench import timing
 from transformer.data import recall
-from transformer.research import timing
-from transformer.research.measures import synthetic_batch
 from transformer.training.run import Run
 from transformer.training.state import model_inputs
 
@@ -68,7 +67,7 @@ def step_cost(config: ml_collections.ConfigDict, length: int, steps: int = 3) ->
   if config.model.get('attention') == 'compressed':  # the block of least cost at this length
     config.model.compress_block = timing.compress_block(length)
   run = Run(config, None, with_data=False)
-  batch = run.place(synthetic_batch(run.model_cfg, 1, length))
+  batch = run.place(timing.synthetic_batch(run.model_cfg, 1, length))
   state, key = run.init_state(), run.replicate(jax.random.PRNGKey(1))
   compiled = run.train_step.lower(state, batch, key).compile()
   times = []

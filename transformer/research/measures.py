@@ -19,6 +19,7 @@ import ml_collections
 import numpy as np
 
 from transformer import data
+from transformer.bench.timing import synthetic_batch
 from transformer.data import number_words as numbers_lib
 from transformer.model import capture as capture_lib
 from transformer.model import models, objectives
@@ -123,29 +124,6 @@ def extrapolation(ctx, factors=(1, 2, 4, 8), examples: int = 32) -> dict[str, fl
 
 
 # Step time and compiled memory (remat) ---------------------------------------------------------
-def synthetic_batch(cfg, batch_size: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
-  """A full training batch of random tokens for `cfg`'s family: [batch_size, length] arrays."""
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(5, cfg.vocab_size, size=(batch_size, length + 1)).astype(np.int32)
-  ones = np.ones((batch_size, length), np.int32)
-  positions = np.broadcast_to(np.arange(length, dtype=np.int32), (batch_size, length))
-  batch = {
-    'inputs': tokens[:, :-1],
-    'targets': tokens[:, 1:],
-    'decoder_inputs': tokens[:, :-1],
-    'segments': ones,
-    'inputs_segments': ones,
-    'targets_segments': ones,
-    'positions': positions,
-    'inputs_positions': positions,
-    'targets_positions': positions,
-    'token_types': np.zeros_like(ones),
-    'weights': np.ones((batch_size, length), np.float32),
-  }
-  needed = model_inputs(cfg.family, batch).keys() | {'targets', 'weights'}
-  return {k: v for k, v in batch.items() if k in needed}
-
-
 def step_time_memory(ctx, steps: int = 5) -> dict[str, float]:
   """Median time of a training step (after 2 warm-up steps) and XLA's compiled memory for it, on
   random tokens at the config's batch size and length. No training data, no checkpoint."""
