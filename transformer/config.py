@@ -63,6 +63,7 @@ class ModelConfig:
     'post'  # 'post' (paper, norm after the residual add) or 'pre' (+ final norm)
   )
   embedding_norm: bool = False  # a norm right after the embeddings (BERT)
+  residual: bool = True  # residual connections around each sub-layer; False ablates them
   activation: str = 'relu'  # one of ACTIVATIONS
   use_bias: bool = True  # biases in the attention and feed-forward projections
   norm_bias: bool = True  # LayerNorm's bias; False as nanoGPT's bias=False (RMSNorm has none)

@@ -338,11 +338,11 @@ def test_norm_bias_false_drops_every_layernorm_bias_and_matches_a_numpy_referenc
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('layers', [1, 2])
-def test_attention_only_layers_have_no_mlp_and_match_a_numpy_reference(layers):
+@pytest.mark.parametrize('layers,residual', [(1, True), (2, True), (2, False)])
+def test_attention_only_layers_have_no_mlp_and_match_a_numpy_reference(layers, residual):
   cfg = tiny('causal_lm', d_ff=0, num_layers=layers, d_model=12, num_heads=3, vocab_size=23,
              position='learned', use_bias=False, norm_bias=False, scale_embeddings=False,
-             norm_placement='pre')  # fmt: skip
+             norm_placement='pre', residual=residual)  # fmt: skip
   model, params = init(cfg, seed=layers)
   rng = np.random.default_rng(layers)
   params = jax.tree.map(lambda p: jnp.asarray(0.5 * rng.standard_normal(p.shape), p.dtype), params)
@@ -369,8 +369,35 @@ def test_attention_only_layers_have_no_mlp_and_match_a_numpy_reference(layers):
     scores = np.where(causal, q @ k.transpose(0, 1, 3, 2) / np.sqrt(4), -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     z = (probs / probs.sum(-1, keepdims=True)) @ v  # [B, N, T, H]
-    h = h + np.einsum('bnth,nhd->btd', z, a['out']['kernel'])  # no MLP: straight to the next
+    out = np.einsum('bnth,nhd->btd', z, a['out']['kernel'])  # no MLP: straight to the next
+    h = h + out if residual else out  # residual=False: the skip connection is ablated
   want = ln(h, s64['final_norm']['scale']) @ emb.T  # the tied head
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   flops = models.flops_per_token(cfg, 7)
   assert flops['matmul_params'] == layers * 4 * 12 * 12 + 23 * 12  # Q, K, V, O and the head
+
+
+@pytest.mark.parametrize('placement', ['pre', 'post'])
+def test_without_residuals_a_block_outputs_its_last_sublayer_alone(placement):
+  from transformer.model import hooks
+
+  cfg = tiny('causal_lm', residual=False, norm_placement=placement, num_layers=2)
+  _, params = init(cfg)
+  x = tokens(np.random.default_rng(5), (2, 6))
+  _, cache = hooks.run(cfg, params, {'inputs': x}, names=None)
+  for layer in range(2):
+    b = f'blocks.{layer}.'
+    post, mlp = np.asarray(cache[b + 'hook_resid_post']), np.asarray(cache[b + 'hook_mlp_out'])
+    if placement == 'pre':  # no skip: the block's output is the MLP's output
+      np.testing.assert_allclose(post, mlp, rtol=1e-6, atol=1e-6)
+      np.testing.assert_allclose(cache[b + 'hook_resid_mid'], cache[b + 'hook_attn_out'],
+                                 rtol=1e-6, atol=1e-6)  # fmt: skip
+    else:  # post-LN: the norm of the MLP's output alone
+      centred = mlp - mlp.mean(-1, keepdims=True)
+      want = centred / np.sqrt((centred**2).mean(-1, keepdims=True) + cfg.norm_eps)
+      scale = np.asarray(params['decoder']['stack'][f'layer_{layer}']['mlp_norm']['scale'])
+      bias = np.asarray(params['decoder']['stack'][f'layer_{layer}']['mlp_norm']['bias'])
+      np.testing.assert_allclose(post, want * scale + bias, rtol=1e-4, atol=1e-4)
+  plain, _ = hooks.run(cfg, params, {'inputs': x})
+  with_skip, _ = init(cfg.replace(residual=True))
+  assert not np.allclose(with_skip.apply({'params': params}, x), plain, atol=1e-3)  # it matters

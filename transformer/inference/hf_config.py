@@ -159,7 +159,7 @@ ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}  # HF r
 _LOGIT_KEYS = tuple(
   (
     'family vocab_size d_model num_heads kv_heads head_size d_ff num_layers max_length position '
-    'norm norm_eps norm_placement embedding_norm activation use_bias qkv_bias qk_norm '
+    'norm norm_eps norm_placement embedding_norm residual activation use_bias qkv_bias qk_norm '
     'scale_embeddings attention_scale type_vocab_size num_classes output_head window rope_theta '
     'rope_scaling rope_scaling_factor attention short_conv'
   ).split()

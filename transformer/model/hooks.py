@@ -210,7 +210,7 @@ def _interceptor(cfg: ModelConfig, state: _State):
       y = state.see(out_name, y)
       if name == 'self_attention' and cfg.norm_placement == 'pre':
         # hook_resid_mid = resid_pre + attn_out: a hook on it replaces attn_out by the difference
-        x = state.resid_pre[prefix]
+        x = state.resid_pre[prefix] if cfg.residual else jnp.zeros_like(y)
         mid_name = prefix + 'hook_resid_mid'
         if mid_name in state.hooks:
           y = state.hooks[mid_name](x + y, mid_name) - x

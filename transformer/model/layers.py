@@ -269,9 +269,11 @@ class Block(nn.Module):
     def sublayer(x, fn, name):  # [B, T, D] -> [B, T, D]
       # Pre-LN leaves the residual path un-normalised (stable deep stacks, needs a final norm);
       # post-LN normalises the sum, as in the 2017 paper.
+      # residual=False ablates the skip connection: the sub-layer's output replaces x.
+      skip = x if cfg.residual else 0
       if cfg.norm_placement == 'pre':
-        return x + drop(fn(make_norm(cfg, f'{name}_norm')(x)), deterministic=self.deterministic)
-      y = x + drop(fn(x), deterministic=self.deterministic)
+        return skip + drop(fn(make_norm(cfg, f'{name}_norm')(x)), deterministic=self.deterministic)
+      y = skip + drop(fn(x), deterministic=self.deterministic)
       return make_norm(cfg, f'{name}_norm')(y)
 
     def attention(name, rope_alibi):

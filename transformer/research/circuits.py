@@ -37,11 +37,11 @@ SOURCES = ('tokens', 'positions')
 
 def check(cfg: ModelConfig) -> None:
   """One ValueError when the circuits do not describe `cfg`'s model."""
-  if cfg.family != 'causal_lm' or cfg.d_ff or cfg.norm_placement != 'pre':
+  if cfg.family != 'causal_lm' or cfg.d_ff or cfg.norm_placement != 'pre' or not cfg.residual:
     raise ValueError(
       'QK and OV circuits are defined here for attention-only pre-LN causal_lm models '
-      f'(model.d_ff=0); this one has family={cfg.family!r}, d_ff={cfg.d_ff}, '
-      f'norm_placement={cfg.norm_placement!r}'
+      f'(model.d_ff=0) with residual connections; this one has family={cfg.family!r}, '
+      f'd_ff={cfg.d_ff}, norm_placement={cfg.norm_placement!r}, residual={cfg.residual}'
     )
   if cfg.position == 'rope' or cfg.qk_norm or cfg.attention != 'softmax' or cfg.short_conv:
     raise ValueError(

@@ -165,10 +165,10 @@ def direct_logit_attribution(
   residual stream: the embeddings, every head, each attention's output bias, every MLP, and the
   final norm's bias. Each part goes through the final norm with its cached scale (centred for a
   LayerNorm) and the unembedding, so the parts sum to the logit difference. {part: [B]}."""
-  if cfg.family != 'causal_lm' or cfg.norm_placement != 'pre':
+  if cfg.family != 'causal_lm' or cfg.norm_placement != 'pre' or not cfg.residual:
     raise ValueError(
       'direct_logit_attribution splits the residual stream of a pre-LN causal_lm model; this one '
-      f'is family={cfg.family!r}, norm_placement={cfg.norm_placement!r}'
+      f'is family={cfg.family!r}, norm_placement={cfg.norm_placement!r}, residual={cfg.residual}'
     )
   L = cfg.num_layers
   names = ['blocks.0.hook_resid_pre', 'ln_final.hook_scale']
