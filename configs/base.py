@@ -124,6 +124,10 @@ def get_config() -> ml_collections.ConfigDict:
   d.grammar_words = 256  # grammar: number of word types
   d.grammar_join = 1  # grammar: documents joined into one example (long rows; extrapolation)
   d.grammar_successors = 0  # grammar: successors of each word (0: 2-6, the default chain)
+  # Share of the training examples drawn, over and over, from a subset of repeat_subset examples
+  # (repeated data, Hernandez et al. 2022); in [0, 1), 0 = off. Generated and text tasks only.
+  d.repeat_fraction = 0.0
+  d.repeat_subset = 100
   d.grammar_repeat = 0.0  # grammar: probability that an example is followed by a copy of itself
   d.recall_pairs = 16  # recall: key-value pairs per example (at most 26 distinct keys)
   d.recall_gap = 64  # recall: filler tokens between the pairs and the queries

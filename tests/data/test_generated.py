@@ -193,3 +193,29 @@ def test_grammar_successors_fixes_how_many_words_may_follow_each_word():
   assert rates[0] < rates[1] < rates[2]  # closer to random words
   with pytest.raises(ValueError, match='grammar_successors=300 is out of range'):
     grammar.make_grammar(0, successors=300)
+
+
+def test_repeat_subset_draws_a_fraction_from_a_few_examples_seen_many_times():
+  from transformer.data.tasks import repeat_subset
+
+  train = [f'doc {i}' for i in range(1000)]
+  out, info = repeat_subset(train, 0.3, 10)
+  assert len(out) == 1000
+  pool = set(train[-10:])
+  drawn = [x for x in out if x in pool]
+  assert len(drawn) == 300 and all(drawn.count(x) == 30 for x in pool)
+  fresh = [x for x in out if x not in pool]
+  assert len(set(fresh)) == len(fresh) == 700  # the rest are distinct, never repeated
+  assert info == {'repeat_fraction': 0.3, 'repeat_epochs': 30.0}
+  assert out != sorted(out, key=train.index)  # shuffled, not a block at the end
+  assert repeat_subset(train, 0.3, 10) == (out, info)  # the same every time
+  with pytest.raises(ValueError, match='repeat_subset=1000 must be at least 1 and fewer than'):
+    repeat_subset(train, 0.3, 1000)
+
+
+def test_repeated_data_reaches_a_built_task_and_streamed_tasks_refuse_it():
+  task = data.build(_cfg(task='grammar', repeat_fraction=0.5, repeat_subset=20),
+                    family='causal_lm', workdir=None, seed=0)  # fmt: skip
+  assert task.info['repeat_epochs'] == pytest.approx(0.5 * 3000 / 20)
+  with pytest.raises(ValueError, match="repeat_fraction=0.5 repeats examples .* task='tfds'"):
+    data.build(_cfg(task='tfds', repeat_fraction=0.5), family='causal_lm', workdir=None, seed=0)

@@ -37,6 +37,8 @@ _REFUSED = {
   'data.num_eval_examples': [0],
   'data.grammar_join': [0],
   'data.grammar_successors': [-1],
+  'data.repeat_fraction': [1.0, -0.1, float('nan')],
+  'data.repeat_subset': [0],
   'data.grammar_repeat': [-0.1, 1.5, float('nan'), '0.5'],
   'data.vocab_size': [0, 6],
   'data.mlm_prob': [0.0, 1.5, float('nan')],

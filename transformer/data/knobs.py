@@ -20,6 +20,7 @@ MIN_INT = {
   'grammar_words': 1,
   'grammar_join': 1,
   'grammar_successors': 0,
+  'repeat_subset': 1,
   'grammar_seed': 0,
   'vocab_size': 7,  # more than the 5 special ids + 1
   'prepare_workers': 1,
@@ -58,6 +59,7 @@ def check_data_config(cfg: Any) -> None:
     check_int('data', cfg, key, minimum)
   check_fraction('data', cfg, 'mlm_prob', low_open=True, high_open=False)
   check_fraction('data', cfg, 'grammar_repeat', low_open=False, high_open=False)
+  check_fraction('data', cfg, 'repeat_fraction', low_open=False, high_open=True)
   from transformer.data import stream, text_stream
 
   text_stream.check_config(cfg)

@@ -140,6 +140,25 @@ def prompt_prefix(data_cfg, family: str, tokenizer: Tokenizer) -> list[int] | No
   return None
 
 
+def repeat_subset(train: list, fraction: float, subset: int, seed: int = 0) -> tuple[list, dict]:
+  """The training examples with `fraction` of them drawn from a small repeated subset (Hernandez
+  et al. 2022): the last `subset` examples are set aside, round(fraction * n) slots cycle through
+  them, and the other slots keep distinct fresh examples; the order is shuffled by `seed`. Same
+  number of examples n as before. Returns (examples, info) with `repeat_epochs`, how many times
+  each repeated example is seen per pass."""
+  n = len(train)
+  if not 1 <= subset < n:
+    raise ValueError(
+      f'data.repeat_subset={subset} must be at least 1 and fewer than the {n} training examples'
+    )
+  repeated = round(fraction * n)
+  pool, fresh = train[n - subset :], train[: min(n - repeated, n - subset)]
+  examples = fresh + [pool[i % subset] for i in range(n - len(fresh))]
+  order = np.random.default_rng([seed, 7]).permutation(len(examples))
+  info = {'repeat_fraction': (n - len(fresh)) / n, 'repeat_epochs': (n - len(fresh)) / subset}
+  return [examples[i] for i in order], info
+
+
 def _raw_data(cfg, family: str) -> tuple[str, Iterable, list, dict]:
   """(kind, train examples, eval examples, info); kind 'pairs' or 'text'."""
   task = cfg.task
@@ -385,6 +404,14 @@ def build(
   if cfg.get('bad_lines', 'error') not in sources.BAD_LINES:
     raise ValueError(f'bad_lines={cfg.bad_lines!r} is not valid; choose one of {sources.BAD_LINES}')
   shard = dict(process_index=process_index, process_count=process_count)
+  streamed = cfg.task in ('corpus', 'tfds') or (
+    cfg.task == 'text' and family != 'encoder_decoder' and cfg.get('text_format') == 'stream'
+  )
+  if cfg.get('repeat_fraction', 0.0) and streamed:
+    raise ValueError(
+      f'data.repeat_fraction={cfg.repeat_fraction} repeats examples of a training set held in '
+      f"memory; task={cfg.task!r} streams it. Use a built-in task, 'text' (lines) or 'tsv'"
+    )
   if cfg.task == 'corpus':
     if cfg.tokenizer == 'char':
       raise ValueError(
@@ -415,6 +442,11 @@ def build(
       raise ValueError(f'{key}={cfg[key]} must be >= 2 (room for a token and eos)')
 
   kind, train_raw, eval_raw, task_info = _raw_data(cfg, family)
+  if cfg.get('repeat_fraction', 0.0):
+    train_raw, repeated = repeat_subset(
+      train_raw, cfg.repeat_fraction, int(cfg.get('repeat_subset', 100))
+    )
+    task_info = {**task_info, **repeated}
   if kind == 'text' and family == 'encoder_decoder':
     raise ValueError(
       f"family='encoder_decoder' needs (source, target) pairs but task={cfg.task!r} gives single "
