@@ -37,6 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.norm_eps = 1e-6  # epsilon inside the norm
   m.norm_placement = 'post'  # post (paper) | pre (adds a final norm)
   m.embedding_norm = False  # a norm right after the embeddings (BERT)
+  m.residual = True  # residual connections around each sub-layer; False ablates them
   m.activation = 'relu'  # relu | gelu | gelu_tanh | swiglu
   m.use_bias = True  # biases in attention and feed-forward projections
   m.norm_bias = True  # LayerNorm's bias (False: nanoGPT's bias=False, OLMo); RMSNorm has none
