@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
   m.attention_impl = ml_collections.FieldReference(None, field_type=str)  # xla|chunked|pallas|cudnn
   m.attention_chunk_size = 128  # key block of the 'chunked' implementation
   m.window = ml_collections.FieldReference(None, field_type=tuple)  # sliding window (left, right)
-  m.init = 'scaled'  # scaled (residual outputs / sqrt(2 * layers)) | plain
+  m.init = 'scaled'  # scaled (residual outputs / sqrt(2 * layers)) | plain | large (x sqrt(2L))
   m.init_distribution = 'xavier'  # xavier | normal
   m.init_std = 0.02  # std of 'normal' weights and of unscaled embeddings
   m.type_vocab_size = 0  # token types (BERT: 2)

@@ -28,7 +28,7 @@ ATTENTION_IMPLEMENTATIONS = [None, 'xla', 'chunked', 'pallas', 'cudnn']
 # the attention itself; the implementations above are softmax's
 ATTENTIONS = ('softmax', 'linear', 'compressed')
 LINEAR_FEATURE_MAPS = ('elu', 'relu', 'softplus')  # phi of linear attention (elu = elu(x) + 1)
-INITS = ('scaled', 'plain')
+INITS = ('scaled', 'plain', 'large')
 INIT_DISTRIBUTIONS = ('xavier', 'normal')
 REMAT_POLICIES = ('none', 'full', 'save_matmuls')
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
@@ -83,7 +83,8 @@ class ModelConfig:
   attention_impl: str | None = None  # one of ATTENTION_IMPLEMENTATIONS; None = pick for the backend
   attention_chunk_size: int = 128  # key block of the 'chunked' path
   window: tuple[int, int] | None = None  # self-attention sliding window (left, right)
-  init: str = 'scaled'  # 'scaled' shrinks residual-branch outputs by 1/sqrt(2*layers); 'plain'
+  init: str = 'scaled'  # 'scaled' shrinks residual-branch outputs by 1/sqrt(2*layers); 'plain';
+  # 'large' grows them by sqrt(2*layers), the deliberate opposite (an ablation)
   init_distribution: str = 'xavier'  # weight init: 'xavier' uniform or 'normal' with init_std
   init_std: float = 0.02  # std of 'normal' weights and of unscaled embeddings
   type_vocab_size: int = 0  # BidirectionalLM token types (BERT: 2)

@@ -276,6 +276,11 @@ def test_scaled_init_shrinks_residual_outputs():
     layer(plain)['self_attention']['query']['kernel']
   )
   np.testing.assert_allclose(q_ratio, 1.0, rtol=1e-6)
+  _, large = init(cfg.replace(init='large'))  # the deliberate opposite: sqrt(16) larger
+  ratio_large = np.std(layer(large)['mlp']['wo']['kernel']) / np.std(
+    layer(plain)['mlp']['wo']['kernel']
+  )
+  np.testing.assert_allclose(ratio_large, np.sqrt(16), rtol=1e-5)
 
 
 # Bad configurations: one clear error each ----------------------------------------------------

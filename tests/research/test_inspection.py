@@ -115,6 +115,7 @@ def test_head_entropy_bounds():
   [
     {},
     {'init': 'plain'},
+    {'init': 'large'},
     {'init_distribution': 'normal', 'init_std': 0.05},
     {'family': 'encoder_decoder'},
   ],
@@ -139,7 +140,7 @@ def test_initial_weights_have_the_intended_std(changes):
   out = next(r for r in rows if r['name'].endswith('layer_0/self_attention/out/kernel'))
   wi = next(r for r in rows if r['name'].endswith('layer_0/mlp/wi/kernel'))
   if cfg.init_distribution == 'xavier':
-    factor = 1.0 if cfg.init == 'plain' else 1 / math.sqrt(2 * 4)
+    factor = {'plain': 1.0, 'scaled': 1 / math.sqrt(2 * 4), 'large': math.sqrt(2 * 4)}[cfg.init]
     assert out['intended_std'] == pytest.approx(math.sqrt(2 / (128 + 128)) * factor)
     assert wi['intended_std'] == pytest.approx(math.sqrt(2 / (128 + 512)))
 

@@ -34,16 +34,17 @@ def residual_out_init(cfg: ModelConfig, num_layers: int) -> Callable:
   """Init of projections that write into the residual stream (attention out, second FFN layer).
 
   The 'scaled' scheme shrinks them by 1/sqrt(2 * num_layers), so that each residual branch starts
-  near zero and the stack near the identity (GPT-2, T5-style); 'plain' leaves them alone.
+  near zero and the stack near the identity (GPT-2, T5-style); 'plain' leaves them alone;
+  'large' multiplies them by sqrt(2 * num_layers), the deliberate opposite, for ablations.
   """
   base = kernel_init(cfg)
   if cfg.init == 'plain':
     return base
   # Each layer adds two residual branches (attention, FFN): 2 * num_layers in all. Scaling each
   # by 1/sqrt(2L) keeps the variance of their sum O(1) instead of growing with depth.
-  factor = 1.0 / math.sqrt(2 * num_layers)
+  factor = math.sqrt(2 * num_layers) ** (1 if cfg.init == 'large' else -1)
 
-  def init(key, shape, dtype=jnp.float32):  # same shape as base, shrunk by `factor`
+  def init(key, shape, dtype=jnp.float32):  # same shape as base, times `factor`
     return base(key, shape, dtype) * jnp.asarray(factor, dtype)
 
   return init

@@ -31,8 +31,9 @@ def intended_init(cfg: ModelConfig, path: tuple[str, ...], shape: tuple[int, ...
   [D, N, H] has fan_in D and fan_out N * H and the output projection [N, H, D] the reverse (flax
   DenseGeneral initialises the flattened matrix); or normal(init_std). Projections into the
   residual stream (attention 'out', 'mlp/wo') are scaled by 1/sqrt(2 * layers of their stack)
-  under init='scaled'. Token embeddings: std d_model^-0.5 when scaled by sqrt(d_model), else
-  init_std; learned positions and token types: init_std. Biases 0, norm scales 1 (std 0).
+  under init='scaled', by sqrt(2 * layers) under 'large'. Token embeddings: std d_model^-0.5
+  when scaled by sqrt(d_model), else init_std; learned positions and token types: init_std.
+  Biases 0, norm scales 1 (std 0).
   """
   leaf, module = path[-1], (path[-2] if len(path) > 1 else '')
   if leaf in ('bias', 'mlm_bias'):
@@ -54,11 +55,11 @@ def intended_init(cfg: ModelConfig, path: tuple[str, ...], shape: tuple[int, ...
     std = cfg.init_std
   else:
     std = math.sqrt(2.0 / (fan_in + fan_out))
-  if residual and cfg.init == 'scaled':
+  if residual and cfg.init != 'plain':
     layers = cfg.num_layers
     if 'decoder' in path and cfg.family == 'encoder_decoder':
       layers = cfg.decoder_layers
-    std /= math.sqrt(2 * layers)
+    std *= math.sqrt(2 * layers) ** (1 if cfg.init == 'large' else -1)
   return 0.0, std
 
 
