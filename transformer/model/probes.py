@@ -14,14 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.config import ModelConfig
+from transformer.data import NUM_SPECIAL
 from transformer.model import hooks
 
 
 def repeated_tokens(
-  vocab_size: int, length: int, batch: int, seed: int = 0, low: int = 4, pool=None
+  vocab_size: int, length: int, batch: int, seed: int = 0, low: int = NUM_SPECIAL, pool=None
 ) -> np.ndarray:
   """[B, 1 + 2 * length] int32: a bos (1), then `length` random tokens twice. The tokens are
-  ids in [low, vocab_size), or drawn from `pool` (e.g. the ids a training batch holds)."""
+  ids in [low, vocab_size) (above the special ids), or drawn from `pool` (e.g. the ids a training
+  batch holds)."""
   rng = np.random.default_rng(seed)
   if pool is None:
     half = rng.integers(low, vocab_size, (batch, length))
@@ -54,16 +56,16 @@ def induction_probe(cfg: ModelConfig, params: Any, tokens: np.ndarray) -> dict[s
   logits, cache = hooks.run_jit(cfg, params, {'inputs': jnp.asarray(tokens)}, names=names)
   scores = [detector_scores(cache[n], length) for n in names]
   out: dict[str, Any] = {k: np.stack([s[k] for s in scores]) for k in scores[0]}
-  nll = token_losses(logits, tokens)
+  nll = token_losses(logits[:, :-1], tokens[:, 1:])  # each next token
   out['induction_loss'] = float(nll[:, length:].mean())  # predicting the second copy
   out['first_copy_loss'] = float(nll[:, 1:length].mean())
   return out
 
 
-def token_losses(logits: jax.Array, tokens: np.ndarray) -> np.ndarray:
-  """[B, T - 1]: the loss of each next token (tokens[:, 1:]) under logits [B, T, V]."""
-  logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)[:, :-1])
-  picked = jnp.take_along_axis(logp, jnp.asarray(tokens)[:, 1:, None], -1)
+def token_losses(logits: jax.Array, targets: np.ndarray) -> np.ndarray:
+  """[B, T]: the loss of each target [B, T] under logits [B, T, V], in float32."""
+  logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32))
+  picked = jnp.take_along_axis(logp, jnp.asarray(targets)[..., None], -1)
   return -np.asarray(picked, np.float64)[..., 0]
 
 
@@ -74,9 +76,7 @@ def in_context_loss(
   the last quarter of each document's scored targets minus that on its first quarter (negative
   when the context helps; Olsson et al. 2022 take token 500 against token 50). Documents are the
   packed segments of `inputs` (or whole rows). {'in_context_loss', 'early_loss', 'late_loss'}."""
-  logits, _ = hooks.run_jit(cfg, params, inputs)
-  logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32))
-  nll = -np.asarray(jnp.take_along_axis(logp, jnp.asarray(targets)[..., None], -1))[..., 0]
+  nll = token_losses(hooks.run_jit(cfg, params, inputs)[0], targets)  # [B, T]
   positions = np.asarray(inputs.get('positions'))
   if inputs.get('positions') is None:
     positions = np.broadcast_to(np.arange(targets.shape[1]), targets.shape)

@@ -114,11 +114,17 @@ def qk_circuit(
   return (x @ w['W_Q'] + w['b_Q']) @ (x @ w['W_K'] + w['b_K']).T * scale
 
 
-def ov_circuit(cfg: ModelConfig, params: Any, layer: int, head: int) -> np.ndarray:
-  """[V, V]: the logits that attending to token j writes (before the final norm's RMS)."""
+def _ov_factors(cfg: ModelConfig, params: Any, layer: int, head: int):
+  """(A [V, D], B [D, V]) with OV = A B: what the head writes per token, and the readout."""
   w = head_weights(cfg, params, layer, head)
   x = _normed(cfg, _layer(cfg, params, layer)['self_attention_norm'], _rows(cfg, params, 'tokens'))
-  return ((x @ w['W_V'] + w['b_V']) @ w['W_O']) @ _readout(cfg, params)
+  return (x @ w['W_V'] + w['b_V']) @ w['W_O'], _readout(cfg, params)
+
+
+def ov_circuit(cfg: ModelConfig, params: Any, layer: int, head: int) -> np.ndarray:
+  """[V, V]: the logits that attending to token j writes (before the final norm's RMS)."""
+  a, b = _ov_factors(cfg, params, layer, head)
+  return a @ b
 
 
 def _readout(cfg: ModelConfig, params: Any) -> np.ndarray:
@@ -133,9 +139,7 @@ def copying_score(cfg: ModelConfig, params: Any, layer: int, head: int) -> float
   """sum(eigenvalues) / sum(|eigenvalues|) of the OV circuit, in [-1, 1]: near 1 for a head that
   raises the logits of the tokens it attends to (copying), near -1 for one that suppresses them.
   The non-zero eigenvalues of OV = A B are those of B A, a [D, D] matrix."""
-  w = head_weights(cfg, params, layer, head)
-  x = _normed(cfg, _layer(cfg, params, layer)['self_attention_norm'], _rows(cfg, params, 'tokens'))
-  a, b = (x @ w['W_V'] + w['b_V']) @ w['W_O'], _readout(cfg, params)  # [V, D], [D, V]
+  a, b = _ov_factors(cfg, params, layer, head)  # [V, D], [D, V]
   eig = np.linalg.eigvals(b @ a)
   return float(eig.sum().real / max(np.abs(eig).sum(), 1e-30))
 

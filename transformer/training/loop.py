@@ -477,7 +477,7 @@ def log_induction(writer, log, cfg: ModelConfig, params: Any, batch: dict, step:
   batch = {k: np.asarray(v)[:rows] for k, v in batch.items() if v is not None}
   inputs = model_inputs('causal_lm', batch)
   pool = np.unique(batch['inputs'][batch['weights'] > 0])
-  pool = pool[pool >= 4]  # the special ids (padding, bos, eos, unknown) are not drawn
+  pool = pool[pool >= data.NUM_SPECIAL]  # padding, bos, eos, mask and unknown are not drawn
   if len(pool) < 2:
     return
   length = max(2, min(25, (cfg.max_length - 1) // 2))
