@@ -1,4 +1,4 @@
-"""Tests for kernels/: the Pallas flash-attention kernel against a float64 NumPy reference.
+"""Tests for transformer/kernels/: the Pallas flash-attention kernel against float64 NumPy.
 
 Kernel numerics run with interpret=True on CPU; the lowering tests lower for 'cuda' without a GPU.
 """
@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import BlockSizes, flash_attention, flash_attention_reference
-from kernels.gpu import key_block_range, query_block_range
-from kernels.reference import attention_float64 as _reference_np
-from kernels.reference import visible_float64 as _visible_np
+from transformer.kernels import BlockSizes, flash_attention, flash_attention_reference
+from transformer.kernels.gpu import key_block_range, query_block_range
+from transformer.kernels.reference import attention_float64 as _reference_np
+from transformer.kernels.reference import visible_float64 as _visible_np
 
 SMALL = BlockSizes(block_q=16, block_k=16)
 

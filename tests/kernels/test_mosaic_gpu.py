@@ -1,4 +1,4 @@
-"""Tests for kernels/mosaic_gpu.py, the Hopper kernel, on CPU.
+"""Tests for transformer/kernels/mosaic_gpu.py, the Hopper kernel, on CPU.
 
 Numerics: the warp-specialised kernels themselves (TMA ring, barriers, both compute warpgroups,
 block skipping, masks) run in Pallas's GPU interpreter against float64; only the wgmma calls are
@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from test_flash_attention import _check, _inputs, _reference_np, _rel, _target_h200
 
-from kernels import BlockSizes, flash_attention
+from transformer.kernels import BlockSizes, flash_attention
 
-fa = importlib.import_module('kernels.flash_attention')  # the module (the package exports the fn)
+fa = importlib.import_module(
+  'transformer.kernels.flash_attention'
+)  # the module (the package exports the fn)
 
 # Tiles that make short sequences span several key blocks, so the two-slot ring wraps around.
 RING = BlockSizes(block_q=64, block_k=64, block_q_dkv=64, block_k_dkv=64, num_stages=2)

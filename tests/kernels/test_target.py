@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from jax._src.mesh import AbstractDevice
 
-from kernels import flash_attention, target
+from transformer.kernels import flash_attention, target
 from transformer.model.attention import MaskSpec, dot_product_attention
 
 

@@ -60,7 +60,7 @@ def _attend(implementation: str, mask: dict, q_seg, kv_seg):
   """`(q, k, v) -> out` for one implementation and mask kind."""
   import jax.numpy as jnp
 
-  from kernels import flash_attention
+  from transformer.kernels import flash_attention
   from transformer.model.attention import MaskSpec, dot_product_attention
 
   causal, window = mask.get('causal', False), mask.get('window')
@@ -85,7 +85,7 @@ def correctness(smoke: bool) -> list[dict]:
   import jax
   import jax.numpy as jnp
 
-  from kernels.reference import attention_float64
+  from transformer.kernels.reference import attention_float64
 
   backend = jax.default_backend()
   dtype_name = 'float32' if smoke else 'bfloat16'

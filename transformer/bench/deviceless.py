@@ -165,7 +165,7 @@ def attention_cases(gpu: Gpu) -> list[AttentionCase]:
 def _attention_fn(case: AttentionCase):
   import jax.numpy as jnp
 
-  from kernels import flash_attention
+  from transformer.kernels import flash_attention
   from transformer.model.attention import MaskSpec, dot_product_attention
 
   causal, window = case.mask == 'causal', WINDOW if case.mask == 'window' else None

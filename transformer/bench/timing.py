@@ -35,7 +35,7 @@ def attention_fn(implementation: str, causal: bool) -> Callable:
       q, k, v, block=compress_block(q.shape[1]), mask=mask
     )
   if implementation in PALLAS_KERNELS:
-    from kernels import flash_attention
+    from transformer.kernels import flash_attention
 
     backend = PALLAS_KERNELS[implementation]
     return lambda q, k, v: flash_attention(q, k, v, causal=causal, backend=backend)

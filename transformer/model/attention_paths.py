@@ -1,5 +1,5 @@
 """The implementations behind `dot_product_attention`: 'xla' (dense reference), 'chunked'
-(flash attention in pure JAX), 'cudnn' and 'pallas' (our kernel in kernels/).
+(flash attention in pure JAX), 'cudnn' and 'pallas' (our kernel in transformer/kernels/).
 
 Each takes q `[B, T, N, H]`, k/v `[B, S, K, H]` and keywords (mask, scale, alibi_slopes,
 chunk_size) and returns out `[B, T, N, H]`, exactly 0 on fully masked query rows.
@@ -198,7 +198,9 @@ def chunked_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=128):
 
 def cudnn_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
   """cuDNN fused attention through `jax.nn.dot_product_attention` (NVIDIA GPUs only)."""
-  from kernels import target  # the device being compiled for, not this process's backend
+  from transformer.kernels import (
+    target,
+  )  # the device being compiled for, not this process's backend
 
   del chunk_size
   where = target.current()
@@ -226,13 +228,13 @@ def cudnn_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
 
 
 def pallas_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
-  """Our Pallas flash-attention kernel (kernels/): Mosaic GPU on Hopper (sm90+) for bf16/fp16 at
-  head dims 64/128/256, Triton on other GPUs and shapes, Mosaic on TPU.
+  """Our Pallas flash-attention kernel (transformer/kernels/): Mosaic GPU on Hopper (sm90+) for
+  bf16/fp16 at head dims 64/128/256, Triton on other GPUs and shapes, Mosaic on TPU.
 
   On any other backend it runs in the Pallas interpreter: exact but slow, for tests only.
   """
   # Imported here: importing the model loads no Pallas kernel.
-  from kernels import flash_attention, target
+  from transformer.kernels import flash_attention, target
 
   del chunk_size  # the kernel picks its own tiles (kernels.BlockSizes)
   if alibi_slopes is not None:

@@ -1,7 +1,7 @@
 """Public flash attention: block sizes, input checks, padding, the custom_vjp and a reference.
 
-Kernels live in `kernels/mosaic_gpu.py` (Hopper), `kernels/gpu.py` (Triton, older GPUs) and
-`kernels/tpu.py` (Mosaic TPU); callers see `[B, T, N, H]`.
+Kernels live in `mosaic_gpu.py` (Hopper), `gpu.py` (Triton, older GPUs) and `tpu.py`
+(Mosaic TPU), beside this file; callers see `[B, T, N, H]`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels import gpu, mosaic_gpu, target, tpu
+from transformer.kernels import gpu, mosaic_gpu, target, tpu
 
 Array = jax.Array
 _MIN_GPU_BLOCK = 16  # Triton's smallest tile for tl.dot

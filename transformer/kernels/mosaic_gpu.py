@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels.gpu import key_block_range, query_block_range
+from transformer.kernels.gpu import key_block_range, query_block_range
 
 Array = jax.Array
 HEAD_DIMS = (64, 128, 256)

@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.gpu import key_block_range, query_block_range
+from transformer.kernels.gpu import key_block_range, query_block_range
 
 MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
