@@ -1,0 +1,113 @@
+"""Claim (seed §4.2; GPT-2, Radford et al. 2019): a smaller initial range for the output
+projection and the FFN's second layer keeps each block's early output near its input and avoids
+blow-ups in deep stacks. Pre-LN GPTs of 12 and 24 layers with the scaled, the plain and a
+deliberately larger init of those projections."""
+
+# About 4 GPU minutes on one H200: 18 runs of 2000 steps at d_model 128 (dispatch-bound).
+GPU_SCALE = 8
+
+_INITS = {
+  'scaled': 'scaled',  # residual-branch projections / sqrt(2 x layers) (GPT-2)
+  'plain': 'plain',  # the same init as every other matrix
+  'large': 'large',  # x sqrt(2 x layers): the deliberate opposite
+}
+
+
+def measure(ctx) -> dict:
+  from transformer.research import stability
+
+  return stability.measure(ctx)
+
+
+def get_sweep(scale: int = 1) -> dict:
+  steps = 250 * scale
+  width = 32 if scale == 1 else 128  # narrow, so that 24 layers stay CPU-sized at scale 1
+  rules = []
+  for depth in ('12L', '24L'):
+    order = [f'{depth}_{name}' for name in _INITS]
+    rules += [
+      dict(kind='ordering', metric='init.branch_ratio', variants=order, direction='increasing',
+           text=f'{depth}: at step 0 each block moves the residual stream least with the scaled '
+           'init, then plain, then large'),
+      dict(kind='ordering', metric='init.growth', variants=order, direction='increasing',
+           text=f'{depth}: at step 0 the stack amplifies its input least with the scaled init, '
+           'then plain, then large'),
+      dict(kind='no_worse', metric='eval.loss', a=f'{depth}_scaled', b=f'{depth}_plain',
+           tolerance=0.02, requires=[f'{depth}_scaled trains'],
+           text=f'{depth}: the scaled init ends no worse than the plain one'),
+      dict(kind='less', metric='eval.loss', a=f'{depth}_scaled', b=f'{depth}_large',
+           margin_std=2.0, requires=[f'{depth}_scaled trains'],
+           text=f'{depth}: the scaled init ends better than the large one'),
+      dict(kind='less', metric='train.loss_rise', a=f'{depth}_scaled', b=f'{depth}_large',
+           margin_std=2.0, requires=[f'{depth}_scaled trains'],
+           text=f'{depth}: the scaled init spikes less than the large one (the largest rise '
+           'of the training loss above its running minimum)'),
+    ]  # fmt: skip
+  return dict(
+    name='output_init',
+    claim='A smaller initial range for the residual-branch output projections (attention output '
+    "and the FFN's second layer) keeps each block's early output near its input and avoids "
+    'blow-ups in deep stacks: at step 0 the stream grows least with the scaled init, and the '
+    'scaled init trains at least as well as the plain one and better, with smaller spikes, '
+    'than a larger one.',
+    description=f'Pre-LN CausalLM of 12 and 24 layers, d_model {width}, {width // 16} heads of '
+    f'16, d_ff {4 * width}, grammar task, rows of 64 tokens, batch 16, {steps} steps of AdamW '
+    f'at 3e-3, {steps // 10} warmup steps then a cosine, no gradient clipping (nothing else '
+    "tames the early steps). model.init: 'scaled' divides the attention output projection and "
+    "the FFN's second layer by sqrt(2 x layers) at init (GPT-2), 'plain' leaves them like every "
+    "other matrix (Xavier), 'large' multiplies them by sqrt(2 x layers). Measured at step 0 (the "
+    "run's own init, from its seed) on two training batches through the hook points: "
+    'init.branch_ratio = the mean over blocks of RMS(block output - block input) / RMS(block '
+    "input); init.growth = RMS of the last block's output / RMS of the embeddings. From the "
+    'training curve (a log every 5 steps): train.loss_rise = the largest rise of the loss above '
+    'its running minimum; train.spikes = logs more than 10% above the median of the 5 before, '
+    'after warmup. The precondition keeps the training rules from judging a recipe that does '
+    "not train: the scaled init must end below 3.0 nats at every seed (the grammar's unigram "
+    'loss is 4.43 and its entropy floor 1.54). A single-seed trial at 24 layers ended at 2.46 '
+    '(scaled) and 3.78 (large).',
+    base='configs/gpt_tiny.py',
+    overrides={
+      'model.d_model': width,
+      'model.num_heads': width // 16,
+      'model.d_ff': 4 * width,
+      'model.norm_placement': 'pre',
+      'model.scan_layers': True,  # one compiled block, whatever the depth
+      'data.max_length': 64,
+      'data.batch_size': 16,
+      'optim.learning_rate': 3e-3,
+      'optim.warmup_steps': steps // 10,
+      'optim.clip_norm': 0.0,
+      'train.steps': steps,
+      'train.log_every': 5,
+      'train.eval_every': steps,
+      'train.checkpoint_every': steps,
+      'train.nonfinite': 'skip',
+      'train.eval_decode_examples': 0,
+    },
+    axes={
+      'depth': {f'{n}L': {'model.num_layers': n} for n in (12, 24)},
+      'init': {name: {'model.init': value} for name, value in _INITS.items()},
+    },
+    measure='measure',
+    metrics=[
+      'eval.loss',
+      'init.branch_ratio',
+      'init.growth',
+      'train.loss_rise',
+      'train.spikes',
+      'train.max_jump',
+    ],
+    preconditions=[
+      dict(
+        name=f'{d}_scaled trains',
+        kind='at_most',
+        metric='eval.loss',
+        variants=[f'{d}_scaled'],
+        value=3.0,
+        every_seed=True,
+        text=f'{d}_scaled: ends below 3.0 nats at every seed',
+      )
+      for d in ('12L', '24L')
+    ],  # fmt: skip
+    rules=rules,
+  )
