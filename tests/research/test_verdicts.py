@@ -245,3 +245,29 @@ def test_preconditions_are_checked_before_any_work():
   for pre, rs, message in cases:
     with pytest.raises(ValueError, match=message):
       verdicts.check_preconditions(pre, rs, ['a', 'b'], ['acc', 'loss'])
+
+
+def test_largest_step_tells_a_jump_from_a_smooth_curve():
+  sizes = ['s1', 's2', 's3', 's4', 's5']
+  jump = dict(kind='largest_step', metric='exact', variants=sizes, at_least_share=0.5,
+              min_step=0.3)  # fmt: skip
+  smooth = dict(kind='largest_step', metric='nll', variants=sizes, at_most_share=0.5)
+
+  def table(metric, means, noise=0.01):
+    return {v: {metric: [m - noise, m, m + noise]} for v, m in zip(sizes, means)}
+
+  # Exact match 0, 0.02, 0.05, 0.85, 0.9: the step s3 -> s4 is 0.8 of 0.9 in all.
+  verdict = verdicts.evaluate(jump, table('exact', [0.0, 0.02, 0.05, 0.85, 0.9]))
+  assert verdict.status == R and verdict.numbers['at'] == 's4'
+  assert verdict.numbers['share'] == pytest.approx(0.8 / 0.9)
+  # An even climb has no step above 0.25 of the total: no jump, but smooth.
+  even = [0.1, 0.3, 0.5, 0.7, 0.9]
+  assert verdicts.evaluate(jump, table('exact', even)).status == N
+  assert verdicts.evaluate(smooth, table('nll', even[::-1])).status == R
+  assert verdicts.evaluate(smooth, table('nll', [3.0, 2.95, 2.9, 1.0, 0.95])).status == N
+  # A jump of the right share but below min_step fails; one inside the seeds' noise is unjudged.
+  assert verdicts.evaluate(jump, table('exact', [0.0, 0.0, 0.0, 0.2, 0.2])).status == N
+  noisy = table('exact', [0.0, 0.02, 0.05, 0.85, 0.9], noise=0.4)
+  assert verdicts.evaluate(jump, noisy).status == I
+  with pytest.raises(ValueError, match='needs at_least_share or at_most_share'):
+    verdicts.check_rule(dict(kind='largest_step', metric='exact', variants=sizes))

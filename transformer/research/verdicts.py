@@ -76,6 +76,10 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   # the best (or worst) mean of `metric` among `among` (default all) is one of `expect`.
   'best': (('metric', 'expect'), ('among', 'lower_is_better')),
   'worst': (('metric', 'expect'), ('among', 'lower_is_better')),
+  # across `variants` in order (model sizes, say), the largest change of the mean of `metric`
+  # between neighbours as a share of all the changes (the sum of their sizes): at_least_share
+  # asks for a jump, at_most_share for a smooth curve; min_step: that change is also >= this.
+  'largest_step': (('metric', 'variants'), ('at_least_share', 'at_most_share', 'min_step')),
   # every listed variant's mean is >= (at_least) or <= (at_most) `value`; every_seed=True: its
   # worst seed is (the minimum for at_least, the maximum for at_most).
   'at_least': (('metric', 'variants', 'value'), ('every_seed',)),
@@ -128,6 +132,8 @@ def check_rule(rule: Mapping[str, Any], variants: Sequence[str] | None = None) -
         f'rule {kind!r} names variant {name!r}, which the sweep does not have; '
         f'its variants are: {", ".join(variants)}'
       )
+  if kind == 'largest_step' and not {'at_least_share', 'at_most_share'} & set(rule):
+    raise ValueError("rule 'largest_step' needs at_least_share or at_most_share (in [0, 1])")
   if kind == 'fit_power_law':
     across = 'x' in rule and 'y' in rule
     within = 'variant' in rule and 'xs' in rule and 'metrics' in rule
@@ -377,6 +383,42 @@ def _ordering(rule: Mapping, table: Table) -> Verdict:
   return dataclasses.replace(verdict, text=f'{metric} {verdict.text}')
 
 
+def _largest_step(rule: Mapping, table: Table) -> Verdict:
+  """The largest change between neighbouring variants' means, as a share of the total variation.
+
+  A jump (at_least_share) within the seeds' noise (2 pooled stds) is inconclusive."""
+  metric, labels = rule['metric'], list(rule['variants'])
+  missing = _missing(rule, [(v, metric) for v in labels], table)
+  if missing:
+    return missing
+  stats = [mean_std(_values(table, v, metric)) for v in labels]
+  means = np.array([m for m, _ in stats])
+  steps = np.diff(means)
+  total = float(np.sum(np.abs(steps)))
+  i = int(np.argmax(np.abs(steps)))
+  share = float(abs(steps[i]) / total) if total > 0 else math.nan
+  shown = ', '.join(f'{label} {fmt(m, sd)}' for label, (m, sd) in zip(labels, stats))
+  text = (
+    f'{metric}: {shown}; largest step {labels[i]} -> {labels[i + 1]} {steps[i]:+.4g}, '
+    f'{fmt(share)} of the total change {fmt(total)}'
+  )
+  numbers = {'share': share, 'step': float(steps[i]), 'total': total, 'at': labels[i + 1]}
+  if not total > 0:
+    return Verdict(INCONCLUSIVE, text + ' (the metric does not change)', dict(rule), numbers)
+  ok = True
+  if 'at_least_share' in rule:
+    ok &= share >= float(rule['at_least_share'])
+  if 'at_most_share' in rule:
+    ok &= share <= float(rule['at_most_share'])
+  if 'min_step' in rule:
+    ok &= abs(steps[i]) >= float(rule['min_step'])
+  noise = 2.0 * math.sqrt((stats[i][1] ** 2 + stats[i + 1][1] ** 2) / 2)
+  if ok and 'at_least_share' in rule and abs(steps[i]) <= noise:
+    text += f"; within the seeds' noise (2 pooled std = {fmt(noise)})"
+    return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
+  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+
+
 def _monotone(rule: Mapping, table: Table) -> Verdict:
   variant = rule['variant']
   missing = _missing(rule, [(variant, m) for m in rule['metrics']], table)
@@ -556,6 +598,7 @@ _EVALUATORS = {
   'no_worse': _no_worse,
   'close': _close,
   'ordering': _ordering,
+  'largest_step': _largest_step,
   'monotone': _monotone,
   'variance_greater': _variance_greater,
   'fit_power_law': _fit_power_law,
