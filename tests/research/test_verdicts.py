@@ -269,5 +269,11 @@ def test_largest_step_tells_a_jump_from_a_smooth_curve():
   assert verdicts.evaluate(jump, table('exact', [0.0, 0.0, 0.0, 0.2, 0.2])).status == N
   noisy = table('exact', [0.0, 0.02, 0.05, 0.85, 0.9], noise=0.4)
   assert verdicts.evaluate(jump, noisy).status == I
-  with pytest.raises(ValueError, match='needs at_least_share or at_most_share'):
+  # Diminishing returns: the first step up is the largest.
+  first = dict(kind='largest_step', metric='nll', variants=sizes, expect_at='s2')
+  assert verdicts.evaluate(first, table('nll', [3.0, 2.0, 1.6, 1.5, 1.45])).status == R
+  assert verdicts.evaluate(first, table('nll', [3.0, 2.8, 1.6, 1.5, 1.45])).status == N
+  with pytest.raises(ValueError, match='needs at_least_share, at_most_share or expect_at'):
     verdicts.check_rule(dict(kind='largest_step', metric='exact', variants=sizes))
+  with pytest.raises(ValueError, match="expect_at='s1'; a step leads to one of s2, s3"):
+    verdicts.check_rule({**first, 'expect_at': 's1'})

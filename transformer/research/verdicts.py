@@ -78,8 +78,12 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   'worst': (('metric', 'expect'), ('among', 'lower_is_better')),
   # across `variants` in order (model sizes, say), the largest change of the mean of `metric`
   # between neighbours as a share of all the changes (the sum of their sizes): at_least_share
-  # asks for a jump, at_most_share for a smooth curve; min_step: that change is also >= this.
-  'largest_step': (('metric', 'variants'), ('at_least_share', 'at_most_share', 'min_step')),
+  # asks for a jump, at_most_share for a smooth curve; min_step: that change is also >= this;
+  # expect_at: the variant the largest step leads to (e.g. the second: the first gain is largest).
+  'largest_step': (
+    ('metric', 'variants'),
+    ('at_least_share', 'at_most_share', 'min_step', 'expect_at'),
+  ),
   # every listed variant's mean is >= (at_least) or <= (at_most) `value`; every_seed=True: its
   # worst seed is (the minimum for at_least, the maximum for at_most).
   'at_least': (('metric', 'variants', 'value'), ('every_seed',)),
@@ -132,8 +136,16 @@ def check_rule(rule: Mapping[str, Any], variants: Sequence[str] | None = None) -
         f'rule {kind!r} names variant {name!r}, which the sweep does not have; '
         f'its variants are: {", ".join(variants)}'
       )
-  if kind == 'largest_step' and not {'at_least_share', 'at_most_share'} & set(rule):
-    raise ValueError("rule 'largest_step' needs at_least_share or at_most_share (in [0, 1])")
+  if kind == 'largest_step' and not {'at_least_share', 'at_most_share', 'expect_at'} & set(rule):
+    raise ValueError("rule 'largest_step' needs at_least_share, at_most_share or expect_at")
+  if (
+    kind == 'largest_step'
+    and rule.get('expect_at', rule['variants'][1]) not in rule['variants'][1:]
+  ):
+    raise ValueError(
+      f"rule 'largest_step' has expect_at={rule['expect_at']!r}; a step leads to one of "
+      f'{", ".join(rule["variants"][1:])}'
+    )
   if kind == 'fit_power_law':
     across = 'x' in rule and 'y' in rule
     within = 'variant' in rule and 'xs' in rule and 'metrics' in rule
@@ -412,6 +424,9 @@ def _largest_step(rule: Mapping, table: Table) -> Verdict:
     ok &= share <= float(rule['at_most_share'])
   if 'min_step' in rule:
     ok &= abs(steps[i]) >= float(rule['min_step'])
+  if 'expect_at' in rule:
+    ok &= labels[i + 1] == rule['expect_at']
+    text += f' (expected at {rule["expect_at"]})'
   noise = 2.0 * math.sqrt((stats[i][1] ** 2 + stats[i + 1][1] ** 2) / 2)
   if ok and 'at_least_share' in rule and abs(steps[i]) <= noise:
     text += f"; within the seeds' noise (2 pooled std = {fmt(noise)})"
