@@ -125,6 +125,7 @@ def get_config() -> ml_collections.ConfigDict:
   d.grammar_words = 256  # grammar: number of word types
   d.grammar_join = 1  # grammar: documents joined into one example (long rows; extrapolation)
   d.grammar_successors = 0  # grammar: successors of each word (0: 2-6, the default chain)
+  d.grammar_holdout = 0.0  # grammar: share of word transitions kept out of training; 0 = off
   # Share of the training examples drawn, over and over, from a subset of repeat_subset examples
   # (repeated data, Hernandez et al. 2022); in [0, 1), 0 = off. Generated and text tasks only.
   d.repeat_fraction = 0.0

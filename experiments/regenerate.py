@@ -31,10 +31,11 @@ SEEDS = {
   'long_context': 1,
   'recall': 3,  # its rules compare arms over seeds, and its preconditions hold at every seed
   'induction': 3,  # a phase change at every seed, not at one
-  'rope_scaling_vs_long_training': 3,
-  'output_init': 3,
+  'rope_scaling_vs_long_training': 3,  # its rules compare means by 2 pooled stds over seeds
+  'output_init': 3,  # its training rules compare inits by 2 pooled stds over seeds
   'emergence': 3,  # a jump at one size must stand out from the seeds' noise
-  'data_repetition': 3,  # its rules compare losses by 2 pooled stds over seeds  # its training rules compare inits by 2 pooled stds over seeds  # its rules compare means by 2 pooled stds over seeds
+  'ood_generalization': 3,  # its preconditions and ceilings hold at every seed
+  'data_repetition': 3,  # its rules compare losses by 2 pooled stds over seeds
   # The chosen recipe and the old one at five seeds, the screened candidates at seed 0.
   'default_recipe': {'cos3e-3_w100': 5, 'rsqrt': 5, '*': 1},
 }

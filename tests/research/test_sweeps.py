@@ -239,7 +239,7 @@ def test_every_committed_sweep_file_loads_and_checks():
     'scaling', 'heads', 'positions', 'extrapolation', 'warmup', 'label_smoothing', 'dropout',
     'norm_placement', 'attention_memory', 'remat', 'model_scaling', 'cross_attention_alignment',
     'bidirectional_vs_causal', 'default_recipe', 'long_context', 'rope_scaling_vs_long_training',
-    'recall', 'induction', 'output_init', 'emergence', 'data_repetition',
+    'recall', 'induction', 'output_init', 'emergence', 'data_repetition', 'ood_generalization',
   }  # fmt: skip
   for path in paths:
     sweep = spec.load_sweep(path)  # every key, model and rule checked

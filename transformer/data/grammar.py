@@ -107,6 +107,13 @@ class Grammar:
       states += [self.period] * (len(token) - len(word))
     return states + [self.end]
 
+  def without(self, transitions: list[tuple[int, int]]) -> Grammar:
+    """The chain with the (from, to) `transitions` removed and each changed row renormalised."""
+    p = self.transitions.copy()
+    for a, b in transitions:
+      p[a, b] = 0.0
+    return Grammar(words=self.words, transitions=p / p.sum(axis=1, keepdims=True))
+
   def log_prob(self, document: str) -> tuple[float, int]:
     """(log p(document) in nats, number of words incl. '.' and END), starting from END."""
     states = [self.end] + self.parse(document)
@@ -155,6 +162,48 @@ def make_grammar(seed: int, num_words: int = 256, successors: int = 0) -> Gramma
   return Grammar(words=tuple(words), transitions=p)
 
 
+def word_transitions(grammar: Grammar) -> list[tuple[int, int]]:
+  """Every (word, next word) transition of the chain with p > 0; '.' and END are not words."""
+  words = grammar.transitions[: grammar.period, : grammar.period]
+  return [(int(a), int(b)) for a, b in zip(*np.nonzero(words))]
+
+
+def held_out_transitions(grammar: Grammar, share: float, seed: int) -> list[tuple[int, int]]:
+  """`share` of the chain's word transitions, to keep out of training (sorted (from, to) pairs).
+
+  They are drawn at random (fixed by `seed`) among the words with at least 2 next words, and no
+  word loses all of them: every held-out transition is valid in the chain, and every word can
+  still be followed by a word in training. round(share * transitions) are held out.
+  """
+  if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share < 1:
+    raise ValueError(f'data.grammar_holdout={share!r} must be a number in [0, 1)')
+  edges = word_transitions(grammar)
+  count = round(share * len(edges))
+  if share and not count:
+    raise ValueError(
+      f'data.grammar_holdout={share} holds out none of the {len(edges)} word transitions; use '
+      f'0 (off) or at least {0.5 / len(edges):.2g}'
+    )
+  left = np.bincount([a for a, _ in edges], minlength=grammar.period)  # next words per word
+  room = int(np.sum(np.maximum(left - 1, 0)))
+  if count > room:
+    raise ValueError(
+      f'data.grammar_holdout={share} asks for {count} of the {len(edges)} word transitions, but '
+      f'only {room} can go while every word keeps a next word; use at most '
+      f'{room / len(edges):.3f}'
+    )
+  rng = np.random.default_rng([seed, 5])
+  chosen = []
+  for i in rng.permutation(len(edges)):
+    if len(chosen) == count:
+      break
+    a, b = edges[i]
+    if left[a] > 1:  # never the last next word of `a`
+      left[a] -= 1
+      chosen.append((a, b))
+  return sorted(chosen)
+
+
 def _repeat(examples: list[str], p: float, rng) -> tuple[list[str], float]:
   """Each example, with probability p, followed by a space and a verbatim copy of itself; and
   the share of words that are not copies."""
@@ -177,9 +226,15 @@ def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict
   followed by a copy of itself with probability p (text with repeated spans); the floor then
   counts the copies' words as free, an approximation (where a copy starts is not known).
 
+  With `cfg.grammar_holdout` = h > 0, a share h of the chain's word transitions
+  (`held_out_transitions`) never occurs in training: the training documents come from the chain
+  without them (the rest of each row renormalised), the eval documents from the full chain.
+
   Returns:
-    (train, eval, info); info holds `entropy_per_word` and `unigram_entropy_per_word` in nats,
-    and `train_words`, the number of words (incl. '.' and END) in the training documents.
+    (train, eval, info); info holds `entropy_per_word` and `unigram_entropy_per_word` in nats (of
+    the full chain: the eval floor), and `train_words`, the number of words (incl. '.' and END)
+    in the training documents. With a holdout, also `held_out_transitions`, the sorted [from,
+    to] word indices held out, and `grammar_holdout`, their share of the word transitions.
   """
   grammar = make_grammar(
     int(cfg.grammar_seed), int(cfg.grammar_words), int(cfg.get('grammar_successors', 0))
@@ -187,7 +242,10 @@ def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict
   join = int(cfg.get('grammar_join', 1))
   if join < 1:
     raise ValueError(f'grammar_join={join} must be >= 1 (documents per example)')
-  train, train_words = grammar.sample(
+  holdout = cfg.get('grammar_holdout', 0.0)
+  held_out = held_out_transitions(grammar, holdout, int(cfg.grammar_seed)) if holdout else []
+  train_chain = grammar.without(held_out) if held_out else grammar
+  train, train_words = train_chain.sample(
     np.random.default_rng([cfg.grammar_seed, 1]), cfg.num_train_examples * join
   )
   evaluation, _ = grammar.sample(
@@ -206,4 +264,7 @@ def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict
     'unigram_entropy_per_word': grammar.unigram_entropy_per_word(),
     'train_words': train_words,
   }
+  if held_out:
+    info['held_out_transitions'] = [list(edge) for edge in held_out]
+    info['grammar_holdout'] = len(held_out) / len(word_transitions(grammar))
   return train, evaluation, info

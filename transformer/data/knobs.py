@@ -60,6 +60,12 @@ def check_data_config(cfg: Any) -> None:
   check_fraction('data', cfg, 'mlm_prob', low_open=True, high_open=False)
   check_fraction('data', cfg, 'grammar_repeat', low_open=False, high_open=False)
   check_fraction('data', cfg, 'repeat_fraction', low_open=False, high_open=True)
+  check_fraction('data', cfg, 'grammar_holdout', low_open=False, high_open=True)
+  if cfg.get('grammar_holdout', 0.0) and cfg.get('task') != 'grammar':
+    raise ValueError(
+      f'data.grammar_holdout={cfg.grammar_holdout!r} holds out transitions of the grammar '
+      f"chain; data.task={cfg.get('task')!r} has none: use task='grammar' or grammar_holdout=0"
+    )
   from transformer.data import stream, text_stream
 
   text_stream.check_config(cfg)
