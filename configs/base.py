@@ -33,14 +33,14 @@ def get_config() -> ml_collections.ConfigDict:
   )  # None = max_length
   m.rope_low_freq_factor = 1.0  # llama3 scaling: wavelengths > context / this are interpolated
   m.rope_high_freq_factor = 4.0  # llama3 scaling: wavelengths < context / this are kept
-  m.norm = 'layernorm'  # layernorm | rmsnorm
+  m.norm = 'layernorm'  # layernorm | rmsnorm | batchnorm (real tokens of the batch; docs/models.md)
   m.norm_eps = 1e-6  # epsilon inside the norm
   m.norm_placement = 'post'  # post (paper) | pre (adds a final norm)
   m.embedding_norm = False  # a norm right after the embeddings (BERT)
   m.residual = True  # residual connections around each sub-layer; False ablates them
   m.activation = 'relu'  # relu | gelu | gelu_tanh | swiglu
   m.use_bias = True  # biases in attention and feed-forward projections
-  m.norm_bias = True  # LayerNorm's bias (False: nanoGPT's bias=False, OLMo); RMSNorm has none
+  m.norm_bias = True  # Layer/BatchNorm's bias (False: nanoGPT's bias=False, OLMo); RMSNorm: none
   m.qkv_bias = ml_collections.FieldReference(None, field_type=bool)  # q/k/v biases; None = use_bias
   m.qk_norm = False  # norm over head_dim on queries and keys (Qwen3)
   m.dropout_rate = 0.1  # embeddings and residual branches

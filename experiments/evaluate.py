@@ -35,18 +35,19 @@ def _process_file(run, params, path):
 
 
 def main():
+  from transformer.training.state import weights
   from transformer.training.workdir import load_run
 
   run, state, step = load_run(_WORKDIR.value, _STEP.value)
   if _INPUT.value:
-    text = '\n'.join(_process_file(run, state.params, _INPUT.value)) + '\n'
+    text = '\n'.join(_process_file(run, weights(state), _INPUT.value)) + '\n'
     if _OUTPUT.value:
       with open(_OUTPUT.value, 'w', encoding='utf-8') as f:
         f.write(text)
     else:
       sys.stdout.write(text)
     return
-  metrics, _ = run.evaluate(state.params)
+  metrics, _ = run.evaluate(weights(state))
   metrics['step'] = step
   if _JSON.value:
     print(json.dumps(metrics))

@@ -36,6 +36,7 @@ SEEDS = {
   'emergence': 3,  # a jump at one size must stand out from the seeds' noise
   'ood_generalization': 3,  # its preconditions and ceilings hold at every seed
   'data_repetition': 3,  # its rules compare losses by 2 pooled stds over seeds
+  'residual_and_norm': 3,  # its rules compare losses by 2 pooled stds over seeds
   # The chosen recipe and the old one at five seeds, the screened candidates at seed 0.
   'default_recipe': {'cos3e-3_w100': 5, 'rsqrt': 5, '*': 1},
 }

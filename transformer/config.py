@@ -20,7 +20,7 @@ import jax.numpy as jnp
 FAMILIES = ('encoder_decoder', 'bidirectional_lm', 'causal_lm')
 POSITIONS = ('sinusoidal', 'learned', 'rope', 'alibi', 'none')
 ROPE_SCALINGS = ('none', 'linear', 'ntk', 'yarn', 'llama3')
-NORMS = ('layernorm', 'rmsnorm')
+NORMS = ('layernorm', 'rmsnorm', 'batchnorm')
 NORM_PLACEMENTS = ('pre', 'post')
 ACTIVATIONS = ('relu', 'gelu', 'gelu_tanh', 'swiglu')
 # The names a config may choose; `model.attention.register_implementation` adds its own here.
@@ -57,7 +57,7 @@ class ModelConfig:
     1.0  # llama3 scaling: wavelengths over context / this are interpolated
   )
   rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths under context / this are kept
-  norm: str = 'layernorm'  # one of NORMS
+  norm: str = 'layernorm'  # one of NORMS; batchnorm: statistics over a batch's real tokens
   norm_eps: float = 1e-6  # epsilon inside the norm
   norm_placement: str = (
     'post'  # 'post' (paper, norm after the residual add) or 'pre' (+ final norm)
@@ -66,7 +66,7 @@ class ModelConfig:
   residual: bool = True  # residual connections around each sub-layer; False ablates them
   activation: str = 'relu'  # one of ACTIVATIONS
   use_bias: bool = True  # biases in the attention and feed-forward projections
-  norm_bias: bool = True  # LayerNorm's bias; False as nanoGPT's bias=False (RMSNorm has none)
+  norm_bias: bool = True  # Layer/BatchNorm's bias; False as nanoGPT's bias=False (RMSNorm: none)
   qkv_bias: bool | None = None  # biases on the query/key/value projections; None = use_bias (Qwen2)
   qk_norm: bool = False  # a norm (of `norm` kind) over head_dim on queries and keys (Qwen3)
   dropout_rate: float = 0.1  # embeddings and residual branches
@@ -298,6 +298,11 @@ def _validate(c: ModelConfig) -> None:
   if not c.output_head and (c.family != 'bidirectional_lm' or c.num_classes):
     raise ValueError(
       'output_head=False (hidden states out) is for family=bidirectional_lm with num_classes=0'
+    )
+  if c.norm == 'batchnorm' and c.qk_norm:
+    raise ValueError(
+      "qk_norm=True normalises each head's queries and keys with the norm of model.norm, and "
+      "norm='batchnorm' has no per-head form; use qk_norm=False, or norm='layernorm' or 'rmsnorm'"
     )
   if c.rope_scaling == 'llama3' and not 0 < c.rope_low_freq_factor < c.rope_high_freq_factor:
     raise ValueError(

@@ -292,7 +292,7 @@ def test_scaled_init_shrinks_residual_outputs():
     (dict(family='gpt'), "family='gpt' is not valid"),
     (dict(position='relative'), "position='relative' is not valid"),
     (dict(activation='tanh'), "activation='tanh' is not valid"),
-    (dict(norm='batchnorm'), "norm='batchnorm' is not valid"),
+    (dict(norm='groupnorm'), "norm='groupnorm' is not valid"),
     (dict(remat='some'), "remat='some' is not valid"),
     (dict(attention_impl='flash'), "attention_impl='flash' is not valid"),
     (dict(d_ff=-4), 'd_ff=-4 must be a non-negative integer'),

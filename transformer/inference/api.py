@@ -55,7 +55,8 @@ def load(workdir: str, step: int | None = None, *, param_dtype: str = 'float32')
   tokenizer = None
   if os.path.isdir(tokenizer_dir):
     tokenizer = _hf_tokenizer(tokenizer_dir, os.path.join(workdir, hf.HF_CONFIG))
-  return Model(run.model_cfg, state.params, run.config, tokenizer, step, workdir)
+  stats = getattr(state, 'batch_stats', None)  # a batchnorm model's running statistics
+  return Model(run.model_cfg, state.params, run.config, tokenizer, step, workdir, stats)
 
 
 def _hf_tokenizer(directory: str, hf_config_path: str):
@@ -79,12 +80,29 @@ def _hf_tokenizer(directory: str, hf_config_path: str):
 class Model:
   """A trained or imported model ready to use: `generate`, `translate`, `fill_mask`, `score`,
   `embed`, `logits`, `hidden_states`, `attention_maps`. Text methods need a tokenizer; `logits` and
-  `hidden_states` take token ids."""
+  `hidden_states` take token ids. A model.norm='batchnorm' model also has `batch_stats`, the
+  running statistics it normalises by."""
 
-  def __init__(self, cfg: ModelConfig, params: Any, config, tokenizer, step: int, workdir: str):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    params: Any,
+    config,
+    tokenizer,
+    step: int,
+    workdir: str,
+    batch_stats: Any = None,
+  ):
     self.cfg, self.params, self.config, self.tokenizer = cfg, params, config, tokenizer
-    self.step, self.workdir = step, workdir
+    self.step, self.workdir, self.batch_stats = step, workdir, batch_stats
     self.module = models.build(cfg)
+
+  @property
+  def weights(self) -> Any:
+    """What the model is applied with: `params`, or with `batch_stats` the variables dict."""
+    if self.batch_stats is None:
+      return self.params
+    return {'params': self.params, 'batch_stats': self.batch_stats}
 
   def __repr__(self) -> str:
     return (
@@ -133,7 +151,7 @@ class Model:
       if _is_int(max_new_tokens):
         self._check_length(longest + max_new_tokens - 1, 'prompt + max_new_tokens')
       out = decode.generate(
-        self.module, self.params, _pad(ids), max_new_tokens=max_new_tokens, beam_size=beam_size,
+        self.module, self.weights, _pad(ids), max_new_tokens=max_new_tokens, beam_size=beam_size,
         alpha=alpha, rng=_rng(seed, temperature), **options,
       )  # fmt: skip
       return self._decode(out)
@@ -153,7 +171,7 @@ class Model:
     rows, done = [row[-context:] for row in ids], None  # the window a token is predicted from
     if cached:
       first = decode.generate(
-        self.module, self.params, _pad(rows), max_new_tokens=cached, rng=rng, **options
+        self.module, self.weights, _pad(rows), max_new_tokens=cached, rng=rng, **options
       )
       first = np.asarray(first)
       done = (first == eos).any(axis=1)
@@ -162,7 +180,7 @@ class Model:
     lengths = np.array([len(r) for r in rows], np.int32)
     key = None if rng is None else jax.random.fold_in(rng, 1)
     more = decode.generate_sliding(
-      self.module, self.params, _pad(rows), lengths, max_new_tokens=rest, rng=key, **options
+      self.module, self.weights, _pad(rows), lengths, max_new_tokens=rest, rng=key, **options
     )
     more = np.array(more)
     if done is not None:
@@ -206,7 +224,7 @@ class Model:
       self._check_length(max_length, 'max_length')
     out = decode.translate(
       self.module,
-      self.params,
+      self.weights,
       _pad(ids),
       max_length=max_length,
       beam_size=beam_size,
@@ -349,8 +367,8 @@ class Model:
           f'decoder_tokens has {decoder_tokens.shape[0]} rows and tokens {tokens.shape[0]}; '
           'give one decoder row per source row'
         )
-      return np.asarray(_apply(self.module, self.params, tokens, decoder_tokens, **kwargs))
-    return np.asarray(_apply(self.module, self.params, tokens, **kwargs))
+      return np.asarray(_apply(self.module, self.weights, tokens, decoder_tokens, **kwargs))
+    return np.asarray(_apply(self.module, self.weights, tokens, **kwargs))
 
   def hidden_states(
     self, tokens: Any, mask: Any = None, token_types: Any = None, *, layers: bool = False
@@ -373,7 +391,7 @@ class Model:
       if self.cfg.family != 'bidirectional_lm':
         raise ValueError('token_types are for bidirectional_lm models')
       inputs['token_types'] = _int_array(token_types, 'token_types')
-    seen = capture.capture(self.cfg, self.params, inputs, with_attention=False)
+    seen = capture.capture(self.cfg, self.weights, inputs, with_attention=False)
     side = 'decoder' if self.cfg.family == 'causal_lm' else 'encoder'
     final = seen.hidden[f'{side}/stack'].astype(np.float32)
     if not layers:
@@ -420,7 +438,7 @@ class Model:
     decoder side gets `text` and the encoder `source`.
     """
     inputs = self._hook_inputs(text, source, 'attention_maps')
-    maps = capture.attention_maps(self.cfg, self.params, inputs['inputs'],
+    maps = capture.attention_maps(self.cfg, self.weights, inputs['inputs'],
                                   decoder_inputs=inputs.get('decoder_inputs'))  # fmt: skip
     return {name: np.asarray(m)[0] for name, m in maps.items()}
 
@@ -435,7 +453,7 @@ class Model:
     EncoderDecoder: the decoder side gets `text` and the encoder `source`.
     """
     inputs = self._hook_inputs(text, source, 'run_with_cache')
-    logits, cache = hooks_lib.run_jit(self.cfg, self.params, inputs, names=names)
+    logits, cache = hooks_lib.run_jit(self.cfg, self.weights, inputs, names=names)
     return np.asarray(logits), {k: np.asarray(v) for k, v in cache.items()}
 
   def run_with_hooks(
@@ -445,7 +463,7 @@ class Model:
     which may read its activation or return a replacement (e.g. zero one head's hook_z).
     Pure and jit-compiled once per set of hook functions."""
     inputs = self._hook_inputs(text, source, 'run_with_hooks')
-    return np.asarray(hooks_lib.run_jit(self.cfg, self.params, inputs, hooks=hooks or {})[0])
+    return np.asarray(hooks_lib.run_jit(self.cfg, self.weights, inputs, hooks=hooks or {})[0])
 
   def _hook_inputs(self, text: Any, source: Any, method: str) -> dict[str, np.ndarray]:
     """Model inputs for one text or token rows: bos + ids (decoder side), source ids + eos."""
@@ -523,7 +541,7 @@ class Model:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _apply(module, params, *args, **kwargs):
-  return module.apply({'params': params}, *args, **kwargs).astype(jnp.float32)
+  return module.apply(models.variables(params), *args, **kwargs).astype(jnp.float32)
 
 
 def _special(tokenizer, name: str, default: int) -> int | None:

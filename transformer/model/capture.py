@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -41,7 +42,11 @@ def inspection_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def unscan_params(cfg: ModelConfig, params: Any) -> Any:
-  """Parameters of a `scan_layers` model ([layers, ...] under 'layers') as layer_0, layer_1, ..."""
+  """Parameters of a `scan_layers` model ([layers, ...] under 'layers') as layer_0, layer_1, ...
+
+  A variables dict (`models.variables`: params and a batchnorm model's running statistics) has
+  each of its collections converted.
+  """
   if not cfg.scan_layers:
     return params
 
@@ -59,6 +64,8 @@ def unscan_params(cfg: ModelConfig, params: Any) -> Any:
         out[key] = convert(value)
     return out
 
+  if isinstance(params, Mapping) and 'params' in params:  # a variables dict
+    return {collection: convert(dict(tree)) for collection, tree in params.items()}
   return convert(dict(params))
 
 
@@ -101,7 +108,7 @@ def _capture_fn(cfg: ModelConfig, with_attention: bool = True):
       return next_fun(*args, **kwargs)
 
     with nn.intercept_methods(interceptor):
-      logits = model.apply({'params': params}, **inputs, deterministic=True)  # [B, T, V]
+      logits = model.apply(models.variables(params), **inputs, deterministic=True)  # [B, T, V]
     return logits, attention, visible, attention_inputs, blocks, hidden
 
   return jax.jit(run)

@@ -7,6 +7,7 @@ rerun the decoder over the whole prefix at every step: slow, simple references f
 Prompts are right-padded and stay so in the cache: row b's token i sits in slot (and position)
 `start[b] + i`, so each row writes its own slot and sees slots <= its position. Beam search keeps
 `[B * W]` cache rows (example-major) and gathers them by parent beam after every step.
+Every `params` may also be a variables dict (a batchnorm model's, see `models.variables`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jax import lax
 from transformer.data import BOS_ID, EOS_ID, PAD_ID
 from transformer.model.attention import CacheMode
 from transformer.model.models import BidirectionalLM, CausalLM, EncoderDecoder
+from transformer.model.models import variables as models_variables
 
 Array = jax.Array
 _NEG_INF = -1.0e9  # score of an impossible hypothesis: finite, so sums never become NaN
@@ -170,7 +172,7 @@ def _slide(model, params, tokens, lengths, rng, knobs: _Knobs, opts: _Options) -
     window = jax.vmap(lambda row, b: lax.dynamic_slice(row, (b,), (context,)))(seq, begin)
     seen = lengths - begin  # [B] real tokens in the window
     segments = (columns[None] < seen[:, None]).astype(jnp.int32)  # [B, T]
-    logits = model.apply({'params': params}, window, segments=segments)  # [B, T, V]
+    logits = model.apply(models_variables(params), window, segments=segments)  # [B, T, V]
     last = jnp.take_along_axis(logits, (seen - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
     key = None if rng is None else jax.random.fold_in(rng, i)
     token = _choose(last.astype(jnp.float32), key, knobs, opts.sample)  # [B]
@@ -312,7 +314,7 @@ def prefill(
     per row, and generated token i of row b goes back in at position `start[b] + i`.
     Call it under `jax.jit`, as `translate` and `generate` do.
   """
-  variables = {'params': params}
+  variables = models_variables(params)
   repeat = lambda x: jnp.repeat(x, rows_per_example, axis=0)
   if isinstance(model, EncoderDecoder):
     segments = (tokens != PAD_ID).astype(jnp.int32)  # [B, S]
@@ -334,7 +336,7 @@ def prefill(
     def step(token, position, cache):
       token = token[:, None]  # [R, 1]
       logits, cache = model.apply(
-        {'params': params, 'cache': cache},
+        {**variables, 'cache': cache},
         encoded,  # unused: cross attention reads the keys/values cached at prefill
         segments,
         token,
@@ -366,7 +368,7 @@ def prefill(
   def step(token, position, cache):
     token = token[:, None]  # [R, 1]
     logits, cache = model.apply(
-      {'params': params, 'cache': cache},
+      {**variables, 'cache': cache},
       token,
       segments=jnp.ones_like(token),  # the new token is real; the cache slots mask the rest
       positions=position[:, None],  # [R, 1]: also the slot it is written to
@@ -554,7 +556,7 @@ def greedy_uncached_translate(model: Any, params: Any, inputs: Array, max_length
   Returns:
     [B, max_length] generated tokens; after eos everything is PAD_ID.
   """
-  variables = {'params': params}
+  variables = models_variables(params)
   segments = (inputs != PAD_ID).astype(jnp.int32)
   encoded = model.apply(variables, inputs, inputs_segments=segments, method=model.encode)
   batch = inputs.shape[0]
@@ -588,7 +590,7 @@ def greedy_uncached_continue(model: Any, params: Any, prompt: Array, max_new_tok
   Returns:
     [B, max_new_tokens] generated tokens; after eos everything is PAD_ID.
   """
-  variables = {'params': params}
+  variables = models_variables(params)
   batch, prompt_len = prompt.shape
   lengths = jnp.sum(prompt != PAD_ID, axis=1)  # [B]
   total = prompt_len + max_new_tokens

@@ -22,7 +22,8 @@ encoder-only model, with l the layer:
   blocks.{l}.mlp.hook_post      [B, T, F]  after it
   blocks.{l}.hook_mlp_out       [B, T, D]
   blocks.{l}.hook_resid_post    [B, T, D]  the block's output
-  ln_final.hook_scale           [B, T, 1]  1 / the final norm's divisor (pre-LN models; read only)
+  ln_final.hook_scale           [B, T, 1]  1 / the final norm's divisor (pre-LN models; read only;
+                                           none with norm='batchnorm', whose divisor is per feature)
 
 An encoder-decoder prefixes `encoder.` and `decoder.`, and its decoder blocks add the cross
 attention as `decoder.blocks.{l}.cross_attn.hook_*` and `decoder.blocks.{l}.hook_cross_attn_out`.
@@ -51,7 +52,7 @@ from transformer.model import positions as positions_lib
 from transformer.model.attention import MultiHeadAttention
 from transformer.model.capture import unscan_params
 from transformer.model.layers import Block, FeedForward
-from transformer.model.norms import Norm
+from transformer.model.norms import BatchNorm, Norm
 
 Array = jax.Array
 Hook = Callable[[Array, str], Array]
@@ -86,7 +87,7 @@ def hook_names(cfg: ModelConfig) -> list[str]:
   else:
     for layer in range(cfg.num_layers):
       names += block('', layer, False)
-  if cfg.norm_placement == 'pre':
+  if cfg.norm_placement == 'pre' and cfg.norm != 'batchnorm':
     names.append(('decoder.' if cfg.family == 'encoder_decoder' else '') + 'ln_final.hook_scale')
   return names
 
@@ -105,6 +106,11 @@ def select(
   names = list(names)
   known = set(every)
   for name in names:
+    if name.endswith('ln_final.hook_scale') and cfg.norm == 'batchnorm':
+      raise ValueError(
+        f"{name} is the per-token divisor of norm='layernorm' or 'rmsnorm'; this model's "
+        "norm='batchnorm' divides each feature by its running statistics, so it has no such hook"
+      )
     if name not in known:
       near = [n for n in every if n.split('.')[-1] == name.split('.')[-1]][:3] or every[:3]
       raise ValueError(
@@ -244,7 +250,8 @@ def _interceptor(cfg: ModelConfig, state: _State):
         h = state.see(mlp + 'hook_post', args[0])
         return next_fun(h, *args[1:], **kwargs)
 
-    if isinstance(module, Norm) and prefix is not None and cfg.norm_placement == 'post':
+    is_norm = isinstance(module, (Norm, BatchNorm))
+    if is_norm and prefix is not None and cfg.norm_placement == 'post':
       if name == 'self_attention_norm':  # post-LN: the normalised sum is the residual stream
         return state.see(prefix + 'hook_resid_mid', next_fun(*args, **kwargs))
     if isinstance(module, Norm) and name == 'final_norm':
@@ -279,7 +286,8 @@ def run(
 ) -> tuple[Array, dict[str, Array]]:
   """One forward pass of `cfg`'s model on `inputs` (its keyword arguments): (logits, {name:
   activation}) for the names asked for, with each hook in `hooks` applied where its name is
-  computed. Pure: call it under jax.jit or jax.grad."""
+  computed. `params` may be a variables dict (`models.variables`, a batchnorm model's). Pure:
+  call it under jax.jit or jax.grad."""
   keep = frozenset(select(cfg, names))
   hooks = dict(hooks or {})
   select(cfg, list(hooks))  # unknown hook names are one error
@@ -289,7 +297,8 @@ def run(
   model = models.build(hook_config(cfg))
   state = _State(keep, hooks)
   with nn.intercept_methods(_interceptor(cfg, state)):
-    logits = model.apply({'params': unscan_params(cfg, params)}, **inputs, deterministic=True)
+    variables = models.variables(unscan_params(cfg, params))
+    logits = model.apply(variables, **inputs, deterministic=True)
   return logits, dict(state.cache)
 
 

@@ -16,7 +16,7 @@ from transformer.config import ModelConfig
 from transformer.model import matmul
 from transformer.model import positions as positions_lib
 from transformer.model.attention import CacheMode, MaskSpec, MultiHeadAttention
-from transformer.model.norms import Norm
+from transformer.model.norms import BatchNorm, Norm
 
 Array = jax.Array
 
@@ -59,10 +59,30 @@ def embedding_init(cfg: ModelConfig) -> Callable:
 
 
 # Norms ---------------------------------------------------------------------------------------
-def make_norm(cfg: ModelConfig, name: str | None = None) -> Norm:
+def make_norm(cfg: ModelConfig, name: str | None = None) -> Norm | BatchNorm:
+  """The norm module of `cfg.norm`; call it through `apply_norm`, which feeds BatchNorm."""
+  if cfg.norm == 'batchnorm':
+    return BatchNorm(
+      cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, use_bias=cfg.norm_bias, name=name
+    )
   return Norm(
     cfg.norm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, use_bias=cfg.norm_bias, name=name
   )
+
+
+def apply_norm(
+  cfg: ModelConfig, name: str, x: Array, segments: Array | None, deterministic: bool
+) -> Array:
+  """The norm `name` of `cfg` on x [B, T, D] -> [B, T, D].
+
+  LayerNorm and RMSNorm work on each token alone. BatchNorm takes its statistics from the real
+  tokens of the batch (segment ids [B, T] > 0; None: all of them) while training (not
+  `deterministic`), and normalises by its running statistics otherwise.
+  """
+  norm = make_norm(cfg, name)
+  if isinstance(norm, BatchNorm):
+    return norm(x, segments, use_running_average=deterministic)
+  return norm(x)
 
 
 # Embeddings ----------------------------------------------------------------------------------
@@ -266,16 +286,18 @@ class Block(nn.Module):
     cfg = self.cfg
     out_init = residual_out_init(cfg, self.num_layers)
     drop = nn.Dropout(cfg.dropout_rate)
+    # x's tokens: segment ids [B, T], 0 = padding (BatchNorm's statistics skip those).
+    segments = None if self_mask is None else self_mask.q_segment_ids
 
     def sublayer(x, fn, name):  # [B, T, D] -> [B, T, D]
       # Pre-LN leaves the residual path un-normalised (stable deep stacks, needs a final norm);
       # post-LN normalises the sum, as in the 2017 paper.
       # residual=False ablates the skip connection: the sub-layer's output replaces x.
       skip = x if cfg.residual else 0
+      norm = lambda h: apply_norm(cfg, f'{name}_norm', h, segments, self.deterministic)
       if cfg.norm_placement == 'pre':
-        return skip + drop(fn(make_norm(cfg, f'{name}_norm')(x)), deterministic=self.deterministic)
-      y = skip + drop(fn(x), deterministic=self.deterministic)
-      return make_norm(cfg, f'{name}_norm')(y)
+        return skip + drop(fn(norm(x)), deterministic=self.deterministic)
+      return norm(skip + drop(fn(x), deterministic=self.deterministic))
 
     def attention(name, rope_alibi):
       rope = None
@@ -456,9 +478,12 @@ class Stack(nn.Module):
     # Scanning compiles one block and loops it L times (compile time independent of depth);
     # the Python loop unrolls L separate blocks.
     if cfg.scan_layers and self.num_layers:
+      axes = {'params': 0, 'cache': 0}  # each layer its own params and KV cache
+      if cfg.norm == 'batchnorm':
+        axes['batch_stats'] = 0  # and its own running statistics
       scanned = nn.scan(
         block,
-        variable_axes={'params': 0, 'cache': 0},  # each layer its own params and KV cache
+        variable_axes=axes,
         split_rngs={'params': True, 'dropout': True},  # each layer its own init and dropout
         in_axes=(nn.broadcast,) * 4,  # encoded, masks and positions: the same for every layer
         length=self.num_layers,
@@ -471,5 +496,6 @@ class Stack(nn.Module):
       for i in range(self.num_layers):
         x = block(**kwargs, name=f'layer_{i}')(x, encoded, self_mask, cross_mask, positions)
     if cfg.norm_placement == 'pre':  # pre-LN's residual stream was never normalised
-      x = make_norm(cfg, 'final_norm')(x)
+      segments = None if self_mask is None else self_mask.q_segment_ids  # [B, T]
+      x = apply_norm(cfg, 'final_norm', x, segments, deterministic)
     return x  # [B, T, D]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -41,9 +42,9 @@ from transformer.model.layers import (
   ACTIVATIONS,
   AddPositions,
   Stack,
+  apply_norm,
   kernel_init,
   make_embed,
-  make_norm,
 )
 
 Array = jax.Array
@@ -75,7 +76,10 @@ class Embedder(nn.Module):
   embed: nn.Module
 
   @nn.compact
-  def __call__(self, tokens, positions=None, token_types=None, *, deterministic: bool) -> Array:
+  def __call__(
+    self, tokens, positions=None, token_types=None, *, deterministic: bool, segments=None
+  ) -> Array:
+    """tokens [B, T]; segments [B, T] (0 = padding) for BatchNorm's statistics."""
     cfg = self.cfg
     x = self.embed(tokens)  # [B, T, D]
     x = AddPositions(cfg, name='positions')(x, positions)  # [B, T, D]; RoPE/ALiBi: unchanged
@@ -94,7 +98,7 @@ class Embedder(nn.Module):
       )
       x = x + types(token_types)  # [B, T, D]
     if cfg.embedding_norm:  # BERT normalises the summed embeddings
-      x = make_norm(cfg, 'norm')(x)
+      x = apply_norm(cfg, 'norm', x, segments, deterministic)
     # Logical axis names; config.mesh.rules map them to mesh axes (see transformer/sharding.py).
     x = sharding.constrain(x, ('batch', 'length', 'embed'))
     return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)  # [B, T, D]
@@ -112,7 +116,7 @@ class Encoder(nn.Module):
   ):
     cfg = self.cfg
     x = Embedder(cfg, self.embed, name='embedder')(
-      inputs, positions, token_types, deterministic=deterministic
+      inputs, positions, token_types, deterministic=deterministic, segments=segments
     )  # [B, S, D]
     # Not causal: a source token sees every token of its own segment (within cfg.window, if set).
     mask = MaskSpec(q_segment_ids=segments, kv_segment_ids=segments, window=cfg.window)
@@ -141,7 +145,7 @@ class Decoder(nn.Module):
     cache_mode: CacheMode | None = None,
   ) -> Array:
     x = Embedder(self.cfg, self.embed, name='embedder')(
-      tokens, positions, deterministic=deterministic
+      tokens, positions, deterministic=deterministic, segments=self_mask.q_segment_ids
     )  # [B, T, D]
     stack = Stack(self.cfg, self.num_layers, self.cross_attention, name='stack')
     # encoded [B, S, D] (None for CausalLM) -> [B, T, D]
@@ -381,7 +385,7 @@ class BidirectionalLM(nn.Module):
     # SwiGLU needs two projections, so this one-matrix head falls back to GELU.
     activation = 'gelu' if cfg.activation == 'swiglu' else cfg.activation
     h = ACTIVATIONS[activation](dense(cfg.d_model, 'mlm_dense')(x))  # [B, T, D]
-    h = make_norm(cfg, 'mlm_norm')(h)
+    h = apply_norm(cfg, 'mlm_norm', h, segments, deterministic)
     zeros = nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',))
     bias = self.param('mlm_bias', zeros, (cfg.vocab_size,), cfg.params_dtype)  # [V]
     if head_inputs:
@@ -410,10 +414,26 @@ def build(cfg: ModelConfig) -> nn.Module:
   return _FAMILIES[cfg.family](cfg)
 
 
+def init_variables(model: nn.Module, rng: Array, *, boxed: bool = False) -> dict[str, Any]:
+  """Fresh {'params': ...} of `model`, plus {'batch_stats': ...} (running mean 0, variance 1)
+  when model.norm='batchnorm'; plain arrays, or with `boxed`, with their logical axes."""
+  init = model.init(rng, **model.dummy_inputs())  # shapes do not depend on B or T
+  out = {k: init[k] for k in ('params', 'batch_stats') if k in init}
+  return out if boxed else nn.meta.unbox(out)
+
+
 def init_params(model: nn.Module, rng: Array, *, boxed: bool = False) -> Any:
   """Fresh parameters of `model`, as plain arrays (or, with `boxed`, with their logical axes)."""
-  params = model.init(rng, **model.dummy_inputs())['params']  # shapes do not depend on B or T
-  return params if boxed else nn.meta.unbox(params)
+  return init_variables(model, rng, boxed=boxed)['params']
+
+
+def variables(weights: Any) -> dict[str, Any]:
+  """The flax variables to apply a model with: a parameter tree becomes {'params': weights}; a
+  variables dict (one with a 'params' entry, such as a batchnorm model's {'params': ...,
+  'batch_stats': ...} from `training.state.weights`) is used as it is."""
+  if isinstance(weights, Mapping) and 'params' in weights:  # no module is named 'params'
+    return dict(weights)
+  return {'params': weights}
 
 
 def param_shapes(cfg: ModelConfig) -> Any:

@@ -1,4 +1,5 @@
-"""LayerNorm and RMSNorm with float32 statistics: the blocks' norms and Qwen3's per-head q/k."""
+"""LayerNorm and RMSNorm (per token) and BatchNorm (over the real tokens of a batch), all with
+float32 statistics: the blocks' norms and Qwen3's per-head q/k."""
 
 from __future__ import annotations
 
@@ -33,6 +34,75 @@ class Norm(nn.Module):
     ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
     y = y * self.param('scale', ones, (features,), self.param_dtype)
     if self.kind == 'layernorm' and self.use_bias:
+      zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
+      y = y + self.param('bias', zeros, (features,), self.param_dtype)
+    return y.astype(self.dtype)  # same shape as x, in the compute dtype
+
+
+# Running statistics: new = MOMENTUM * old + (1 - MOMENTUM) * the batch's (flax's default).
+BATCHNORM_MOMENTUM = 0.99
+
+
+class BatchNorm(nn.Module):
+  """BatchNorm over the real tokens of a batch: per-feature statistics over batch and time.
+
+  Training (`use_running_average=False`): each feature's mean and biased variance over every
+  token whose segment id is > 0 (padding, id 0, never enters them; `segments=None`: every token
+  is real), then the learned scale and bias. Where the 'batch_stats' collection is mutable (the
+  train step), the running mean and variance move toward the batch's by BATCHNORM_MOMENTUM;
+  where it is not (a diagnostic forward), they are neither read nor written. Evaluation,
+  decoding and inference (`use_running_average=True`) normalise by the running statistics
+  alone, so a token's output depends on no other token. Statistics are float32.
+  """
+
+  eps: float = 1e-6
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  axis_name: str = 'embed'  # logical axis of the normalised features
+  use_bias: bool = True
+  momentum: float = BATCHNORM_MOMENTUM
+
+  @nn.compact
+  def __call__(
+    self, x: Array, segments: Array | None = None, use_running_average: bool = True
+  ) -> Array:
+    """x [..., D] (e.g. [B, T, D]); segments [...] (e.g. [B, T]) int, 0 = padding. Returns x's
+    shape in the compute dtype."""
+    features = x.shape[-1]
+    x32 = x.astype(jnp.float32)  # [B, T, D]
+    initializing = self.is_initializing()
+    mutable = self.is_mutable_collection('batch_stats')
+    stats = None
+    if initializing or mutable or self.has_variable('batch_stats', 'mean'):
+      stat = lambda fill: nn.with_logical_partitioning(fill, (self.axis_name,))
+      stats = (
+        self.variable('batch_stats', 'mean', stat(jnp.zeros), (features,), jnp.float32),  # [D]
+        self.variable('batch_stats', 'var', stat(jnp.ones), (features,), jnp.float32),  # [D]
+      )
+    if use_running_average:
+      if stats is None:
+        raise ValueError(
+          f"norm='batchnorm' module {'/'.join(self.path)!r} normalises by its running statistics "
+          "outside training: apply the model with variables {'params': ..., 'batch_stats': ...} "
+          '(training.state.weights(state)), not the parameters alone'
+        )
+      mean, var = stats[0].value, stats[1].value  # [D], [D]
+    else:
+      real = jnp.ones(x.shape[:-1], bool) if segments is None else segments > 0  # [B, T]
+      real = jnp.broadcast_to(real, x.shape[:-1])[..., None]  # [B, T, 1]
+      axes = tuple(range(x.ndim - 1))  # every axis but the features: batch and time
+      count = jnp.maximum(real.sum(dtype=jnp.float32), 1.0)  # real tokens in the batch
+      # `where`, not a product: whatever padding holds (even inf or NaN) stays out.
+      mean = jnp.where(real, x32, 0.0).sum(axes) / count  # [D]
+      var = jnp.where(real, jnp.square(x32 - mean), 0.0).sum(axes) / count  # [D], biased
+      if mutable and not initializing:
+        m = self.momentum
+        stats[0].value = m * stats[0].value + (1 - m) * jax.lax.stop_gradient(mean)
+        stats[1].value = m * stats[1].value + (1 - m) * jax.lax.stop_gradient(var)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)  # [B, T, D]
+    ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
+    y = y * self.param('scale', ones, (features,), self.param_dtype)
+    if self.use_bias:
       zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
       y = y + self.param('bias', zeros, (features,), self.param_dtype)
     return y.astype(self.dtype)  # same shape as x, in the compute dtype

@@ -1,5 +1,6 @@
 """Checks of the `config.train` and `config.data` knobs that cannot work (zero intervals, negative
-counts, ...): one ValueError each, before any data work and before anything is written."""
+counts, a model norm the data layout cannot serve, ...): one ValueError each, before any data work
+and before anything is written."""
 
 from __future__ import annotations
 
@@ -58,6 +59,16 @@ def resolve_lengths(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
   return config
 
 
+def check_norm_data(config: ml_collections.ConfigDict) -> None:
+  """model.norm='batchnorm' takes its statistics over whole examples: no packed rows."""
+  if config.model.get('norm') == 'batchnorm' and config.data.get('pack'):
+    raise ValueError(
+      "data.pack=True puts several examples in one row, and model.norm='batchnorm' would then "
+      'take its statistics over a mix of examples; use data.pack=False with batchnorm, or '
+      "model.norm='layernorm' or 'rmsnorm' with packing"
+    )
+
+
 def check_config(config: ml_collections.ConfigDict) -> None:
   """Raises one ValueError naming the first bad `train.*` or `data.*` knob of `config`."""
   resolve_lengths(config)
@@ -75,5 +86,6 @@ def check_config(config: ml_collections.ConfigDict) -> None:
       f'train.induction_every={tcfg.induction_every} probes next-token heads; it needs '
       f"model.family='causal_lm', not {config.model.get('family')!r}"
     )
+  check_norm_data(config)
   faults.check_config(tcfg)
   check_data_config(config.data)

@@ -30,7 +30,7 @@ from transformer.training.faults import (  # noqa: F401 - the loop's outcomes
 )
 from transformer.training.progress import Progress
 from transformer.training.run import Run
-from transformer.training.state import TrainState, model_inputs
+from transformer.training.state import TrainState, model_inputs, weights
 
 Array = jax.Array
 
@@ -355,14 +355,14 @@ class _Loop:
     entropy_every = tcfg.get('head_entropy_every', 0)
     if entropy_every and step % entropy_every == 0:  # attention entropy per head, on this batch
       inputs = model_inputs(self.run.family, host_batch)
-      log_head_entropy(self.writer, self.run.model_cfg, state.params, inputs, step)
+      log_head_entropy(self.writer, self.run.model_cfg, weights(state), inputs, step)
     induction_every = tcfg.get('induction_every', 0)
     if induction_every and (step % induction_every == 0 or step == 1):
-      log_induction(self.writer, self.metrics_log, self.run.model_cfg, state.params, host_batch,
+      log_induction(self.writer, self.metrics_log, self.run.model_cfg, weights(state), host_batch,
                     step)  # fmt: skip
     if step % tcfg.eval_every == 0 or last:
       self.progress.close()
-      self.eval_metrics, samples = self.run.evaluate(state.params)
+      self.eval_metrics, samples = self.run.evaluate(weights(state))
       util.release_host_memory()  # the eval step's compile, and its buffers
       _report_eval(self.writer, step, self.eval_metrics, samples[: tcfg.num_samples])
       self.metrics_log.write(step, 'eval', util.jsonable(self.eval_metrics))

@@ -13,7 +13,13 @@ from transformer import data, sharding
 from transformer.config import ModelConfig
 from transformer.model import decode, models, objectives
 from transformer.training import knobs, optim, steps
-from transformer.training.state import TrainState, create_state, optim_config, resolve_model_config
+from transformer.training.state import (
+  TrainState,
+  create_state,
+  optim_config,
+  resolve_model_config,
+  weights,
+)
 
 Array = jax.Array
 
@@ -62,6 +68,7 @@ class Run:
     self.partitioner = sharding.Partitioner.from_config(config.get('mesh'), devices)
     self.task = None
     if with_data:
+      knobs.check_norm_data(config)  # before the data task is built
       _check_batch_sizes(config.data, self.partitioner)
       self.task = data.build(
         config.data,
@@ -102,6 +109,8 @@ class Run:
       jax.eval_shape(new_state, self._seed), self.state_shardings
     )
     self.param_shardings = self.state_shardings.params
+    # What evaluation and decoding take: the parameters (+ a batchnorm model's running stats).
+    self.weight_shardings = weights(self.state_shardings)
     # Outside the mesh context: flax would constrain DenseGeneral's flat init shapes.
     self._init_state = jax.jit(new_state, out_shardings=self.state_shardings)
     batch, rep = p.batch_sharding(), p.replicated
@@ -124,23 +133,23 @@ class Run:
     )
     self.eval_step = p.jit(
       functools.partial(steps.eval_step, model=self.model, family=self.family),
-      in_shardings=(self.param_shardings, batch),
+      in_shardings=(self.weight_shardings, batch),
       out_shardings=rep,
     )
     max_len = config.train.max_decode_length
     self._translate = p.jit(
       lambda params, inputs: decode.greedy_translate(self.model, params, inputs, max_len),
-      in_shardings=(self.param_shardings, rep),
+      in_shardings=(self.weight_shardings, rep),
       out_shardings=rep,
     )
     self._continue = p.jit(
       lambda params, prompt: decode.greedy_continue(self.model, params, prompt, max_len),
-      in_shardings=(self.param_shardings, rep),
+      in_shardings=(self.weight_shardings, rep),
       out_shardings=rep,
     )
     self.token_nll = p.jit(
       functools.partial(steps.token_nll, self.model),
-      in_shardings=(self.param_shardings, rep, rep),
+      in_shardings=(self.weight_shardings, rep, rep),
       out_shardings=rep,
     )
 
@@ -160,7 +169,9 @@ class Run:
   def evaluate(self, params, num_decode: int | None = None) -> tuple[dict, list[tuple]]:
     """Loss/accuracy/perplexity over the eval set, plus BLEU/exact match for translation.
 
-    Returns (metrics, samples) where samples are (source, reference, output) strings.
+    `params`: `state.weights(state)`, the parameters plus a batchnorm model's running statistics
+    (the parameters alone for every other model). Returns (metrics, samples) where samples are
+    (source, reference, output) strings.
     """
     metrics = self._scores(params, self.task.eval_batches())
     tcfg = self.config.train

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from transformer.model import objectives
+from transformer.model import models, objectives
 from transformer.training.state import TrainState, model_inputs
 
 Array = jax.Array
@@ -40,36 +40,43 @@ def train_step(
   micro-batches give exactly the update of one batch k times larger. With `loss_chunk_size`, the
   tied output head and the loss run fused in vocabulary chunks of that size
   (`objectives.head_cross_entropy`): the same loss and gradients without the [B, T, V] logits.
+
+  A batchnorm model (a BatchNormTrainState) normalises each micro-batch by its own real tokens'
+  statistics and moves the running statistics once per micro-batch; a non-finite step keeps
+  them as they were, as it keeps the parameters.
   """
   dropout_rng = jax.random.fold_in(rng, state.step)
+  stats = getattr(state, 'batch_stats', None)  # running statistics; None without batchnorm
 
-  def micro_step(params, micro, micro_rng):
+  def micro_step(params, stats, micro, micro_rng):
     def loss_fn(p):
-      sums = loss_sums(
-        model, family, p, micro, micro_rng, label_smoothing=label_smoothing,
-        loss_chunk_size=loss_chunk_size,
+      sums, new_stats = loss_and_stats(
+        model, family, p if stats is None else {'params': p, 'batch_stats': stats}, micro,
+        micro_rng, label_smoothing=label_smoothing, loss_chunk_size=loss_chunk_size,
       )  # fmt: skip
       # Normalise by a static size so fp16 gradients stay in range; undone below.
-      return sums['loss'] * state.loss_scale / micro['weights'].size, sums
+      return sums['loss'] * state.loss_scale / micro['weights'].size, (sums, new_stats)
 
-    grads, sums = jax.grad(loss_fn, has_aux=True)(params)
+    grads, (sums, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
     grads = jax.tree_util.tree_map(lambda g: g * (micro['weights'].size / state.loss_scale), grads)
-    return grads, sums
+    return grads, sums, new_stats
 
   if accum_steps == 1:
-    grads, sums = micro_step(state.params, batch, dropout_rng)
+    grads, sums, new_stats = micro_step(state.params, stats, batch, dropout_rng)
   else:
     micros = _micro_batches(batch, accum_steps)
 
     def body(carry, xs):
+      totals, stats = carry
       micro, index = xs
-      g, s = micro_step(state.params, micro, jax.random.fold_in(dropout_rng, index))
-      return jax.tree_util.tree_map(jnp.add, carry, (g, s)), None
+      g, s, stats = micro_step(state.params, stats, micro, jax.random.fold_in(dropout_rng, index))
+      return (jax.tree_util.tree_map(jnp.add, totals, (g, s)), stats), None
 
-    zeros = jax.tree_util.tree_map(
-      jnp.zeros_like, jax.eval_shape(micro_step, state.params, batch_slice(micros), dropout_rng)
+    shapes = jax.eval_shape(micro_step, state.params, stats, batch_slice(micros), dropout_rng)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, shapes[:2])
+    ((grads, sums), new_stats), _ = jax.lax.scan(
+      body, (zeros, stats), (micros, jnp.arange(accum_steps))
     )
-    (grads, sums), _ = jax.lax.scan(body, zeros, (micros, jnp.arange(accum_steps)))
 
   denominator = jnp.maximum(sums['denominator'], 1.0)
   grads = jax.tree_util.tree_map(lambda g: g / denominator, grads)  # gradient of the mean loss
@@ -93,6 +100,11 @@ def train_step(
     new_params, new_opt_state = update(grads, state.params, state.opt_state)
     keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
     params, opt_state = keep(new_params, state.params), keep(new_opt_state, state.opt_state)
+  changes = {}
+  if stats is not None:  # small [D] vectors: a select on every backend
+    changes['batch_stats'] = jax.tree_util.tree_map(
+      lambda new, old: jnp.where(finite, new, old), new_stats, stats
+    )
   loss_scale, good_steps = state.loss_scale, state.good_steps
   if dynamic_scale:  # float16: halve the scale after a non-finite step; double it after good ones
     grow = good_steps + 1 >= scale_period
@@ -113,6 +125,7 @@ def train_step(
     opt_state=opt_state,
     loss_scale=loss_scale,
     good_steps=good_steps,
+    **changes,
   )
   return new_state, metrics
 
@@ -134,20 +147,45 @@ def loss_sums(
 ) -> dict[str, Array]:
   """The summed training loss of one batch in training mode (dropout from `rng`), with the fused
   head and loss when `loss_chunk_size` is set: what `train_step` differentiates."""
+  return loss_and_stats(
+    model, family, params, batch, rng, label_smoothing=label_smoothing,
+    loss_chunk_size=loss_chunk_size,
+  )[0]  # fmt: skip
+
+
+def loss_and_stats(
+  model: Any,
+  family: str,
+  weights: Any,
+  batch: dict[str, Array],
+  rng: Array,
+  *,
+  label_smoothing: float,
+  loss_chunk_size: int | None,
+) -> tuple[dict[str, Array], Any]:
+  """`loss_sums`, plus the running statistics after this batch when `weights` are a batchnorm
+  model's variables {'params': ..., 'batch_stats': ...} (None otherwise)."""
+  variables = models.variables(weights)
+  mutable = ['batch_stats'] if 'batch_stats' in variables else False
   out = model.apply(
-    {'params': params},
+    variables,
     **model_inputs(family, batch),
     deterministic=False,
     rngs={'dropout': rng},
+    mutable=mutable,
     **({'head_inputs': True} if loss_chunk_size else {}),
   )
+  out, updated = out if mutable else (out, {})
+  stats = updated.get('batch_stats')
   if loss_chunk_size:  # out: HeadInputs(hidden [B, T, D], table [V, D], bias [V] | None)
-    return objectives.head_cross_entropy(
+    sums = objectives.head_cross_entropy(
       *out, batch['targets'], batch['weights'], label_smoothing, loss_chunk_size
     )
-  return objectives.compute_metrics(  # out: logits [B, T, V]
+    return sums, stats
+  sums = objectives.compute_metrics(  # out: logits [B, T, V]
     out, batch['targets'], batch['weights'], label_smoothing, accuracy=False
   )
+  return sums, stats
 
 
 def batch_slice(micros: dict[str, Array]) -> dict[str, Array]:
@@ -156,13 +194,17 @@ def batch_slice(micros: dict[str, Array]) -> dict[str, Array]:
 
 
 def eval_step(params: Any, batch: dict[str, Array], *, model: Any, family: str) -> dict:
-  """Summed loss, nll, correct and denominator over one eval batch (no label smoothing)."""
-  logits = model.apply({'params': params}, **model_inputs(family, batch), deterministic=True)
+  """Summed loss, nll, correct and denominator over one eval batch (no label smoothing).
+
+  `params`: `state.weights(state)` (a batchnorm model's include its running statistics).
+  """
+  variables = models.variables(params)
+  logits = model.apply(variables, **model_inputs(family, batch), deterministic=True)
   return objectives.compute_metrics(logits, batch['targets'], batch['weights'])
 
 
 def token_nll(model, params, inputs, targets):
   """Per-token negative log-likelihood [B, T] of `targets` given `inputs`."""
-  logits = model.apply({'params': params}, inputs).astype(jnp.float32)  # [B, T, V]
+  logits = model.apply(models.variables(params), inputs).astype(jnp.float32)  # [B, T, V]
   logp = jax.nn.log_softmax(logits)
   return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T]
