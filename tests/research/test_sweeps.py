@@ -450,11 +450,14 @@ def test_rejudge_applies_the_sweep_files_current_rules_to_recorded_runs(finished
     "    preconditions=[dict(name='learns', kind='at_most', metric='eval.loss', "
     "variants=['scaled'], value=0.01)],\n"
   )
+  text = _TINY_SWEEP.replace('    plots=[', pre + '    plots=[')
+  text = text.replace("metrics=['eval.loss', 'train.loss'],", "metrics=['eval.loss'],")
   with open(path, 'w') as f:
-    f.write(_TINY_SWEEP.replace('    plots=[', pre + '    plots=['))
+    f.write(text)
   revision = sweeps.rejudge(str(workdir), allow_dirty=True)
   meta = json.loads((workdir / 'sweep.json').read_text())
   assert meta['preconditions'][0]['name'] == 'learns' and meta['rules_revision'] == revision
+  assert meta['metrics'] == ['eval.loss']  # the compared columns follow the file too
   text = open(report.write_report(str(workdir))).read()
   assert f'**Verdict: {verdicts.INCONCLUSIVE}.**' in text
   assert f'applies the rules of `{path}` at revision `{revision}`' in text

@@ -426,10 +426,10 @@ def regenerate(
 
 
 def rejudge(workdir: str, allow_dirty: bool = False) -> str:
-  """Replaces the claim, description, rules, preconditions and plots recorded in sweep.json by
-  those its sweep file states now, and records the revision they come from (`rules_revision`):
-  the recorded numbers stay as they were run; only the judging (and the words) change. Returns
-  that revision.
+  """Replaces the claim, description, compared metrics, rules, preconditions and plots recorded in
+  sweep.json by those its sweep file states now, and records the revision they come from
+  (`rules_revision`): the recorded numbers stay as they were run; only the judging (and the words)
+  change. Returns that revision.
 
   Raises:
     ValueError: no results there, or (without `allow_dirty`) a source tree with changes.
@@ -440,6 +440,7 @@ def rejudge(workdir: str, allow_dirty: bool = False) -> str:
   meta.update(
     claim=sweep.claim,
     description=sweep.description,
+    metrics=list(sweep.metrics),
     rules=list(sweep.rules),
     preconditions=list(sweep.preconditions),
     plots=list(sweep.plots),
