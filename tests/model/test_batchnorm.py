@@ -91,7 +91,7 @@ def test_padded_values_change_nothing_at_real_positions():
 
 
 def test_running_statistics_move_by_the_momentum_after_one_and_two_steps():
-  assert BATCHNORM_MOMENTUM == 0.99  # flax's default
+  assert BATCHNORM_MOMENTUM == 0.9  # PyTorch's default (its momentum=0.1)
   m = BATCHNORM_MOMENTUM
   params = _params(1, True)
   first, second = (_inputs(0), _segments()), (_inputs(2), _segments((5, 2, 6)))
