@@ -18,7 +18,7 @@ from transformer import data
 from transformer.data import batching
 from transformer.data import grammar as grammar_lib
 from transformer.data import number_words as numbers_lib
-from transformer.model import decode
+from transformer.model import decode, models
 from transformer.research import measures
 from transformer.training.state import model_inputs
 
@@ -31,7 +31,7 @@ _SAMPLES = 4  # wrong translations per digit count written to ood_samples.md
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _token_scores(model, family: str, params, batch: dict) -> tuple[jax.Array, jax.Array]:
   """Per-token nll [B, T] (nats) and argmax hits [B, T] of batch['targets'], teacher forced."""
-  logits = model.apply({'params': params}, **model_inputs(family, batch), deterministic=True)
+  logits = model.apply(models.variables(params), **model_inputs(family, batch), deterministic=True)
   logp = jax.nn.log_softmax(logits.astype(jnp.float32))  # [B, T, V]
   nll = -jnp.take_along_axis(logp, batch['targets'][..., None], axis=-1)[..., 0]
   return nll, jnp.argmax(logits, axis=-1) == batch['targets']

@@ -42,6 +42,7 @@ from transformer.research.results import (
 from transformer.research.spec import Sweep, resolve_config, resolve_measure, select_variants
 from transformer.training import faults
 from transformer.training.loop import train_and_evaluate
+from transformer.training.state import weights
 from transformer.training.workdir import load_run
 
 WORKER_MODULE = 'experiments.sweep'  # `python -m` entry point that runs one (variant, seed)
@@ -119,11 +120,12 @@ class MeasureContext:
   trained: bool
 
   def load(self):
-    """(Run, params): this run's config (its eval overrides included) and trained params."""
+    """(Run, weights): this run's config (its eval overrides included) and trained weights: the
+    parameters, plus a batchnorm model's running statistics (`training.state.weights`)."""
     if not os.path.exists(os.path.join(self.checkpoint_dir, 'config.json')):
       raise ValueError(f'no trained run in {self.checkpoint_dir!r} (no config.json)')
     run, state, _ = load_run(self.checkpoint_dir, config=self.config)
-    return run, state.params
+    return run, weights(state)
 
 
 def finished_result(
