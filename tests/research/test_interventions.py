@@ -190,3 +190,22 @@ def test_detectors_score_textbook_patterns_and_the_induction_loss_is_measured(hf
   out = iv.head_detectors(cfg, params, length=6, batch=2)
   assert out['induction'].shape == (cfg.num_layers, cfg.num_heads)
   assert np.isfinite(out['induction_loss']) and out['induction_loss'] > 0
+
+
+def test_logit_diff_and_attribution_take_one_target_pair_per_row(hf_pair):
+  """IOI-style batches: each row compares its own two names."""
+  _, cfg, params = hf_pair['gpt2']
+  inputs = _prompts(5)[0]
+  good, bad = np.array([7, 3]), np.array([11, 9])
+  logits = np.asarray(hooks.run(cfg, params, inputs)[0], np.float64)
+  rows = [logits[0, -1, 7] - logits[0, -1, 11], logits[1, -1, 3] - logits[1, -1, 9]]
+  got = float(iv.logit_diff(-1, good, bad)(jnp.asarray(logits)))
+  assert got == pytest.approx(np.mean(rows), rel=1e-5)
+  parts = iv.direct_logit_attribution(cfg, params, inputs, -1, good, bad)
+  np.testing.assert_allclose(parts['total'], rows, rtol=1e-4, atol=1e-4)
+  for row in range(2):  # the same as attributing each row alone with its own pair
+    alone = iv.direct_logit_attribution(
+      cfg, params, {'inputs': inputs['inputs'][row : row + 1]}, -1, int(good[row]), int(bad[row])
+    )
+    for name, value in alone.items():
+      assert parts[name][row] == pytest.approx(value[0], rel=1e-4, abs=1e-5), name

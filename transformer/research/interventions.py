@@ -31,9 +31,17 @@ PATCHABLE = {
 ABLATIONS = ('zero', 'mean', 'resample')
 
 
-def logit_diff(position: int, good: int, bad: int) -> Metric:
-  """Mean over rows of logit[good] - logit[bad] at `position` (negative counts from the end)."""
-  return lambda logits: jnp.mean(logits[:, position, good] - logits[:, position, bad])
+def logit_diff(position: int, good: Any, bad: Any) -> Metric:
+  """Mean over rows of logit[good] - logit[bad] at `position` (negative counts from the end).
+  `good` and `bad` are token ids, or one id per row ([B], as in IOI: each prompt's own names)."""
+  good, bad = jnp.asarray(good, jnp.int32), jnp.asarray(bad, jnp.int32)
+
+  def metric(logits):
+    last = logits[:, position]  # [B, V]
+    pick = lambda ids: jnp.take_along_axis(last, jnp.broadcast_to(ids, last.shape[:1])[:, None], 1)
+    return jnp.mean(pick(good) - pick(bad))
+
+  return metric
 
 
 def _check_heads(cfg: ModelConfig, heads: Sequence[tuple[int, int]]) -> None:
@@ -159,12 +167,13 @@ def attribution_patching(
 
 
 def direct_logit_attribution(
-  cfg: ModelConfig, params: Any, inputs: dict, position: int, good: int, bad: int
+  cfg: ModelConfig, params: Any, inputs: dict, position: int, good: Any, bad: Any
 ) -> dict[str, np.ndarray]:
   """The logit difference logit[good] - logit[bad] at `position`, split over what wrote to the
   residual stream: the embeddings, every head, each attention's output bias, every MLP, and the
   final norm's bias. Each part goes through the final norm with its cached scale (centred for a
-  LayerNorm) and the unembedding, so the parts sum to the logit difference. {part: [B]}."""
+  LayerNorm) and the unembedding, so the parts sum to the logit difference. {part: [B]}.
+  `good` and `bad` are token ids, or one id per row ([B])."""
   if cfg.family != 'causal_lm' or cfg.norm_placement != 'pre' or not cfg.residual:
     raise ValueError(
       'direct_logit_attribution splits the residual stream of a pre-LN causal_lm model; this one '
@@ -178,7 +187,10 @@ def direct_logit_attribution(
   module = models.build(hooks.hook_config(cfg))
   D = cfg.d_model
   unembed = module.apply({'params': params}, jnp.eye(D)[None], method=lambda m, x: m.head(x))[0]
-  direction = np.asarray(unembed[:, good] - unembed[:, bad], np.float64)  # [D]
+  B = int(np.shape(inputs['inputs'])[0])
+  good, bad = (np.broadcast_to(np.asarray(x, np.int64), (B,)) for x in (good, bad))
+  unembed = np.asarray(unembed, np.float64)
+  direction = unembed[:, good].T - unembed[:, bad].T  # [B, D]: each row's own target pair
   norm = params['decoder']['stack']['final_norm']
   w = np.asarray(norm['scale'], np.float64)
   scale = np.asarray(cache['ln_final.hook_scale'], np.float64)[:, position]  # [B, 1]
@@ -187,7 +199,7 @@ def direct_logit_attribution(
     x = np.asarray(x, np.float64)
     if cfg.norm == 'layernorm':
       x = x - x.mean(-1, keepdims=True)
-    return (x * scale * w) @ direction
+    return ((x * scale * w) * direction).sum(-1)
 
   parts = {'embed': through(cache['blocks.0.hook_resid_pre'][:, position])}
   for layer in range(L):
@@ -202,8 +214,9 @@ def direct_logit_attribution(
     if cfg.d_ff:
       parts[f'blocks.{layer}.mlp'] = through(cache[f'blocks.{layer}.hook_mlp_out'][:, position])
   if 'bias' in norm:
-    parts['ln_final.bias'] = np.full(z.shape[0], np.asarray(norm['bias'], np.float64) @ direction)
-  parts['total'] = np.asarray(logits[:, position, good] - logits[:, position, bad], np.float64)
+    parts['ln_final.bias'] = direction @ np.asarray(norm['bias'], np.float64)
+  last = np.asarray(logits[:, position], np.float64)  # [B, V]
+  parts['total'] = last[np.arange(B), good] - last[np.arange(B), bad]
   return parts
 
 
@@ -222,7 +235,8 @@ def head_detectors(
 
 
 # The report of a clean and a corrupted prompt (experiments.inspect --corrupt) -----------------
-def _heatmap(values: np.ndarray, path: str, title: str, xlabel: str, xticks=None) -> str:
+def heatmap(values: np.ndarray, path: str, title: str, xlabel: str, xticks=None) -> str:
+  """Saves [L, X] values as a heatmap, one row a layer, red/blue around 0; returns the file name."""
   from transformer import util
 
   plt = util.pyplot()
@@ -241,7 +255,8 @@ def _heatmap(values: np.ndarray, path: str, title: str, xlabel: str, xticks=None
   return os.path.basename(path)
 
 
-def _bars(parts: dict[str, float], path: str, title: str) -> str:
+def bars(parts: dict[str, float], path: str, title: str) -> str:
+  """Saves {name: value} as a bar chart; returns the file name."""
   from transformer import util
 
   plt = util.pyplot()
@@ -301,7 +316,7 @@ def corruption_report(model: Any, clean: list[int], corrupt: list[int], labels, 
       continue  # attention only
     values = (patching(cfg, params, clean_in, corr_in, metric, activation) - corr_m) / span
     ticks = labels[0] if xlabel == 'position' else None
-    file = _heatmap(values, os.path.join(out, f'patch_{activation}.png'),
+    file = heatmap(values, os.path.join(out, f'patch_{activation}.png'),
                     f'patching {activation}', xlabel, ticks)  # fmt: skip
     lines += [
       f'## Patching `{activation}` by layer and {xlabel}',
@@ -314,14 +329,14 @@ def corruption_report(model: Any, clean: list[int], corrupt: list[int], labels, 
     for head in range(cfg.num_heads):
       logits = ablate_heads(cfg, params, clean_in, [(layer, head)])
       effect[layer, head] = float(metric(logits)) - clean_m
-  file = _heatmap(effect, os.path.join(out, 'ablation.png'), 'zero-ablating one head', 'head')
+  file = heatmap(effect, os.path.join(out, 'ablation.png'), 'zero-ablating one head', 'head')
   lines += ['## Zero-ablating each head (change of the clean metric)', '', f'![ablation]({file})']
   lines.append('')
   if cfg.norm_placement == 'pre':
     parts = direct_logit_attribution(cfg, params, clean_in, -1, good, bad)
     total = float(parts.pop('total')[0])
     parts = {k: float(v[0]) for k, v in parts.items()}
-    file = _bars(parts, os.path.join(out, 'dla.png'), f'direct logit attribution (sum {total:.3f})')
+    file = bars(parts, os.path.join(out, 'dla.png'), f'direct logit attribution (sum {total:.3f})')
     top = sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:5]
     lines += ['## Direct logit attribution on the clean prompt', '', f'![dla]({file})', '']
     lines += ['Largest parts: ' + ', '.join(f'{k} {v:+.3f}' for k, v in top), '']
