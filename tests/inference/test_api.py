@@ -1,6 +1,7 @@
 """transformer.load and Model: reload a workdir in one call and use it; the explore notebook."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -141,6 +142,10 @@ def test_explore_notebook_runs_top_to_bottom(tmp_path, tiny_config):
   text = ''.join(o.get('text', '') for o in outputs if o.output_type == 'stream')
   assert 'step 2' in text and 'perplexity' in text
   assert any('image/png' in o.get('data', {}) for o in outputs)  # the attention map plot
+  # The dissection cells: a cache, patching, ablation, and attribution parts that add up.
+  assert 'logit difference: clean' in text and 'mean-ablating one head' in text
+  sums = re.search(r'the parts sum to (\S+), the logit difference is (\S+)', text)
+  assert sums and float(sums[1]) == pytest.approx(float(sums[2]), abs=2e-3)
 
 
 def test_attention_maps_are_causal_distributions(gpt, translator):
