@@ -147,7 +147,7 @@ def dissect(cfg, params, p: Prompts, out: str | None = None) -> dict:
   from transformer.research import interventions as iv
 
   clean, corrupt = {'inputs': jnp.asarray(p.clean)}, {'inputs': jnp.asarray(p.corrupt)}
-  B, L, N = p.clean.shape[0], cfg.num_layers, cfg.num_heads
+  B, L = p.clean.shape[0], cfg.num_layers
   metric = iv.logit_diff(-1, p.io, p.s)
   rows = np.arange(B)
 
@@ -174,13 +174,8 @@ def dissect(cfg, params, p: Prompts, out: str | None = None) -> dict:
   approx = iv.attribution_patching(cfg, params, clean, corrupt, metric, 'z')
   r['attrib_z'] = (approx - r['corrupt']) / span
   r['attrib_r'] = float(np.corrcoef(r['attrib_z'].ravel(), r['patch_z'].ravel())[0, 1])
-  for mode in ('zero', 'mean'):
-    effect = np.zeros((L, N))
-    for layer in range(L):
-      for head in range(N):
-        logits = iv.ablate_heads(cfg, params, clean, [(layer, head)], mode, reference=clean)
-        effect[layer, head] = float(metric(logits)) - r['clean']
-    r[f'ablate_{mode}'] = effect
+  for mode in ('zero', 'mean'):  # mean: each head's mean output over the clean prompts
+    r[f'ablate_{mode}'] = iv.head_ablation_effects(cfg, params, clean, metric, mode, clean)
   parts = iv.direct_logit_attribution(cfg, params, clean, -1, p.io, p.s)
   total = parts.pop('total')
   r['dla'] = {k: float(v.mean()) for k, v in parts.items()}

@@ -209,3 +209,22 @@ def test_logit_diff_and_attribution_take_one_target_pair_per_row(hf_pair):
     )
     for name, value in alone.items():
       assert parts[name][row] == pytest.approx(value[0], rel=1e-4, abs=1e-5), name
+
+
+def test_head_ablation_effects_equal_ablating_each_head_alone(hf_pair):
+  _, cfg, params = hf_pair['llama']
+  inputs, reference = _prompts(6)
+  metric = iv.logit_diff(-1, 3, 8)
+  base = float(metric(hooks.run(cfg, params, inputs)[0]))
+  for mode in ('zero', 'mean', 'resample'):
+    got = iv.head_ablation_effects(cfg, params, inputs, metric, mode, reference, seed=2)
+    assert got.shape == (cfg.num_layers, cfg.num_heads)
+    for layer in range(cfg.num_layers):
+      for head in range(cfg.num_heads):
+        one = iv.ablate_heads(cfg, params, inputs, [(layer, head)], mode, reference, seed=2)
+        assert got[layer, head] == pytest.approx(float(metric(one)) - base, abs=2e-4), (mode, head)
+    assert np.abs(got).max() > 1e-3
+  with pytest.raises(ValueError, match='the reference batch has rows of 5 tokens and the input 8'):
+    iv.head_ablation_effects(
+      cfg, params, inputs, metric, 'mean', {'inputs': reference['inputs'][:, :5]}
+    )

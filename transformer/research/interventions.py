@@ -53,6 +53,34 @@ def _check_heads(cfg: ModelConfig, heads: Sequence[tuple[int, int]]) -> None:
       )
 
 
+def _ablation_source(cfg, params, inputs, layers, mode, reference, seed) -> Callable:
+  """fn(z, name) -> what replaces every head of hook_z `name` under `mode` (the caller picks the
+  heads): zeros, the mean over the rows of `reference` (per position), or a random reference
+  row's."""
+  if mode not in ABLATIONS:
+    raise ValueError(f'mode={mode!r} is not valid; choose one of {ABLATIONS}')
+  ref = None
+  if mode != 'zero':
+    if reference is None:
+      raise ValueError(f"mode={mode!r} needs a reference batch (reference={{'inputs': ...}})")
+    names = [f'blocks.{layer}.attn.hook_z' for layer in layers]
+    ref = hooks.run_jit(cfg, params, reference, names=names)[1]
+    T_ref, T = int(np.shape(reference['inputs'])[1]), int(np.shape(inputs['inputs'])[1])
+    if T_ref != T:
+      raise ValueError(f'the reference batch has rows of {T_ref} tokens and the input {T}')
+  rows = np.random.default_rng(seed).integers(0, 1 << 30, int(np.shape(inputs['inputs'])[0]))
+
+  def new(z, name):
+    if mode == 'zero':
+      return jnp.zeros_like(z)
+    other = ref[name]  # [B', T, N, H]
+    if mode == 'mean':
+      return jnp.broadcast_to(other.mean(0), z.shape)
+    return other[rows % other.shape[0]]
+
+  return new
+
+
 def ablate_heads(
   cfg: ModelConfig,
   params: Any,
@@ -64,42 +92,43 @@ def ablate_heads(
 ) -> jax.Array:
   """Logits with the outputs (hook_z) of `heads` [(layer, head), ...] replaced: by zeros, by their
   mean over the rows of a `reference` batch (per position), or by a random reference row's."""
-  if mode not in ABLATIONS:
-    raise ValueError(f'mode={mode!r} is not valid; choose one of {ABLATIONS}')
   _check_heads(cfg, heads)
   layers = sorted({layer for layer, _ in heads})
-  names = [f'blocks.{layer}.attn.hook_z' for layer in layers]
-  ref = None
-  if mode != 'zero':
-    if reference is None:
-      raise ValueError(f"mode={mode!r} needs a reference batch (reference={{'inputs': ...}})")
-    ref = hooks.run_jit(cfg, params, reference, names=names)[1]
-  B = int(np.shape(inputs['inputs'])[0])
-  rows = np.random.default_rng(seed).integers(0, 1 << 30, B)
+  new = _ablation_source(cfg, params, inputs, layers, mode, reference, seed)
 
   def replace(layer):
     which = [h for l_, h in heads if l_ == layer]
-
-    def fn(z, name):
-      if mode == 'zero':
-        new = jnp.zeros_like(z)
-      else:
-        other = ref[name]  # [B', T, N, H]
-        if other.shape[1:] != z.shape[1:]:
-          raise ValueError(
-            f'the reference batch has rows of {other.shape[1]} tokens and the input {z.shape[1]}'
-          )
-        new = (
-          jnp.broadcast_to(other.mean(0), z.shape)
-          if mode == 'mean'
-          else other[rows % other.shape[0]]
-        )
-      return z.at[:, :, which].set(new[:, :, which])
-
-    return fn
+    return lambda z, name: z.at[:, :, which].set(new(z, name)[:, :, which])
 
   hook_fns = {f'blocks.{layer}.attn.hook_z': replace(layer) for layer in layers}
   return hooks.run(cfg, params, inputs, hooks=hook_fns)[0]
+
+
+def head_ablation_effects(
+  cfg: ModelConfig,
+  params: Any,
+  inputs: dict,
+  metric: Metric,
+  mode: str = 'zero',
+  reference: dict | None = None,
+  seed: int = 0,
+) -> np.ndarray:
+  """[L, N]: how much ablating each head alone (as `ablate_heads`) changes `metric`; one compiled
+  forward per layer, the head a traced index."""
+  new = _ablation_source(cfg, params, inputs, range(cfg.num_layers), mode, reference, seed)
+  base = float(metric(hooks.run_jit(cfg, params, inputs)[0]))
+  out = np.zeros((cfg.num_layers, cfg.num_heads))
+  for layer in range(cfg.num_layers):
+    name = f'blocks.{layer}.attn.hook_z'
+
+    def ablated(params, inputs, head, name=name):
+      put = lambda z, _: z.at[:, :, head].set(new(z, name)[:, :, head])
+      return metric(hooks.run(cfg, params, inputs, hooks={name: put})[0])
+
+    fn = jax.jit(ablated)
+    for head in range(cfg.num_heads):
+      out[layer, head] = float(fn(params, inputs, head)) - base
+  return out
 
 
 def _name(cfg: ModelConfig, activation: str, layer: int) -> str:
@@ -324,11 +353,7 @@ def corruption_report(model: Any, clean: list[int], corrupt: list[int], labels, 
       f'![{activation}]({file})',
       '',
     ]
-  effect = np.zeros((cfg.num_layers, cfg.num_heads))
-  for layer in range(cfg.num_layers):
-    for head in range(cfg.num_heads):
-      logits = ablate_heads(cfg, params, clean_in, [(layer, head)])
-      effect[layer, head] = float(metric(logits)) - clean_m
+  effect = head_ablation_effects(cfg, params, clean_in, metric)
   file = heatmap(effect, os.path.join(out, 'ablation.png'), 'zero-ablating one head', 'head')
   lines += ['## Zero-ablating each head (change of the clean metric)', '', f'![ablation]({file})']
   lines.append('')
