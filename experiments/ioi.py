@@ -185,11 +185,12 @@ def dissect(cfg, params, p: Prompts, out: str | None = None) -> dict:
   queries = [p.roles[k] for k in ('S2', 'END')]
   patterns = np.stack([np.asarray(cache[n], np.float64).mean(0) for n in names])  # [L, N, T, S]
   r['looks'] = patterns[:, :, queries][..., keys]
-  heads = {k: v for k, v in r['dla'].items() if '.head_' in k}
-  top = max(heads, key=heads.get)
-  layer, head = int(top.split('.')[1]), int(top.split('head_')[1])
-  looks = dict(zip(('IO', 'S1', 'S2'), r['looks'][layer, head, 1].tolist()))
-  r['top_head'], r['top_head_dla'], r['top_head_looks'] = (layer, head), heads[top], looks
+  layer, head = np.unravel_index(np.argmax(r['patch_z']), r['patch_z'].shape)
+  r['key_head'] = (int(layer), int(head))  # the head whose clean output restores the most
+  groups = {'heads': '.head_', 'MLPs': '.mlp', 'embeddings': 'embed'}
+  r['dla_groups'] = {
+    g: sum(v for k, v in r['dla'].items() if key in k) for g, key in groups.items()
+  }
   if out:
     _figures(r, p, cfg, out)
   return r
@@ -206,11 +207,11 @@ def _figures(r: dict, p: Prompts, cfg, out: str) -> None:
                  p.labels)  # fmt: skip
   iv.heatmap(np.concatenate([r['patch_z'], r['attrib_z']], 1),
              os.path.join(out, 'ioi_patch_z.png'),
-             'patching each head (left) and its attribution-patching estimate (right)', 'head',
+             'heads: patching (left), attribution (right)', 'head',
              [f'{h}' for h in range(cfg.num_heads)] * 2)  # fmt: skip
   iv.heatmap(np.concatenate([r['ablate_zero'], r['ablate_mean']], 1),
              os.path.join(out, 'ioi_ablation.png'),
-             'change of the logit difference: zero- (left) and mean-ablating (right) one head',
+             'one head ablated: zero (left), mean (right)',
              'head', [f'{h}' for h in range(cfg.num_heads)] * 2)  # fmt: skip
   iv.bars(
     r['dla'],
@@ -224,30 +225,50 @@ def _fmt(x: np.ndarray) -> str:
 
 
 def report(results: list[dict], p: Prompts, cfg, command: str, revision: str) -> str:
-  """ioi.md: the table over seeds, then the first seed's maps and figures."""
+  """ioi.md: the table over seeds, every seed's heads, then the first seed's figures."""
   lines = ['# IOI, dissected', '', f'Command: `{command}` at {revision}.', '']
   lines += [
-    f'{len(results)} runs of configs/gpt_tiny.py (seeds 0-{len(results) - 1}), '
-    f'{p.clean.shape[0]} prompts "When IO and S went to the store, S gave a drink to"; the '
-    'corrupted prompts replace S2 by a third name. Patching and attribution are normalised: '
-    '(patched - corrupted) / (clean - corrupted).',
+    f'{len(results)} runs of configs/gpt_tiny.py (seeds 0-{len(results) - 1}) on '
+    f'{p.clean.shape[0]} prompts "When IO and S went to the store, S gave a drink to", each with '
+    'its own pair of names; the corrupted prompts replace S2 by a third name. The logit '
+    'difference is logit(IO) - logit(S) after the last token (mean ± std over the prompts). '
+    'Patching is normalised, (patched - corrupted) / (clean - corrupted): 1 restores the clean '
+    'run, 0 changes nothing. The key head is the one whose clean output (hook_z), patched into '
+    'the corrupted run, restores the most.',
     '',
-    '| seed | logit diff clean | corrupted | IO > S | top-1 is IO | top head (DLA) | its attention '
-    'IO / S1 / S2 | patching S2 resid_pre by layer | patching END resid_pre by layer | '
-    'attribution vs patching (heads, r) |',
-    '|---|---|---|---|---|---|---|---|---|---|',
+    '| seed | logit diff clean | corrupted | IO > S | top-1 is IO | resid_pre at END, patched, '
+    'by layer | key head: patched / attribution estimate | its attention from END on IO / S1 / '
+    'S2 | mean-ablating it | direct logit attribution: heads / MLPs / embeddings | attribution '
+    'vs patching over heads (r) |',
+    '|---|---|---|---|---|---|---|---|---|---|---|',
   ]
-  s2, end = p.roles['S2'], p.roles['END']
+  end = p.roles['END']
+  three = lambda x: ' / '.join(f'{v:.2f}' for v in x)
   for seed, r in enumerate(results):
-    layer, head = r['top_head']
-    looks = r['top_head_looks']
+    layer, head = r['key_head']
+    g = r['dla_groups']
     lines.append(
       f'| {seed} | {r["clean"]:.2f} ± {r["clean_std"]:.2f} | {r["corrupt"]:.2f} ± '
-      f'{r["corrupt_std"]:.2f} | {r["io_over_s"]:.2f} | {r["top1_io"]:.2f} | {layer}.{head} '
-      f'({r["top_head_dla"]:+.2f}) | {looks["IO"]:.2f} / {looks["S1"]:.2f} / {looks["S2"]:.2f} '
-      f'| {_fmt(r["patch_resid_pre"][:, s2])} | {_fmt(r["patch_resid_pre"][:, end])} | '
-      f'{r["attrib_r"]:.3f} |'
+      f'{r["corrupt_std"]:.2f} | {r["io_over_s"]:.2f} | {r["top1_io"]:.2f} | '
+      f'{_fmt(r["patch_resid_pre"][:, end])} | {layer}.{head}: {r["patch_z"][layer, head]:.2f} / '
+      f'{r["attrib_z"][layer, head]:.2f} | {three(r["looks"][layer, head, 1])} | '
+      f'{r["ablate_mean"][layer, head]:+.2f} | {g["heads"]:+.2f} / {g["MLPs"]:+.2f} / '
+      f'{g["embeddings"]:+.2f} | {r["attrib_r"]:.3f} |'
     )
+  lines += ['', 'Every head of every seed: its effect on the clean logit difference when ablated '
+            "(zero, or the mean of its output over the prompts), patching its output, and where it "
+            'looks from S2 and from END.', '']  # fmt: skip
+  lines += ['| seed | head | zero-ablation | mean-ablation | patched | attention from S2 on IO / '
+            'S1 / S2 | from END on IO / S1 / S2 |', '|---|---|---|---|---|---|---|']  # fmt: skip
+  for seed, r in enumerate(results):
+    for layer in range(cfg.num_layers):
+      for head in range(cfg.num_heads):
+        at = r['looks'][layer, head]
+        lines.append(
+          f'| {seed} | {layer}.{head} | {r["ablate_zero"][layer, head]:+.2f} | '
+          f'{r["ablate_mean"][layer, head]:+.2f} | {r["patch_z"][layer, head]:.2f} | '
+          f'{three(at[0])} | {three(at[1])} |'
+        )
   r = results[0]
   lines += ['', '## Seed 0', '']
   lines += [f'Position labels: {" ".join(f"`{x}`" for x in p.labels)}', '']
@@ -258,17 +279,7 @@ def report(results: list[dict], p: Prompts, cfg, command: str, revision: str) ->
   lines += ['![direct logit attribution](ioi_dla.png)', '']
   top = sorted(r['dla'].items(), key=lambda kv: -abs(kv[1]))[:6]
   lines += ['Largest parts: ' + ', '.join(f'{k} {v:+.2f}' for k, v in top) + '; the parts sum '
-            f'to the logit difference within {r["dla_residual"]:.1e}.', '']  # fmt: skip
-  lines += ['| head | zero-ablation effect | mean-ablation effect | attention from S2 to IO / S1 / '
-            'S2 | from END to IO / S1 / S2 |', '|---|---|---|---|---|']  # fmt: skip
-  three = lambda x: ' / '.join(f'{v:.2f}' for v in x)
-  for layer in range(cfg.num_layers):
-    for head in range(cfg.num_heads):
-      at = r['looks'][layer, head]
-      lines.append(
-        f'| {layer}.{head} | {r["ablate_zero"][layer, head]:+.2f} | '
-        f'{r["ablate_mean"][layer, head]:+.2f} | {three(at[0])} | {three(at[1])} |'
-      )
+            f'to the logit difference within {r["dla_residual"]:.1e}.']  # fmt: skip
   return '\n'.join(lines) + '\n'
 
 
@@ -296,8 +307,8 @@ def main():
     cfg = model.cfg
     r = dissect(cfg, model.params, p, out if seed == 0 else None)
     results.append(r)
-    print(f'seed {seed}: logit diff {r["clean"]:.3f} clean, {r["corrupt"]:.3f} corrupted; top '
-          f'head {r["top_head"]} writes {r["top_head_dla"]:+.3f}')  # fmt: skip
+    print(f'seed {seed}: logit diff {r["clean"]:.3f} clean, {r["corrupt"]:.3f} corrupted; key '
+          f'head {r["key_head"]}')  # fmt: skip
   revision = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True,
                             text=True).stdout.strip() or 'unknown'  # fmt: skip
   command = f'python -m experiments.ioi --workdir={workdir} --out={out} --seeds={_SEEDS.value}' + (

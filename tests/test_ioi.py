@@ -2,6 +2,8 @@
 model (patching the only token that differs restores the clean run; the attribution parts sum to
 the logit difference; a bad tokenizer or prompt count is one error)."""
 
+import re
+
 import flax.linen as nn
 import numpy as np
 import pytest
@@ -68,5 +70,7 @@ def test_dissect_on_a_random_model_keeps_its_invariants(tokenizer):
   assert -1.0 <= r['attrib_r'] <= 1.0 and 0.0 <= r['io_over_s'] <= 1.0
   text = ioi.report([r], p, cfg, 'cmd', 'abc1234')
   rows = text.splitlines()
-  assert 'abc1234' in text and sum(x.startswith('| 0 | ') for x in rows) == 1  # the seed's row
-  assert [sum(x.startswith(f'| {layer}.') for x in rows) for layer in (0, 1)] == [4, 4]  # heads
+  assert 'abc1234' in text and sum(x.startswith('| 0 | ') and ' ± ' in x for x in rows) == 1
+  assert sum(bool(re.match(r'\| 0 \| [01]\.[0-3] \|', x)) for x in rows) == 8  # every head
+  layer, head = r['key_head']
+  assert r['patch_z'][layer, head] == r['patch_z'].max()
