@@ -110,6 +110,7 @@ assert rest == [module], f'unexpected arguments {rest[1:]}'
 """
 
 
+@pytest.mark.slow  # about 35 s: one fresh interpreter per documented command
 def test_every_documented_command_parses_against_its_entry_point(tmp_path):
   calls = documented_calls()
   assert len(calls) > 20 and any(m == 'experiments.sweep' for m, _ in calls), sorted(calls)

@@ -88,14 +88,13 @@ def _check_equal_to_one_device(cases):
   assert all(abs(c['losses'][0] - c['losses'][-1]) > 1e-4 for c in cases)
 
 
-def test_every_mesh_and_family_matches_one_device_with_dropout(worker):
-  """Every mesh and every family with dropout on (same RNG stream), and dropout off on (2, 2, 2)."""
+def test_meshes_match_one_device_with_and_without_dropout(worker):
+  """Dropout on (same RNG stream) under tensor parallelism and FSDP, and every family with dropout
+  off on (2, 2, 2); the slow test below runs every family on every mesh both ways."""
   cases = worker[0]['equality']
   families = {'causal_lm', 'encoder_decoder', 'bidirectional_lm'}
   on = {(c['family'], tuple(c['mesh'])) for c in cases if c['dropout'] == 0.1}
-  assert {m for _, m in on} == {(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)}
-  assert {f for f, _ in on} == families
-  assert sum(m == (1, 2, 4) for _, m in on) >= 2  # tensor parallelism, where the rules bite
+  assert on == {('causal_lm', (1, 2, 4)), ('encoder_decoder', (1, 8, 1))}
   off = {(c['family'], tuple(c['mesh'])) for c in cases if c['dropout'] == 0.0}
   assert off == {(f, (2, 2, 2)) for f in families}
   _check_equal_to_one_device(cases)

@@ -20,7 +20,12 @@ from transformer.training.steps import train_step
 
 
 # Smoke runs: the same path as the CLI, for every family -----------------------------------------
-@pytest.mark.parametrize('family', ['encoder_decoder', 'causal_lm', 'bidirectional_lm'])
+# The encoder-decoder's run (about 40 s: it compiles beam search for BLEU) is slow; the fast suite
+# trains, evaluates and translates with one in test_evaluate_cli_prints_json_metrics_and_...
+@pytest.mark.parametrize(
+  'family',
+  [pytest.param('encoder_decoder', marks=pytest.mark.slow), 'causal_lm', 'bidirectional_lm'],
+)
 def test_each_family_trains_evaluates_and_checkpoints(family, tmp_path, tiny_config):
   result = train_and_evaluate(tiny_config(family), str(tmp_path))
   assert result['step'] == 4 and [h['step'] for h in result['train']] == [1, 2, 3, 4]
