@@ -48,18 +48,27 @@ os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'  # default 1 s: m
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
 
-# The longest test files first (seconds on 2 cores at 3.11, 2026-12-02, `python -m pytest -q -n 2 -v
-# --durations=0`): README's `-n 2` sends whole files to its two workers in this order, so each
-# starts on a long one and the short ones fill in at the end. Without -n the order does not matter.
+# The longest test files first (seconds on 2 cores at 3.11, 2026-12-03, `python -m pytest -q -n 2
+# --durations=0`, summed per file): README's `-n 2` sends whole files to its two workers in this
+# order, so each starts on a long one and the short ones fill in at the end. Without -n the order
+# does not matter.
 _LONGEST_FIRST = (
-  'test_sharding.py',  # 77, two subprocesses at once
-  'test_loop.py',  # 141
-  'test_models.py',  # 115
-  'test_mosaic_gpu.py',  # 92
-  'test_linear_attention.py',  # 78
-  'test_hf_llama.py',  # 69
-  'test_attention.py',  # 62
-  'test_faults.py',  # 61
+  'test_sharding.py',  # 58, two subprocesses at once
+  'test_loop.py',  # 118
+  'test_models.py',  # 99
+  'test_mosaic_gpu.py',  # 89
+  'test_fuzz.py',  # 64
+  'test_linear_attention.py',  # 63
+  'test_faults.py',  # 56
+  'test_inspection.py',  # 52
+  'test_api.py',  # 50
+  'test_hf_llama.py',  # 49
+  'test_hooks.py',  # 49
+  'test_char_lm.py',  # 47
+  'test_attention.py',  # 47
+  'test_interventions.py',  # 46
+  'test_compressed_attention.py',  # 45
+  'test_flash_attention.py',  # 44
 )
 
 

@@ -87,12 +87,12 @@ def _flat(leaves) -> np.ndarray:
 def equality(results: dict, dropout: float, meshes) -> None:
   """Loss and parameters after 3 steps on each mesh against one device, from the same init.
 
-  `meshes`: a list for every family, or a dict of family to its list.
+  `meshes`: a list for every family, or a dict of the families to run to their lists.
 
   (The sharded init itself is compared with the single-device one in `shardings`.)
   """
   one = jax.devices()[:1]
-  for family in FAMILIES:
+  for family in meshes if isinstance(meshes, dict) else FAMILIES:
     ref_run = Run(tiny_config(family, dropout), None, one)
     initial = jax.device_get(ref_run.init_state())
     _, ref_state, ref_losses, ref_start = train_three_steps(
