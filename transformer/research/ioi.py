@@ -11,7 +11,12 @@ import dataclasses
 import os
 import random
 
+import jax.numpy as jnp
 import numpy as np
+
+from transformer import data
+from transformer.model import hooks
+from transformer.research import interventions as iv
 
 NAMES = (
   'Mary', 'John', 'Anna', 'Tom', 'Lisa', 'Paul', 'Kate', 'Mark',
@@ -52,7 +57,7 @@ class Prompts:
   roles: dict[str, int]  # position of IO, S1, S2 and END (the last token)
 
 
-def prompts(tokenizer, n: int = 64, seed: int = 1, bos: int = 1) -> Prompts:
+def prompts(tokenizer, n: int = 64, seed: int = 1, bos: int = data.BOS_ID) -> Prompts:
   """n prompts of the first template (store, drink) with IO first, each a different name pair."""
   rng = random.Random(seed)
   pairs = [(io, s) for io in NAMES for s in NAMES if io != s]
@@ -71,7 +76,7 @@ def prompts(tokenizer, n: int = 64, seed: int = 1, bos: int = 1) -> Prompts:
       if full[: len(ids)] != ids or tokenizer.decode([full[len(ids)]]).strip() != name:
         raise ValueError(
           f'the name {name!r} is not one token after the prompt with this tokenizer; IOI needs '
-          'one token per name (train on the corpus this script writes)'
+          'one token per name (train on `sentences()`, as python -m experiments.ioi does)'
         )
       names.append(full[len(ids)])
     bad = template.format(A=io, B=s, S=c, P='store', O='drink')
@@ -104,11 +109,6 @@ def prompts(tokenizer, n: int = 64, seed: int = 1, bos: int = 1) -> Prompts:
 
 def dissect(cfg, params, p: Prompts, out: str | None = None) -> dict:
   """The measures listed in the module docstring, on one model; figures to `out` if given."""
-  import jax.numpy as jnp
-
-  from transformer.model import hooks
-  from transformer.research import interventions as iv
-
   clean, corrupt = {'inputs': jnp.asarray(p.clean)}, {'inputs': jnp.asarray(p.corrupt)}
   B, L = p.clean.shape[0], cfg.num_layers
   metric = iv.logit_diff(-1, p.io, p.s)
@@ -160,8 +160,6 @@ def dissect(cfg, params, p: Prompts, out: str | None = None) -> dict:
 
 
 def _figures(r: dict, p: Prompts, cfg, out: str) -> None:
-  from transformer.research import interventions as iv
-
   os.makedirs(out, exist_ok=True)
   for activation in ('resid_pre', 'attn_out', 'mlp_out'):
     if f'patch_{activation}' in r:
