@@ -50,9 +50,8 @@ def config(train_path: str, steps: int, seed: int):
 
 
 def main():
-  import subprocess
-
   import transformer
+  from transformer.research import sweeps
   from transformer.training.loop import train_and_evaluate
 
   workdir = _WORKDIR.value
@@ -75,11 +74,12 @@ def main():
     results.append(r)
     print(f'seed {seed}: logit diff {r["clean"]:.3f} clean, {r["corrupt"]:.3f} corrupted; key '
           f'head {r["key_head"]}')  # fmt: skip
-  revision = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True,
-                            text=True).stdout.strip() or 'unknown'  # fmt: skip
-  command = f'python -m experiments.ioi --workdir={workdir} --out={out} --seeds={_SEEDS.value}' + (
-    f' --steps={_STEPS.value}' if _STEPS.value != 1500 else ''
-  )
+  # The sweeps' own record of the source: HEAD, with '-dirty' when the tree has changes beyond
+  # this command's outputs.
+  revision = sweeps.checked_revision([workdir, out], allow_dirty=True)
+  command = f'python -m experiments.ioi --workdir={workdir} --out={out} --seeds={_SEEDS.value}'
+  command += f' --steps={_STEPS.value}' if _STEPS.value != 1500 else ''
+  command += f' --prompts={_PROMPTS.value}' if _PROMPTS.value != 64 else ''
   path = os.path.join(out, 'ioi.md')
   with open(path, 'w') as f:
     f.write(ioi.report(results, p, cfg, command, revision))
