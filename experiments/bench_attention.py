@@ -21,8 +21,8 @@ import json
 
 from absl import flags
 
+from bench import timing
 from experiments import cli
-from transformer.bench import timing
 
 # 'compressed' is not a softmax kernel but hierarchical compression attention (its own block plus
 # mean-pooled blocks, model.attention='compressed') at a block near sqrt(T): other numbers, another

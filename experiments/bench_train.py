@@ -28,8 +28,8 @@ import time
 import numpy as np
 from absl import flags
 
+from bench import timing
 from experiments import cli
-from transformer.bench import timing
 
 _CONFIG = cli.define_config('configs/gpt_bench.py')
 _STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps (after 2 warm-up steps), per round.')
@@ -59,7 +59,7 @@ def _timed_block(step, steps: int) -> tuple[list[float], float]:
 def main():
   import jax
 
-  from transformer.bench import torch_reference
+  from bench import torch_reference
   from transformer.model import models
   from transformer.training.run import Run
 

@@ -4,13 +4,13 @@
   python -m experiments.gpu_check --out=DIR --smoke    # tiny float32 shapes: the code path on CPU
   python -m experiments.gpu_check --deviceless --out=DIR [--target=h200] [--jobs=N]   # no GPU
 
-Writes DIR/gpu_check.json and DIR/gpu_check.md (transformer.bench.device_check). With
+Writes DIR/gpu_check.json and DIR/gpu_check.md (bench.device_check). With
 --deviceless it compiles every attention path and the presets' training steps for the target GPU
 on this machine, which needs only the CUDA plugin (`pip install 'jax-cuda12-plugin[with-cuda]'` at
 jax's version), and writes DIR/deviceless.json and DIR/deviceless.md: ptxas's registers, spills,
 SMEM and notes per kernel, memory per device per step. It exits with status 1 when a kernel
 stops compiling, a Mosaic GPU kernel spills or gets a ptxas performance note, a Triton kernel
-reaches 255 registers, or a preset's step stops fitting (transformer.bench.deviceless).
+reaches 255 registers, or a preset's step stops fitting (bench.deviceless).
 """
 
 import os
@@ -40,7 +40,7 @@ _JOBS = flags.DEFINE_integer(
 def deviceless() -> None:
   import importlib.util
 
-  from transformer.bench import deviceless as dl  # imports no jax at module level
+  from bench import deviceless as dl  # imports no jax at module level
 
   bad = set(_PARTS.value) - {'attention', 'steps'}
   if bad or not _PARTS.value:
@@ -78,7 +78,7 @@ def main():
     return deviceless()
   if _BUDGET.value <= 0 or _REPEATS.value < 1:
     raise ValueError(f'--budget_s={_BUDGET.value} and --repeats={_REPEATS.value} must be positive')
-  from transformer.bench import device_check
+  from bench import device_check
 
   report = device_check.run(
     _OUT.value, smoke=_SMOKE.value, budget_s=_BUDGET.value, repeats=_REPEATS.value

@@ -26,7 +26,7 @@ _CORRUPT = flags.DEFINE_string(
 
 
 def main():
-  from transformer.research import dissect
+  from research import dissect
 
   print(
     f'wrote {dissect.inspect(_WORKDIR.value, _TEXT.value, _OUT.value, _STEP.value, _CORRUPT.value)}'

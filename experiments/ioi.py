@@ -26,7 +26,7 @@ import os
 from absl import flags
 
 from experiments import cli
-from transformer.research import ioi
+from research import ioi
 
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/ioi', 'Where the corpus and the runs go.')
 _OUT = flags.DEFINE_string('out', None, 'Where ioi.md and the figures go; default WORKDIR.')
@@ -51,7 +51,7 @@ def config(train_path: str, steps: int, seed: int):
 
 def main():
   import transformer
-  from transformer.research import sweeps
+  from research import sweeps
   from transformer.training.loop import train_and_evaluate
 
   workdir = _WORKDIR.value

@@ -13,7 +13,7 @@ _MAX_LOGITS = flags.DEFINE_list(
 
 
 def main():
-  from transformer.research import numerics
+  from research import numerics
 
   peaks = [float(m) for m in _MAX_LOGITS.value]
   got = numerics.softmax_overflow(peaks)

@@ -52,7 +52,7 @@ _ALLOW_DIRTY = flags.DEFINE_bool(
 
 
 def main():
-  from transformer.research import sweeps  # after flag parsing: keeps --help fast
+  from research import sweeps  # after flag parsing: keeps --help fast
 
   root = _ROOT.value or (GPU_ROOT if _GPU.value else ROOT)
   index = sweeps.regenerate(

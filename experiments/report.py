@@ -25,10 +25,10 @@ _ALLOW_DIRTY = flags.DEFINE_bool(
 
 
 def main():
-  from transformer.research import report
+  from research import report
 
   if _REJUDGE.value:
-    from transformer.research import sweeps
+    from research import sweeps
 
     revision = sweeps.rejudge(_WORKDIR.value, _ALLOW_DIRTY.value)
     print(f'rules of revision {revision} recorded in {_WORKDIR.value}')

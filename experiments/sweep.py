@@ -29,7 +29,7 @@ flags.mark_flags_as_required(['sweep', 'workdir'])
 
 
 def main():
-  from transformer.research import spec, sweeps  # after flag parsing: keeps --help fast
+  from research import spec, sweeps  # after flag parsing: keeps --help fast
 
   sweep = spec.load_sweep(_SWEEP.value, _SCALE.value)
   if _RUN.value:

@@ -1,5 +1,7 @@
-"""The package's rooms: imports point one way (model <- training <- inference <- bench <-
-research), no module imports itself back through others, and no source file outgrows one job.
+"""The house's rooms: inside the library `transformer/`, imports point one way (data, model <-
+training <- inference); the tools beside it (`bench/`, then `research/`) import the library and
+never the reverse; no module imports itself back through others, and no source file outgrows one
+job.
 
 Every import counts, also those inside functions: a lazy import that dodges a cycle at import
 time is still an arrow in the design.
@@ -23,10 +25,10 @@ RANKS = {
   'transformer.model': 2,
   'transformer.training': 3,
   'transformer.inference': 4,
-  'transformer.bench': 5,  # build and benchmark helpers: timing, device checks, deviceless
-  'transformer.research': 6,
-  'transformer': 7,  # the public surface in transformer/__init__.py
+  'transformer': 5,  # the public surface in transformer/__init__.py
 }
+# Beside the library, from a clone (never installed): the tools that build on it, in rank order.
+TOOLS = ('bench', 'research')  # device checks and timing; sweeps, verdicts, studies, dissection
 MAX_LINES = 800
 
 
@@ -83,10 +85,18 @@ def rank(module: str) -> int | None:
 
 
 def graph(root: str) -> dict[str, set[str]]:
-  """Edges between the project's own modules: transformer/, configs/, experiments/."""
-  found = modules(root, ('transformer', 'configs', 'experiments'))
+  """Edges between the project's own modules: the library, its tools, configs/, experiments/."""
+  found = modules(root, ('transformer', *TOOLS, 'configs', 'experiments'))
   known = set(found)
   return {m: {t for t in imports(p, m, known) if t in known and t != m} for m, p in found.items()}
+
+
+def _config_may_import(source: str, target: str) -> bool:
+  """configs/base.py renders the library's defaults; a sweep file may define its own measure,
+  which calls the library and the research tools. Any other config is a plain ConfigDict."""
+  if source == 'configs.base':
+    return target == 'transformer.config' or target.startswith('transformer.config.')
+  return source.startswith('configs.sweeps')
 
 
 def back_arrows(edges: dict[str, set[str]]) -> list[str]:
@@ -98,12 +108,13 @@ def back_arrows(edges: dict[str, set[str]]) -> list[str]:
       kernels = 'transformer.kernels'
       if source.startswith(kernels + '.') and not (target + '.').startswith(kernels + '.'):
         bad.append(f'{source} -> {target} (the kernels import nothing else from transformer/)')
-      elif top_s in ('transformer', 'configs') and top_t == 'experiments':
+      elif top_s != 'experiments' and top_t == 'experiments':
         bad.append(f'{source} -> {target} (only experiments/ imports experiments/)')
-      elif (
-        top_s == 'configs' and top_t == 'transformer' and not source.startswith('configs.sweeps')
-      ):
-        # A sweep file may define its own measure, which calls the package; a config may not.
+      elif top_s == 'transformer' and top_t in TOOLS:
+        bad.append(f'{source} -> {target} (the library never imports the tools beside it)')
+      elif top_s in TOOLS and top_t in TOOLS and TOOLS.index(top_t) > TOOLS.index(top_s):
+        bad.append(f'{source} -> {target} ({top_s}/ comes before {top_t}/)')
+      elif top_s == 'configs' and top_t != 'configs' and not _config_may_import(source, target):
         bad.append(f'{source} -> {target} (configs are plain ConfigDicts)')
       elif top_s == top_t == 'transformer':
         rs, rt = rank(source), rank(target)
@@ -154,23 +165,25 @@ def test_no_import_cycles():
 
 def test_every_room_exists_and_holds_modules():
   found = modules(ROOT, ('transformer',))
-  for room in ('data', 'model', 'training', 'inference', 'bench', 'research'):
+  for room in ('data', 'model', 'training', 'inference', 'kernels'):
     inside = [m for m in found if m.startswith(f'transformer.{room}.')]
     assert inside, f'transformer/{room}/ holds no modules'
+  for tool in TOOLS:
+    assert [m for m in modules(ROOT, (tool,)) if m.startswith(f'{tool}.')], f'{tool}/ is empty'
 
 
 def test_no_module_shadows_the_standard_library():
   import sys
 
   stdlib = set(sys.stdlib_module_names)
-  for name in modules(ROOT, ('transformer',)):
+  for name in modules(ROOT, ('transformer', *TOOLS)):
     leaf = name.rpartition('.')[2]
     assert leaf not in stdlib or leaf == '__init__', f'{name} shadows the standard library'
 
 
 def test_no_source_file_is_over_800_lines():
   long = []
-  for top in ('transformer', 'configs', 'experiments'):
+  for top in ('transformer', *TOOLS, 'configs', 'experiments'):
     for path in modules(ROOT, (top,)).values():
       count = sum(1 for _ in open(path))
       if count > MAX_LINES:
@@ -247,5 +260,44 @@ def test_checker_resolves_names_and_relative_imports(tmp_path):
   edges = graph(str(tmp_path))
   assert edges['transformer.data'] == {'transformer.data.tokenizers'}
   assert edges['transformer.inference.api'] == {'transformer.data'}
-  assert back_arrows(edges) == ['transformer.data.tasks -> transformer (rank 1 imports rank 7)']
+  assert back_arrows(edges) == ['transformer.data.tasks -> transformer (rank 1 imports rank 5)']
   assert cycles(edges) == []
+
+
+def test_checker_keeps_the_tools_beside_the_library(tmp_path):
+  _write(
+    tmp_path,
+    {
+      'transformer/__init__.py': '',
+      'transformer/training/__init__.py': '',
+      'transformer/training/loop.py': 'from research import verdicts\n',  # the library, up
+      'research/__init__.py': '',
+      'research/verdicts.py': 'from transformer.training import loop\n',
+      'bench/__init__.py': '',
+      'bench/timing.py': 'import research.verdicts\n',  # bench comes before research
+      'configs/__init__.py': '',
+      'configs/base.py': 'from transformer import config\n',
+      'configs/gpt.py': 'from research import verdicts\n',  # a config is a plain ConfigDict
+      'transformer/config.py': '',
+    },
+  )
+  assert back_arrows(graph(str(tmp_path))) == [
+    'bench.timing -> research.verdicts (bench/ comes before research/)',
+    'configs.gpt -> research.verdicts (configs are plain ConfigDicts)',
+    'transformer.training.loop -> research.verdicts'
+    ' (the library never imports the tools beside it)',
+  ]
+
+
+def test_installing_puts_only_the_library_on_the_path():
+  """The installed distribution provides one top-level module, `transformer`, and no other
+  installed distribution provides it: sparrow shadows nothing (a top-level `kernels` once
+  shadowed Hugging Face's), and nothing shadows sparrow."""
+  from importlib import metadata
+
+  providers = metadata.packages_distributions()
+  ours = sorted(name for name, dists in providers.items() if 'sparrow' in dists)
+  assert ours == ['transformer'], f'sparrow installs top-level {ours}; only transformer belongs'
+  assert set(providers['transformer']) == {'sparrow'}, providers['transformer']
+  for tool in ('configs', 'experiments', *TOOLS):
+    assert 'sparrow' not in providers.get(tool, []), f'{tool}/ is installed; it runs from a clone'

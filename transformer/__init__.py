@@ -7,8 +7,9 @@ The public surface:
   transformer.ModelConfig                 the frozen, validated model config
   transformer.build(cfg)                  the Flax module of a config's family
 
-The rooms, whose imports point one way: `data`, `model` <- `training` <- `inference` <-
-`research` (see tests/test_layout.py).
+The rooms, whose imports point one way: `data` <- `model` <- `training` <- `inference`, over
+`config`, `sharding`, `util` and `kernels`. The tools beside the library (`bench/`, `research/`)
+import it and are never imported by it (docs/architecture.md; tests/test_layout.py).
 """
 
 from transformer.config import ModelConfig

@@ -1,1 +1,1 @@
-"""Sweep files: one claim each, `get_sweep(scale) -> dict` (see transformer/research/sweeps.py)."""
+"""Sweep files: one claim each, `get_sweep(scale) -> dict` (see research/sweeps.py)."""

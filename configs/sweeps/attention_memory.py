@@ -14,7 +14,7 @@ def measure(ctx, lengths=_LENGTHS, head_dim: int = 64, repeats: int = 3) -> dict
   import jax
   import jax.numpy as jnp
 
-  from transformer.bench import timing
+  from bench import timing
 
   implementation = ctx.config.model.attention_impl
   backend = jax.default_backend()

@@ -12,7 +12,7 @@ _EVERY = 50  # steps between induction logs: 50 points per run
 
 
 def measure(ctx) -> dict:
-  from transformer.research import induction
+  from research import induction
 
   return induction.measure(ctx)
 

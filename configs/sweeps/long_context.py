@@ -13,7 +13,7 @@ _BLOCK = 16  # attention='compressed' on grammar: tokens pooled per block (the c
 
 
 def measure(ctx, lengths=_LENGTHS) -> dict:
-  from transformer.research import long_context
+  from research import long_context
 
   return long_context.long_context(ctx, lengths=lengths)
 

@@ -2,7 +2,7 @@
 as a power law of the number of (non-embedding) parameters. Seven GPT widths over 2.4 decades of
 N, the same steps and batches."""
 
-from transformer.research.results import read_curve
+from research.results import read_curve
 
 # ~4 GPU minutes at GPU_SCALE on one H200: 7 runs of 1600 steps (widths up to 512), dispatch-bound.
 GPU_SCALE = 4

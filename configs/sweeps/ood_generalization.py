@@ -14,7 +14,7 @@ _HOLDOUT = 0.2  # the share of the grammar's word transitions kept out of traini
 
 def measure(ctx, digits=_DIGITS, examples: int = 64) -> dict:
   """`ood.numbers_by_digits` for the numbers variants, `ood.grammar_held_out` for the grammar."""
-  from transformer.research import ood
+  from research import ood
 
   if ctx.config.data.task == 'grammar':
     return ood.grammar_held_out(ctx, examples=examples)

@@ -14,7 +14,7 @@ _INITS = {
 
 
 def measure(ctx) -> dict:
-  from transformer.research import stability
+  from research import stability
 
   return stability.measure(ctx)
 

@@ -24,7 +24,7 @@ def _row(pairs: int) -> int:
 
 
 def measure(ctx) -> dict:
-  from transformer.research import long_context
+  from research import long_context
 
   return long_context.recall_accuracy(ctx)
 

@@ -12,7 +12,7 @@ GPU_SCALE = 4
 
 
 def measure(ctx, **kwargs) -> dict:
-  from transformer.research import long_context
+  from research import long_context
 
   return long_context.rope_scaling(ctx, **kwargs)
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from transformer.bench import device_check
+from bench import device_check
 
 
 @pytest.mark.slow  # about 25 s: every part of the GPU check, end to end on the CPU

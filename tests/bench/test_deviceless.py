@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from transformer.bench import deviceless, ptxas
+from bench import deviceless, ptxas
 
 # Shaped like the logs ptxas writes through nvJitLink and Mosaic GPU's MOSAIC_GPU_DUMP_PTXAS.
 LOG = """\
@@ -175,7 +175,7 @@ def test_without_the_cuda_plugin_it_is_one_clear_error(tmp_path):
 
 
 def test_the_device_run_reads_registers_and_setmaxnreg_from_its_own_dumps(tmp_path):
-  from transformer.bench import device_check
+  from bench import device_check
 
   for name, sass in (
     ('sparrow_mgpu_dq', '  SETMAXNREG.INC 232\n'),

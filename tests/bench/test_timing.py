@@ -1,8 +1,8 @@
-"""Timing helpers (transformer/bench/timing.py): the random batch a step is timed on."""
+"""Timing helpers (bench/timing.py): the random batch a step is timed on."""
 
 import pytest
 
-from transformer.bench import timing
+from bench import timing
 from transformer.config import ModelConfig
 
 

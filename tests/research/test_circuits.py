@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from model_helpers import random_model
 
+from research import circuits, interventions
 from transformer.config import ModelConfig
 from transformer.model import hooks
-from transformer.research import circuits, interventions
 
 
 def _model(**overrides):

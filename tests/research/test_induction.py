@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from transformer.research import induction
+from research import induction
 
 
 def _rows(score, icl, every=50):

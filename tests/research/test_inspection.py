@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
+from research import inspection
 from transformer.config import ModelConfig
 from transformer.model import capture as capture_lib
 from transformer.model import models
-from transformer.research import inspection
 from transformer.training import loop
 
 
@@ -184,7 +184,7 @@ def test_plots_are_written(tmp_path):
 
 # Dissecting an imported model ------------------------------------------------------------------
 def test_outlier_dimensions_finds_planted_channels():
-  from transformer.research.dissect import outlier_dimensions
+  from research.dissect import outlier_dimensions
 
   x = np.random.default_rng(0).normal(size=(2, 9, 40))
   x[1, 3, 17], x[0, 5, 4] = 80.0, -50.0
@@ -207,8 +207,8 @@ def test_inspect_a_hugging_face_folder(tmp_path):
   import torch
   import transformers
 
+  from research import dissect
   from transformer.inference.api import load
-  from transformer.research import dissect
 
   config = transformers.LlamaConfig(
     vocab_size=45, hidden_size=24, num_attention_heads=3, num_key_value_heads=1, head_dim=6,

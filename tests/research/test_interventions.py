@@ -1,4 +1,4 @@
-"""Interventions (transformer.research.interventions): patching against the same patching done
+"""Interventions (research.interventions): patching against the same patching done
 with PyTorch forward hooks, attribution patching against finite differences, ablations, direct
 logit attribution that sums to the logit difference, and the head detectors on known patterns."""
 
@@ -19,8 +19,8 @@ import torch
 import torch_models
 from torch_models import VOCAB
 
+from research import interventions as iv
 from transformer.model import hooks
-from transformer.research import interventions as iv
 
 
 @pytest.fixture(scope='module')

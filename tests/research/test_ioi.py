@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from model_helpers import random_model
 
+from research import ioi
 from transformer import data
 from transformer.config import ModelConfig
-from transformer.research import ioi
 
 
 def test_sentences_repeat_the_subject_and_end_with_the_indirect_object():

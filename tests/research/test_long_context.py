@@ -1,9 +1,9 @@
-"""Tests of transformer.research.long_context: the step cost that the long_context sweep fits."""
+"""Tests of research.long_context: the step cost that the long_context sweep fits."""
 
 import pytest
 
 from configs import gpt_tiny
-from transformer.research import long_context
+from research import long_context
 
 
 def _config(**model):

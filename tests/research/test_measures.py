@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from research import measures
 from transformer import data
-from transformer.research import measures
 
 
 @pytest.mark.parametrize(

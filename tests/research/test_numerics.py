@@ -1,10 +1,10 @@
-"""Tests of transformer.research.numerics: float16 softmax overflow (seed §4.3)."""
+"""Tests of research.numerics: float16 softmax overflow (seed §4.3)."""
 
 import math
 
 import numpy as np
 
-from transformer.research import numerics
+from research import numerics
 
 OVERFLOW = math.log(numerics.FP16_MAX)  # 11.09: exp overflows float16 above it
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 import transformer
+from research import ood
+from research.sweeps import MeasureContext
 from transformer import data
 from transformer.data import grammar
 from transformer.data import number_words as numbers
-from transformer.research import ood
-from transformer.research.sweeps import MeasureContext
 from transformer.training import checkpoint
 from transformer.training.run import Run
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from experiments import regenerate as regenerate_cli
-from transformer.research import report, spec, sweeps
-from transformer.research import results as results_lib
+from research import report, spec, sweeps
+from research import results as results_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -96,7 +96,7 @@ def test_a_sweep_does_not_start_from_a_dirty_tree(tmp_path):
 # results.jsonl ---------------------------------------------------------------------------------
 _APPEND_MANY = """
 import sys
-from transformer.research import results
+from research import results
 workdir, worker, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 for i in range(count):  # lines far longer than one write of a pipe or a page
   results.append_result(workdir, {'variant': f'w{worker}', 'seed': i, 'pad': 'x' * 20000})

@@ -5,9 +5,9 @@ import jax
 import numpy as np
 import pytest
 
+from research import stability
 from transformer.config import ModelConfig
 from transformer.model import models
-from transformer.research import stability
 
 
 def test_spikes_count_rises_above_the_running_median():

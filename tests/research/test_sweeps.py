@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from transformer.research import report, spec, sweeps, verdicts
-from transformer.research import results as results_lib
+from research import report, spec, sweeps, verdicts
+from research import results as results_lib
 
 _TINY_SWEEP = """
 def get_sweep(scale):

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from transformer.research import results as results_lib
-from transformer.research import verdicts
+from research import results as results_lib
+from research import verdicts
 
 R, N, X = verdicts.REPRODUCED, verdicts.NOT_REPRODUCED, verdicts.NOT_RUN
 I = verdicts.INCONCLUSIVE  # noqa: E741

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from research import measures
 from transformer import data
 from transformer.data import batching
 from transformer.data import grammar as grammar_lib
 from transformer.data import number_words as numbers_lib
 from transformer.model import decode, models
-from transformer.research import measures
 from transformer.training.state import model_inputs
 
 MAX_DIGITS = len(str(numbers_lib.LARGEST))  # 12: numbers_to_words spells up to 10**12 - 1

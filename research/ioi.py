@@ -14,9 +14,9 @@ import random
 import jax.numpy as jnp
 import numpy as np
 
+from research import interventions as iv
 from transformer import data
 from transformer.model import hooks
-from transformer.research import interventions as iv
 
 NAMES = (
   'Mary', 'John', 'Anna', 'Tom', 'Lisa', 'Paul', 'Kate', 'Mark',

@@ -20,7 +20,7 @@ import tempfile
 import time
 import traceback
 
-from transformer.bench import ptxas
+from bench import ptxas
 
 GiB = 2**30
 # Set before jax is imported: CUDA is the compile target only, the backend stays the CPU; ptxas
@@ -300,7 +300,7 @@ def compile_step(preset: str, mesh_name: str, implementation: str, gpu: Gpu, dum
   """The preset's jitted train step (`transformer.training.run.Run`) compiled for `gpu` x N."""
   import jax
 
-  from transformer.bench import timing
+  from bench import timing
   from transformer.training.run import Run
 
   config = load_preset(preset, implementation)

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from research.inspection import inspect_run, plot_attention, plot_head_entropy
 from transformer import data, util
 from transformer.config import ModelConfig
 from transformer.model.capture import capture, entropy_by_layer
-from transformer.research.inspection import inspect_run, plot_attention, plot_head_entropy
 
 
 # Measures ------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def inspect(
   else:
     path = inspect_run(workdir, text, out, step)
   if corrupt is not None:
-    from transformer.research import interventions
+    from research import interventions
 
     model = load(workdir, step)
     clean, corrupted = _tokens(model, text), _tokens(model, corrupt)

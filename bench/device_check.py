@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from transformer.bench import timing
+from bench import timing
 
 IMPLEMENTATIONS = ('xla', 'chunked', 'cudnn', 'pallas_triton', 'pallas_mosaic')
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 tensor-core FLOP/s
@@ -356,7 +356,7 @@ def built_kernels(dump_dir: str) -> list[dict]:
   holds SETMAXNREG (register reallocation that reached the binary)."""
   import glob
 
-  from transformer.bench import ptxas
+  from bench import ptxas
 
   rows = []
   for k in ptxas.mosaic_kernels(dump_dir):

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from research import results as results_lib
 from transformer.model import hooks as hooks_lib
-from transformer.research import results as results_lib
 from transformer.training.state import model_inputs
 
 

@@ -13,7 +13,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from transformer.bench import timing
+from bench import timing
 from transformer.data import recall
 from transformer.training.run import Run
 from transformer.training.state import model_inputs

@@ -25,9 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import ml_collections
 
-from transformer import util
-from transformer.research import report, spec
-from transformer.research.results import (
+from research import report, spec
+from research.results import (
   SWEEP_JSON,
   append_result,
   config_dict,
@@ -39,7 +38,8 @@ from transformer.research.results import (
   run_dir,
   write_results,
 )
-from transformer.research.spec import Sweep, resolve_config, resolve_measure, select_variants
+from research.spec import Sweep, resolve_config, resolve_measure, select_variants
+from transformer import util
 from transformer.training import faults
 from transformer.training.loop import train_and_evaluate
 from transformer.training.state import weights

@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from bench.timing import synthetic_batch
+from research import inspection as inspect_lib
 from transformer import data
-from transformer.bench.timing import synthetic_batch
 from transformer.data import number_words as numbers_lib
 from transformer.model import capture as capture_lib
 from transformer.model import models, objectives
-from transformer.research import inspection as inspect_lib
 from transformer.training.run import Run
 from transformer.training.state import model_inputs
 from transformer.training.steps import eval_step

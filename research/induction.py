@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from transformer.research import results as results_lib
+from research import results as results_lib
 
 
 def _smooth(values: np.ndarray, width: int = 3) -> np.ndarray:

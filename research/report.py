@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from research import results as results_lib
+from research import verdicts
 from transformer import util
-from transformer.research import results as results_lib
-from transformer.research import verdicts
 
 # kind -> (required keys, optional keys) of a sweep's extra `plots`.
 PLOT_KINDS = {

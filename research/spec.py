@@ -14,8 +14,8 @@ from typing import Any
 
 import ml_collections
 
+from research import measures, report, verdicts
 from transformer.config import ModelConfig
-from transformer.research import measures, report, verdicts
 from transformer.training import faults, optim
 from transformer.training.state import optim_config
 
@@ -39,7 +39,7 @@ class Sweep:
     variants: variant name -> {dotted config key: value}; names become directory names.
     overrides: {dotted key: value} applied to every variant first.
     metrics: the metrics compared in the report (e.g. 'eval.loss', 'train.nll', measure keys).
-    rules: the verdict rules (`transformer.research.verdicts.KINDS`); the claim holds if all hold.
+    rules: the verdict rules (`research.verdicts.KINDS`); the claim holds if all hold.
     preconditions: rules with a `name` that must hold for the rules to count, such as "full
       attention learns the task"; a rule that `requires` a failed one (or any, when it lists
       none) is inconclusive at this budget. Their metrics must be among `metrics`.
@@ -52,7 +52,7 @@ class Sweep:
     eval_variants: name -> {'from': a trained variant, 'overrides': {dotted key: value}}: no
       training of its own; `measure` runs on the checkpoint of `from` with the overrides applied,
       which must change only the compute (e.g. model.rope_scaling at test time).
-    plots: extra report plots (`transformer.research.report.PLOT_KINDS`).
+    plots: extra report plots (`research.report.PLOT_KINDS`).
     description: what the sweep does and how its numbers are defined, for the report.
     path: the sweep file; scale: the --scale it was built for.
   """
@@ -322,7 +322,7 @@ def resolve_measure(sweep: Sweep) -> Callable | None:
   if sweep.measure not in measures.MEASURES:
     raise ValueError(
       f'sweep {sweep.name!r}: measure={sweep.measure!r} is neither a function of its file nor '
-      f'one of transformer.research.measures.MEASURES: {", ".join(measures.MEASURES)}'
+      f'one of research.measures.MEASURES: {", ".join(measures.MEASURES)}'
     )
   return measures.MEASURES[sweep.measure]
 
