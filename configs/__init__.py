@@ -1,1 +1,2 @@
-"""Experiment configs: `base.py` holds every knob; each other file overrides a few of them."""
+"""Experiment configs: `base.py` gives every knob's default (from `transformer/config/`); each other
+file overrides a few of them."""

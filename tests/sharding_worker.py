@@ -18,7 +18,7 @@ os.environ['JAX_PLATFORMS'] = 'cpu'
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from transformer import sharding  # noqa: E402
+from transformer.config import experiment
 from transformer.training import checkpoint
 from transformer.training.run import Run
 
@@ -33,10 +33,17 @@ FAST = {
 }
 
 
-def tiny_config(family: str, dropout: float, mesh=(1, 1, 1)):
-  from configs import base
+def bytes_per_device(tree) -> int:
+  """Bytes that one device holds of a pytree of jax Arrays (its addressable shard of each)."""
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(tree):
+    shard = leaf.addressable_shards[0]
+    total += shard.data.size * shard.data.dtype.itemsize
+  return total
 
-  config = base.get_config()
+
+def tiny_config(family: str, dropout: float, mesh=(1, 1, 1)):
+  config = experiment.default_configdict()  # configs/base.py's defaults, without the clone's path
   config.model.family = family
   m = config.model
   m.d_model, m.num_heads, m.d_ff, m.num_layers = 32, 4, 64, 1  # one layer: fast compiles
@@ -150,8 +157,8 @@ def shardings(results: dict) -> None:
     total = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(p))
     results['bytes'][str(mesh)] = {
       'total': total,
-      'per_device': sharding.bytes_per_device(p),
-      'opt_per_device': sharding.bytes_per_device(state.opt_state),
+      'per_device': bytes_per_device(p),
+      'opt_per_device': bytes_per_device(state.opt_state),
       'opt_total': sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(mu)),
     }
 

@@ -9,6 +9,7 @@ parallel are the same code with different rules and mesh shapes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -20,6 +21,8 @@ import ml_collections
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from transformer.config.experiment import MeshConfig
+
 MESH_AXES = ('data', 'fsdp', 'tensor')
 # Every logical axis name the model uses, in rule precedence order (batch claims its mesh axes
 # before embed, so activations [batch, length, embed] shard the batch and keep d_model whole).
@@ -29,10 +32,8 @@ Rules = tuple[tuple[str, Any], ...]
 
 
 def default_rules() -> dict[str, str]:
-  """The rules table of configs/base.py (where each rule is explained)."""
-  from configs import base
-
-  return base.get_config().mesh.rules.to_dict()
+  """The default rules table, `MeshConfig().rules` (config/experiment.py explains each rule)."""
+  return dataclasses.asdict(MeshConfig().rules)
 
 
 def parse_rules(rules: Mapping[str, str] | Sequence[tuple[str, Any]]) -> Rules:
@@ -252,15 +253,6 @@ def with_shardings(abstract: Any, shardings: Any) -> Any:
   return jax.tree_util.tree_map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
   )
-
-
-def bytes_per_device(tree: Any) -> int:
-  """Bytes that one device holds of a pytree of jax Arrays (its addressable shard of each)."""
-  total = 0
-  for leaf in jax.tree_util.tree_leaves(tree):
-    shard = leaf.addressable_shards[0]
-    total += shard.data.size * shard.data.dtype.itemsize
-  return total
 
 
 # Multi-host -----------------------------------------------------------------------------------

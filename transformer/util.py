@@ -1,5 +1,5 @@
 """Small helpers that every room shares: one-line error text, JSON that never fails, atomic file
-writes and a headless pyplot."""
+writes, whether a workdir has checkpoints and a headless pyplot."""
 
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ def write_atomic(path: str, text: str) -> None:
 def write_json(path: str, value: Any) -> None:
   """`value` as indented JSON at `path`, atomically."""
   write_atomic(path, json.dumps(value, indent=1, default=str))
+
+
+def has_checkpoints(workdir: str) -> bool:
+  """Whether workdir/checkpoints holds a step (orbax names each step's directory '<step>')."""
+  directory = os.path.join(workdir, 'checkpoints')
+  return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
 
 
 def pyplot():

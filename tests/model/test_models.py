@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_helpers import preset
 
 from transformer.config import ModelConfig
 from transformer.model import models
@@ -54,11 +55,11 @@ def tokens(rng, shape, vocab=50, low=5):
 
 # Exact parameter counts of the reference architectures ---------------------------------------
 @pytest.mark.parametrize(
-  'preset,expected',
+  'name,expected',
   [('gpt2_small', 124_439_808), ('bert_base', 109_514_298), ('transformer_base', 63_082_496)],
 )
-def test_reference_parameter_counts(preset, expected):
-  assert models.count_params(ModelConfig.from_preset(preset)) == expected
+def test_reference_parameter_counts(name, expected):
+  assert models.count_params(preset(name)) == expected
 
 
 def test_describe_cli_prints_exact_count():
@@ -73,7 +74,7 @@ def test_describe_cli_prints_exact_count():
 
 
 def test_flops_per_token_matches_hand_count():
-  cfg = ModelConfig.from_preset('gpt2_small')
+  cfg = preset('gpt2_small')
   flops = models.flops_per_token(cfg, 1024)
   # 12 layers x (4 d^2 attention + 2 * 4 d^2 MLP) + tied head V * d.
   d, v, layers = 768, 50257, 12
@@ -312,7 +313,7 @@ def test_unknown_config_key_and_preset():
   with pytest.raises(ValueError, match="unknown model config key 'nmu_heads'"):
     ModelConfig.from_config({'nmu_heads': 4})
   with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
-    ModelConfig.from_preset('gpt5')
+    preset('gpt5')
 
 
 def test_sinusoidal_positions_over_unscaled_embeddings_warn():

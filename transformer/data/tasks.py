@@ -16,6 +16,8 @@ from collections.abc import Iterable
 import ml_collections
 import numpy as np
 
+from transformer import util
+from transformer.config import experiment
 from transformer.data import (
   batching,
   grammar,
@@ -43,10 +45,9 @@ _CHARS_PER_TOKEN = 64  # texts are cut to this many characters per allowed token
 
 
 def default_config() -> ml_collections.ConfigDict:
-  """The data knobs and defaults: `config.data` of configs/base.py, which explains each."""
-  from configs import base
-
-  config = base.get_config()
+  """The data knobs and defaults: `config.data` of the default experiment (`DataConfig` in
+  transformer/config/experiment.py explains each)."""
+  config = experiment.default_configdict()
   config.data.max_length = config.model.max_length  # as a run resolves it (follows the model)
   return config.data
 
@@ -219,7 +220,7 @@ def _tokenizer(
   cache = os.path.join(workdir, 'tokenizer') if workdir else None
   if cache and os.path.exists(cache):
     return _cached_tokenizer(cache, cfg)
-  if cache and cfg.tokenizer != 'byte' and _has_checkpoints(workdir):
+  if cache and cfg.tokenizer != 'byte' and util.has_checkpoints(workdir):
     raise ValueError(
       f'{workdir!r} has checkpoints but no tokenizer/ directory, and a newly trained '
       f'{cfg.tokenizer} tokenizer may number its pieces differently from the one their '
@@ -265,12 +266,6 @@ def _cached_tokenizer(cache: str, cfg) -> Tokenizer:
       f'asks for {cfg.tokenizer} (vocab_size={cfg.vocab_size}); use a new workdir or delete it'
     )
   return tokenizer
-
-
-def _has_checkpoints(workdir: str) -> bool:
-  """Whether workdir/checkpoints holds a step (as transformer.training.checkpoint names them)."""
-  directory = os.path.join(workdir, 'checkpoints')
-  return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
 
 
 def max_chars(lengths) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 
 import ml_collections
 
-from transformer.config import ModelConfig
+from transformer.config import ModelConfig, experiment
 
 ARCHS = ('gpt2', 'bert', 'llama', 'qwen2', 'qwen3', 'mistral')
 LLAMA_FAMILY = ('llama', 'qwen2', 'qwen3', 'mistral')
@@ -79,7 +79,7 @@ _LLAMA_KEYS = (
 )
 for _arch in LLAMA_FAMILY:
   _CONFIG_KEYS[_arch] = _LLAMA_KEYS
-# What each architecture fixes, whatever configs/base.py says.
+# What each architecture fixes, whatever the default config says.
 _COMMON = dict(
   position='learned',
   norm='layernorm',
@@ -298,13 +298,12 @@ def experiment_config(
   param_dtype: str = 'float32',
   where: str = 'config.json',
 ) -> ml_collections.ConfigDict:
-  """A full sparrow experiment config (configs/base.py) for a Hugging Face config.json dict.
+  """A full sparrow experiment config (the defaults, as configs/base.py gives them) for a Hugging
+  Face config.json dict.
 
   `param_dtype` (float32 | bfloat16 | float16) is also the compute dtype when not float32.
   """
-  from configs import base
-
-  config = base.get_config()
+  config = experiment.default_configdict()
   config.name = name
   for key, value in model_fields(arch, hf, where).items():
     setattr(config.model, key, value)

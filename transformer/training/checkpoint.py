@@ -659,13 +659,6 @@ def read_run_config(workdir: str) -> dict | None:
   return saved
 
 
-def _has_checkpoints(workdir: str) -> bool:
-  directory = os.path.join(workdir, 'checkpoints')
-  if not os.path.isdir(directory):
-    return False
-  return any(name.isdigit() for name in os.listdir(directory))  # orbax names steps '<step>'
-
-
 def check_resume_compatible(workdir: str, config: ml_collections.ConfigDict) -> None:
   """Raises one ValueError if `config` cannot resume the checkpoints in `workdir`; touches nothing.
 
@@ -673,7 +666,7 @@ def check_resume_compatible(workdir: str, config: ml_collections.ConfigDict) -> 
   DATA_KEYS of `data`. A workdir without checkpoints or without config.json always passes.
   """
   saved = read_run_config(workdir)
-  if saved is None or not _has_checkpoints(workdir):
+  if saved is None or not util.has_checkpoints(workdir):
     return
   here = json.loads(config.to_json_best_effort())  # JSON-normalised: tuples are lists, as saved
   missing = object()

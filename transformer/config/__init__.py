@@ -1,16 +1,14 @@
 """The frozen `ModelConfig`: every architecture knob, validated once, with clear errors.
 
-Build it from an experiment ConfigDict (`ModelConfig.from_config(config.model)`) or from a
-named preset in `configs/` (`ModelConfig.from_preset('gpt2_small')`).
+Build it from an experiment ConfigDict (`ModelConfig.from_config(config.model)`). The rest of an
+experiment (data, train, optim, mesh) and its defaults live beside it, in `config.experiment`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import numbers
-import pkgutil
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -78,8 +76,8 @@ class ModelConfig:
   attention_scale: bool = True  # scale logits by 1/sqrt(head_dim); False = the ablation
   attention: str = 'softmax'  # one of ATTENTIONS: softmax, or linear (Katharopoulos et al. 2020)
   linear_feature_map: str = 'elu'  # attention='linear': phi, one of LINEAR_FEATURE_MAPS
-  compress_block: int = 16  # attention='compressed': positions pooled per block; divides rows
   short_conv: int = 0  # causal depthwise convolution of this many taps before self attention
+  compress_block: int = 16  # attention='compressed': positions pooled per block; divides rows
   attention_impl: str | None = None  # one of ATTENTION_IMPLEMENTATIONS; None = pick for the backend
   attention_chunk_size: int = 128  # key block of the 'chunked' path
   window: tuple[int, int] | None = None  # self-attention sliding window (left, right)
@@ -149,28 +147,11 @@ class ModelConfig:
       )
     return cls(**items)
 
-  @classmethod
-  def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
-    """Loads `configs/<name>.py` and returns its model, with optional field overrides."""
-    available = preset_names()
-    if name not in available:
-      raise ValueError(f'unknown preset {name!r}; available presets: {", ".join(available)}')
-    experiment = importlib.import_module(f'configs.{name}').get_config()
-    return dataclasses.replace(cls.from_config(experiment.model), **overrides)
-
   def replace(self, **changes: Any) -> ModelConfig:
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
-
-
-def preset_names() -> list[str]:
-  """Experiment files in `configs/` that define a model (everything but base and sweeps)."""
-  import configs
-
-  skip = {'base', 'sweeps'}
-  return sorted(m.name for m in pkgutil.iter_modules(configs.__path__) if m.name not in skip)
 
 
 def _choice(name: str, value: Any, valid: tuple) -> None:

@@ -1,0 +1,228 @@
+"""An experiment's knobs beside the model's: data, train, optim and mesh, each a frozen dataclass
+that holds every default once with a one-line comment, and `Config`, the whole experiment.
+
+`default_configdict()` renders them as the ConfigDict that `configs/base.py` returns and every
+experiment file overrides; flags override it further (`--config.model.num_kv_heads=4`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+import ml_collections
+
+from transformer.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """What `transformer.data.build(config.data, ...)` reads: the task, tokenizer and batches."""
+
+  task: str = (
+    'numbers'  # numbers | grammar | recall (built-in) | text | tsv (files) | tfds | corpus
+  )
+  train_path: str = ''  # text/tsv: file path or glob; tsv = src<TAB>tgt lines
+  eval_path: str = ''  # text/tsv: '' holds out the end of train_path (eval_fraction, or lines)
+  # text for the LMs: stream (the file is one running text, cut into rows, as nanoGPT) | lines (a
+  # document per line; '' eval_path holds out the last max(64, 1%) lines)
+  text_format: str = 'stream'
+  eval_fraction: float = 0.1  # text streams: the last this fraction of the tokens is the eval split
+  # streams (text, corpus): training rows start at random offsets (nanoGPT) | sequential (every
+  # token once an epoch, in order); both are deterministic from the seed and resume exactly
+  sampling: str = 'random'
+  # corpus: train_path/eval_path are globs of text, .jsonl(.gz/.zst) or Parquet files (prepared
+  # once into token shards, then streamed), or of llm.c .bin shards (read in place).
+  prepared_dir: str = ''  # corpus: where the token shards are prepared; '' = <workdir>/corpus
+  prepare_workers: int = (
+    1  # corpus: processes that tokenise the corpus (experiments.train's prepare)
+  )
+  prepare_chunk_mb: int = 16  # corpus: MB of plain text per shard (a .gz/.zst file, row group: one)
+  tokenizer_path: str = ''  # corpus: an existing SentencePiece .model or HF tokenizer.json to use
+  # streams: eval batches from the start of the eval split; 0 = all of it, -1 = all of it up to
+  # 4M tokens, else 20
+  eval_batches: int = -1
+  bad_lines: str = 'error'  # text/tsv/tfds: error | skip (bad UTF-8, columns; counted); blanks skip
+  tfds_name: str = 'wmt14_translate/de-en'  # tfds: dataset name, e.g. 'wmt17_translate/de-en'
+  tfds_data_dir: str = (
+    ''  # tfds: where datasets are stored; '' = TFDS default (~/tensorflow_datasets)
+  )
+  tfds_train_split: str = (
+    'train'  # tfds: training split (any TFDS split string, e.g. 'train[:10%]')
+  )
+  tfds_eval_split: str = 'test'  # tfds: eval split (wmt14 'test' = newstest2014); slice big ones
+  source_lang: str = 'en'  # tfds translation: feature used as the source
+  target_lang: str = 'de'  # tfds translation: feature used as the target
+  tfds_text_key: str = 'text'  # tfds LM datasets: the feature holding the text (lm1b: 'text')
+  # byte (261 ids) | char (the text's characters) | sentencepiece (trained) | hf (a model's own)
+  tokenizer: str = 'byte'
+  vocab_size: int = 32000  # sentencepiece: target vocabulary size (tiny corpora may give fewer)
+  vocab_multiple: int = (
+    1  # the model's vocabulary is the tokenizer's rounded up to a multiple of this
+  )
+  spm_train_lines: int = 1_000_000  # sentencepiece: trains on the first this many training examples
+  # LM families: tokens per row; None = model.max_length (set the context once, there); a
+  # shorter one trains below the model's context. encoder_decoder ignores it
+  max_length: int | None = None
+  max_source_length: int = 256  # encoder_decoder: source tokens (incl. eos); LM pairs: source part
+  max_target_length: int = 256  # encoder_decoder: target tokens (incl. eos)
+  batch_size: int = (
+    64  # GLOBAL training batch (rows); each process gets batch_size // process_count
+  )
+  eval_batch_size: int = 64  # GLOBAL eval batch (rows)
+  pack: bool = False  # pack several examples per row (segments, positions restart per example)
+  # Unpacked training batches are padded to the smallest bucket >= their longest example:
+  # True = 8, 16, 32, ... (few shapes, few recompiles), False = always the max, or lengths.
+  buckets: bool | tuple[int, ...] = False
+  num_train_examples: int = 100_000  # numbers/grammar/recall: generated training examples
+  num_eval_examples: int = 1_000  # numbers/grammar/recall: generated eval examples
+  mlm_prob: float = 0.15  # bidirectional_lm: fraction of tokens masked and predicted
+  numbers_max: int = 999_999  # numbers: largest number (>= 1000)
+  numbers_direction: str = 'digits_to_words'  # numbers: digits_to_words | words_to_digits
+  grammar_seed: int = 0  # grammar: fixes the Markov chain and its documents
+  grammar_words: int = 256  # grammar: number of word types
+  grammar_join: int = 1  # grammar: documents joined into one example (long rows; extrapolation)
+  grammar_successors: int = 0  # grammar: successors of each word (0: 2-6, the default chain)
+  grammar_holdout: float = 0.0  # grammar: share of word transitions kept out of training; 0 = off
+  # Share of the training examples drawn, over and over, from a subset of repeat_subset examples
+  # (repeated data, Hernandez et al. 2022); in [0, 1), 0 = off. Generated and text tasks only.
+  repeat_fraction: float = 0.0
+  repeat_subset: int = 100
+  grammar_repeat: float = (
+    0.0  # grammar: probability that an example is followed by a copy of itself
+  )
+  recall_pairs: int = 16  # recall: key-value pairs per example (at most 26 distinct keys)
+  recall_gap: int = 64  # recall: filler tokens between the pairs and the queries
+  recall_queries: int = 8  # recall: queried keys, each followed by its value (<= recall_pairs)
+  recall_order: str = 'random'  # recall: query order, random (MQAR) | pairs (a fixed distance back)
+  recall_filler: str = 'random'  # recall: filler digits random | constant (all '0')
+  recall_loss: str = 'all'  # recall: tokens that carry loss, all | answers (Zoology's: the values)
+  recall_seed: int = 0  # recall: fixes the generated examples
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """The objective and the training loop: steps, evaluation, checkpoints and faults."""
+
+  steps: int = 2000  # optimizer steps in the run
+  label_smoothing: float = 0.1  # paper: 0.1; 0 = plain cross-entropy
+  grad_accum_steps: int = 1  # micro-batches per step (the data batch is split into this many)
+  fused_loss: str = 'auto'  # tied head + loss in vocab chunks, no [B,T,V] logits: auto (CPU)/on/off
+  loss_chunk_size: int = 4096  # vocabulary rows per chunk of the fused loss
+  log_every: int = 50  # steps between console/TensorBoard scalars
+  head_entropy_every: int = 0  # steps between head attention-entropy scalars (TensorBoard); 0 = off
+  # Steps between induction telemetry (causal_lm): each head's induction and previous-token
+  # scores and the in-context loss, to metrics.jsonl and TensorBoard; 0 = off.
+  induction_every: int = 0
+  eval_every: int = 500  # steps between evaluations (and at the end)
+  eval_train_loss: bool = True  # evaluation also scores as many training rows: train_loss beside it
+  checkpoint_every: int = 500  # steps between checkpoints (and at the end)
+  checkpoint_every_seconds: float = 0.0  # also checkpoint this long after the last save; 0 = off
+  keep_checkpoints: int = 3  # how many recent checkpoints to keep
+  num_samples: int = 4  # sample outputs printed and logged at each evaluation
+  eval_decode_examples: int = 256  # held-out examples decoded for BLEU / exact match (0 = skip)
+  max_decode_length: int = 64  # longest greedy decode during evaluation
+  loss_scale: float = 2.0**15  # float16 only: initial dynamic loss scale
+  loss_scale_period: int = 2000  # float16 only: good steps before the loss scale doubles
+  # A step with a NaN/Inf loss or gradient is never applied. Then: skip (go on) | halt (error naming
+  # the first non-finite tensor) | rollback (to the last checkpoint, past the batch) | auto.
+  nonfinite: str = 'auto'  # auto = skip for float16 (loss scaling), halt otherwise
+  spike_factor: float = 0.0  # a loss above this x the running median is a spike, logged; 0 = off
+  spike_window: int = 100  # losses in that running median
+  spike_rollback: bool = False  # a spike also rolls back to the last checkpoint, past its batch
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """The optimizer and its learning-rate schedule (`transformer.training.optim`)."""
+
+  optimizer: str = 'adam'  # adam | adamw (decay masks out norms and biases)
+  learning_rate: float = 1.0  # peak LR; for 'rsqrt' a multiplier of d_model^-0.5 * min(...)
+  schedule: str = 'rsqrt'  # rsqrt | warmup_cosine | cosine_restarts | constant | linear
+  warmup_steps: int = 4000  # linear warmup steps (paper: 4000)
+  end_learning_rate_factor: float = 0.0  # cosine/linear: final LR as a fraction of the peak
+  restart_period: int = 1000  # cosine_restarts: steps per cycle
+  b1: float = 0.9  # Adam beta1 (paper)
+  b2: float = 0.98  # Adam beta2 (paper)
+  eps: float = 1e-9  # Adam epsilon (paper)
+  weight_decay: float = 0.0  # adamw only
+  clip_norm: float = 0.0  # global gradient-norm clipping; 0 = off
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshRules:
+  """Logical axis -> comma-separated mesh axes ('' = replicated). Rules earlier in this list claim
+  their mesh axes first, so activations [batch, length, embed] keep embed whole."""
+
+  batch: str = 'data,fsdp'  # batch rows: data parallel over both data and fsdp
+  length: str = ''  # sequence positions
+  embed: str = 'fsdp'  # d_model of weights: FSDP (ZeRO-3) shards parameters and optimizer state
+  heads: str = 'tensor'  # attention heads: Megatron-style tensor parallel
+  kv_heads: str = 'tensor'  # key/value heads (GQA/MQA): must divide by the tensor size
+  kv: str = ''  # head_dim
+  mlp: str = 'tensor'  # feed-forward hidden units: tensor parallel
+  vocab: str = 'tensor'  # embedding rows and logits: tensor parallel (see data.vocab_multiple)
+  layers: str = ''  # the stacked layer axis of scan_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """The devices (`transformer.sharding`): the mesh shape and the logical axis rules."""
+
+  shape: tuple[int, int, int] = (
+    -1,
+    1,
+    1,
+  )  # (data, fsdp, tensor) devices; -1 = all devices left over
+  rules: MeshRules = dataclasses.field(default_factory=MeshRules)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One whole experiment: what an experiment file's ConfigDict describes."""
+
+  name: str = 'base'  # run name; the default workdir is runs/<name>
+  seed: int = 0  # parameter init, dropout and data order all derive from this
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+
+
+def default_configdict() -> ml_collections.ConfigDict:
+  """Every default above as the ConfigDict that `configs/base.py` returns."""
+  return to_configdict(Config())
+
+
+def to_configdict(config: Any) -> ml_collections.ConfigDict:
+  """A config dataclass as a (type-safe) ConfigDict, nested dataclasses as nested ConfigDicts.
+
+  A field that is None holds a FieldReference typed by its annotation (`int | None` -> int), so
+  that a flag such as `--config.model.num_kv_heads=4` parses; a field that admits several types
+  (`bool | tuple[int, ...]`) holds a FieldReference of type object. Other fields are plain values.
+  """
+  out = ml_collections.ConfigDict()
+  hints = typing.get_type_hints(type(config))
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if dataclasses.is_dataclass(value):
+      out[field.name] = to_configdict(value)
+    else:
+      out[field.name] = _config_value(value, hints[field.name])
+  return out
+
+
+def _config_value(value: Any, hint: Any) -> Any:
+  """`value` as a ConfigDict holds it: plain, or a FieldReference where the type needs one."""
+  if not isinstance(hint, types.UnionType) and typing.get_origin(hint) is not typing.Union:
+    return value
+  kinds = [t for t in typing.get_args(hint) if t is not type(None)]
+  if len(kinds) > 1:
+    return ml_collections.FieldReference(value, field_type=object)
+  if value is None:
+    kind = kinds[0]
+    return ml_collections.FieldReference(None, field_type=typing.get_origin(kind) or kind)
+  return value
