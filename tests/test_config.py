@@ -254,3 +254,29 @@ def test_choice_lists_are_the_registries():
   assert sorted(config.ACTIVATIONS) == sorted([*layers.ACTIVATIONS, 'swiglu'])
   assert sorted(config.REMAT_POLICIES) == sorted(['none', *layers.REMAT_POLICIES])
   assert sorted(config.ATTENTION_IMPLEMENTATIONS[1:]) == sorted(attention.registered())
+
+
+def test_from_configdict_types_every_section():
+  cd = experiment.default_configdict()
+  assert experiment.Config.from_configdict(cd) == experiment.Config()
+  cd.train.steps, cd.mesh.rules.mlp, cd.model.num_kv_heads = 7, '', 4
+  typed = experiment.Config.from_configdict(json.loads(cd.to_json()))  # as a run saves it
+  assert (typed.train.steps, typed.mesh.rules.mlp, typed.model.kv_heads) == (7, '', 4)
+  assert typed.mesh.shape == (-1, 1, 1)  # JSON's list back as the tuple
+  partial = experiment.Config.from_configdict({'train': {'steps': 3}, 'model': {}})
+  assert (
+    partial.train == experiment.TrainConfig(steps=3) and partial.data == experiment.DataConfig()
+  )
+
+
+def test_from_configdict_names_an_unknown_key_and_the_valid_ones():
+  cd = experiment.default_configdict().to_dict()
+  cd['train']['stpes'] = 3
+  with pytest.raises(ValueError, match="unknown config.train key 'stpes'; valid keys are: .*steps"):
+    experiment.Config.from_configdict(cd)
+  cd = experiment.default_configdict().to_dict()
+  cd['mesh']['rules']['vocabulary'] = 'tensor'
+  with pytest.raises(ValueError, match="unknown config.mesh.rules key 'vocabulary'"):
+    experiment.Config.from_configdict(cd)
+  with pytest.raises(ValueError, match="unknown model config key 'nmu_heads'"):
+    experiment.Config.from_configdict({'model': {'nmu_heads': 4}})

@@ -191,6 +191,34 @@ class Config:
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
 
+  @classmethod
+  def from_configdict(cls, config: Any) -> Config:
+    """The typed experiment of a ConfigDict (or mapping): a missing key or section takes its
+    default; an unknown key is one ValueError that lists the valid ones; the model is validated
+    (`ModelConfig.from_config`)."""
+    return _from_items(cls, config, 'config')
+
+
+def _from_items(cls: type, config: Any, where: str) -> Any:
+  """`cls` built from the items of `config`; nested dataclasses from nested mappings, and lists
+  (JSON's form of a tuple) as tuples."""
+  if cls is ModelConfig:
+    return ModelConfig.from_config(config)
+  items = {} if config is None else dict(config.items())
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(items) - names)
+  if unknown:
+    raise ValueError(
+      f'unknown {where} key {unknown[0]!r}; valid keys are: {", ".join(sorted(names))}'
+    )
+  hints = typing.get_type_hints(cls)
+  for name, value in items.items():
+    if dataclasses.is_dataclass(hints[name]):
+      items[name] = _from_items(hints[name], value, f'{where}.{name}')
+    elif isinstance(value, list):
+      items[name] = tuple(value)
+  return cls(**items)
+
 
 def default_configdict() -> ml_collections.ConfigDict:
   """Every default above as the ConfigDict that `configs/base.py` returns."""

@@ -53,9 +53,9 @@ class OutOfMemoryError(ValueError):
 
 
 # Config ------------------------------------------------------------------------------------------
-def nonfinite_policy(train_cfg: ml_collections.ConfigDict, dtype: str) -> str:
-  """train.nonfinite with 'auto' resolved: 'skip' for float16 (loss scaling), else 'halt'."""
-  policy = train_cfg.get('nonfinite', 'auto')
+def nonfinite_policy(policy: str, dtype: str) -> str:
+  """train.nonfinite (`policy`) with 'auto' resolved: 'skip' for float16 (loss scaling), else
+  'halt'."""
   if policy not in NONFINITE_POLICIES:
     raise ValueError(f'train.nonfinite={policy!r} is not one of {" | ".join(NONFINITE_POLICIES)}')
   if policy == 'auto':
@@ -65,7 +65,7 @@ def nonfinite_policy(train_cfg: ml_collections.ConfigDict, dtype: str) -> str:
 
 def check_config(train_cfg: ml_collections.ConfigDict) -> None:
   """Raises one ValueError for a bad fault knob of config.train, before anything is written."""
-  nonfinite_policy(train_cfg, 'float32')
+  nonfinite_policy(train_cfg.get('nonfinite', 'auto'), 'float32')
   factor = train_cfg.get('spike_factor', 0.0)
   if not isinstance(factor, (int, float)) or not (factor == 0 or factor > 1):
     raise ValueError(f'train.spike_factor={factor!r} must be 0 (off) or a number > 1, e.g. 5')

@@ -19,6 +19,7 @@ import numpy as np
 
 from transformer import data, util
 from transformer.config import ModelConfig
+from transformer.config.experiment import Config, TrainConfig
 from transformer.model import models, probes
 from transformer.model.capture import capture, entropy_by_layer
 from transformer.training import checkpoint, events, faults, knobs, peers
@@ -53,8 +54,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   config = ml_collections.ConfigDict(config.to_dict())  # never mutate the caller's config
   knobs.resolve_lengths(config)  # data.max_length follows model.max_length
-  tcfg = config.train
-  ModelConfig.from_config(config.model)  # bad shapes and names fail before anything is written
+  tcfg = Config.from_configdict(config).train  # typed; bad model shapes and unknown keys fail here
   knobs.check_config(config)  # train.* and data.* knobs that cannot work, before any data work
   saved = checkpoint.read_run_config(workdir)
   if saved is not None:  # compare before touching anything; the vocabulary is checked below
@@ -73,7 +73,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       run = Run(config, workdir)  # sets model.vocab_size from the tokenizer
       checkpoint.check_resume_compatible(workdir, config)
       checkpoint.write_run_metadata(workdir, config)
-      return _train_loop(run, ckpt, workdir, signals)
+      return _train_loop(run, tcfg, ckpt, workdir, signals)
   except Exception as error:  # a collective or barrier that failed because a peer is gone
     if not peers.is_peer_lost(error, jax.process_count()):
       raise
@@ -98,6 +98,7 @@ def _prepare_corpus(data_cfg: ml_collections.ConfigDict, workdir: str) -> None:
 
 def _train_loop(
   run: Run,
+  tcfg: TrainConfig,
   ckpt: checkpoint.Checkpointer,
   workdir: str,
   signals: faults.StopSignals | None = None,
@@ -107,7 +108,7 @@ def _train_loop(
   Each step's loss and finiteness are read back right after it (the next batch is prepared
   while it runs): a non-finite step or a loss spike is handled before anything is saved.
   """
-  loop = _Loop(run, ckpt, workdir, signals)
+  loop = _Loop(run, tcfg, ckpt, workdir, signals)
   state = loop.restore_or_init()
   util.release_host_memory()  # what compiling the initialisation freed
   step, steps = loop.begin(int(state.step))
@@ -136,16 +137,18 @@ class _Loop:
   """What `_train_loop` keeps between steps, and one method for each thing a step can meet:
   resuming, a non-finite step, a loss spike, logging, a stop signal, evaluation and saving."""
 
-  def __init__(self, run: Run, ckpt: checkpoint.Checkpointer, workdir: str, signals):
+  def __init__(
+    self, run: Run, tcfg: TrainConfig, ckpt: checkpoint.Checkpointer, workdir: str, signals
+  ):
     self.run, self.ckpt, self.workdir, self.signals = run, ckpt, workdir, signals
-    self.tcfg = tcfg = run.config.train
-    self.policy = faults.nonfinite_policy(tcfg, run.model_cfg.dtype)
+    self.tcfg = tcfg
+    self.policy = faults.nonfinite_policy(tcfg.nonfinite, run.model_cfg.dtype)
     self.iterator = run.task.train_iterator()
     self.rng = run.replicate(jax.random.PRNGKey(run.config.seed + 1))
     self.compiled = False  # the train step, before its first call
-    self.spikes = faults.SpikeDetector(tcfg.get('spike_factor', 0.0), tcfg.get('spike_window', 100))
+    self.spikes = faults.SpikeDetector(tcfg.spike_factor, tcfg.spike_window)
     self.agreement = faults.HostAgreement(2)  # [a stop signal, a timed checkpoint due]
-    self.every_seconds, self.last_save = tcfg.get('checkpoint_every_seconds', 0), time.time()
+    self.every_seconds, self.last_save = tcfg.checkpoint_every_seconds, time.time()
     self.nonfinite_steps, self.skips_in_a_row = 0, 0
     self.rollbacks = collections.Counter()  # checkpoint step -> rollbacks to it
     self.history, self.eval_metrics = [], {}
@@ -267,9 +270,9 @@ class _Loop:
     if ratio is None:
       return None
     _write_scalars(self.writer, step, {'loss_spike': ratio}, prefix='train/')
-    window = self.tcfg.get('spike_window', 100)
+    window = self.tcfg.spike_window
     text = f'loss spike: {loss:.4g} is {ratio:.1f}x the median of the last {window} losses'
-    if self.tcfg.get('spike_rollback', False):
+    if self.tcfg.spike_rollback:
       return text
     self.event(step, text, event='loss_spike', loss=loss, ratio=ratio)
     return None
@@ -352,11 +355,11 @@ class _Loop:
   def after_step(self, step: int, state, data_state: dict, host_batch: dict, save: bool) -> None:
     """Head entropy, evaluation and checkpoints, each on its own schedule."""
     tcfg, last = self.tcfg, step == self.tcfg.steps
-    entropy_every = tcfg.get('head_entropy_every', 0)
+    entropy_every = tcfg.head_entropy_every
     if entropy_every and step % entropy_every == 0:  # attention entropy per head, on this batch
       inputs = model_inputs(self.run.family, host_batch)
       log_head_entropy(self.writer, self.run.model_cfg, weights(state), inputs, step)
-    induction_every = tcfg.get('induction_every', 0)
+    induction_every = tcfg.induction_every
     if induction_every and (step % induction_every == 0 or step == 1):
       log_induction(self.writer, self.metrics_log, self.run.model_cfg, weights(state), host_batch,
                     step)  # fmt: skip
@@ -379,9 +382,9 @@ class _Loop:
     return {'step': step, 'train': self.history, 'eval': self.eval_metrics}
 
 
-def _policy_name(tcfg: ml_collections.ConfigDict, policy: str) -> str:
+def _policy_name(tcfg: TrainConfig, policy: str) -> str:
   """'halt', or 'auto' (= 'halt' for float32) when it came from 'auto'."""
-  chosen = tcfg.get('nonfinite', 'auto')
+  chosen = tcfg.nonfinite
   return f'{chosen!r}' if chosen == policy else f'{chosen!r} (= {policy!r} for this dtype)'
 
 
