@@ -102,6 +102,90 @@ def test_schedules_jit():
     assert float(jax.jit(schedule)(jnp.int32(37))) == pytest.approx(_lr(schedule, 37), rel=1e-6)
 
 
+def _reference(name, peak, warmup, total, end_factor, period, d_model, steps):
+  """The documented schedules in float64 NumPy, written from the docstring of make_schedule."""
+  s = np.asarray(steps, np.float64)
+  if name == 'rsqrt':
+    if total is not None and warmup >= total:  # cut: ramp to the configured peak at total - 1
+      return peak * (d_model * warmup) ** -0.5 * np.minimum((s + 1) / total, 1.0)
+    paper = np.maximum(s, 1.0)  # the paper's step counts from 1
+    ramp = paper * warmup**-1.5 if warmup else paper**-0.5
+    return peak * d_model**-0.5 * np.minimum(paper**-0.5, ramp)
+  warmup = warmup if total is None else min(warmup, total)
+  end = peak * end_factor
+  if name == 'constant':
+    after = np.full_like(s, peak)
+  elif name == 'cosine_restarts':
+    in_cycle = np.mod(s - warmup, period) / period
+    after = end + (peak - end) * (1 + np.cos(np.pi * in_cycle)) / 2
+  else:
+    done = np.clip((s - warmup) / max(total - warmup, 1), 0.0, 1.0)
+    if name == 'warmup_cosine':
+      after = end + (peak - end) * (1 + np.cos(np.pi * done)) / 2
+    else:
+      after = peak + (end - peak) * done
+  return np.where(s < warmup, peak * (s + 1) / max(warmup, 1), after)
+
+
+@pytest.mark.parametrize('name', optim.SCHEDULES)
+@pytest.mark.parametrize(
+  'warmup,total,end_factor,period',
+  [
+    (0, 37, 0.0, 7),
+    (1, 1, 0.0, 1),
+    (1, 2, 0.1, 1),
+    (7, 7, 0.0, 3),  # a warmup as long as the run
+    (13, 5, 0.1, 4),  # one longer: cut to the run
+    (13, 101, 0.0, 9),
+    (13, 101, 0.37, 13),
+    (300, 1000, 0.0, 333),
+    (4000, 5003, 0.0, 997),  # a long warmup: its first updates are tiny and must stay exact
+  ],
+)
+def test_schedules_match_a_float64_formula(name, warmup, total, end_factor, period):
+  peak, d_model = (0.7, 48) if name == 'rsqrt' else (3e-3, 48)
+  cfg = _config(
+    schedule=name,
+    learning_rate=peak,
+    warmup_steps=warmup,
+    total_steps=total,
+    end_learning_rate_factor=end_factor,
+    restart_period=period,
+    d_model=d_model,
+  )
+  schedule = optim.make_schedule(cfg)
+  steps = np.arange(total + 2 * period + 5)  # past the run and two restarts
+  want = _reference(name, peak, warmup, total, end_factor, period, d_model, steps)
+  got = np.asarray(jax.jit(jax.vmap(schedule))(jnp.asarray(steps, jnp.int32)), np.float64)
+  top = want.max()
+  # float32 carries about 1e-7 of the peak: decays to 0 lose their relative digits near the end.
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * top)
+  ramp = steps < min(warmup, total)  # the warmup keeps every digit, also at peak / 4000
+  np.testing.assert_allclose(got[ramp], want[ramp], rtol=1e-6, atol=0)
+  # After the run, warmup_cosine and linear hold end: exactly 0 for a decay to 0, never below.
+  held = steps >= (total + 1 if warmup >= total else total)  # a cut warmup: total is at peak
+  if name not in ('warmup_cosine', 'linear'):
+    held[:] = False
+  np.testing.assert_allclose(got[held], peak * end_factor, rtol=1e-6, atol=0)
+  # A Python int and a traced int32 scalar, at awkward steps, give float32 values that match.
+  awkward = sorted({0, 1, warmup - 1, warmup, warmup + 1, total - 1, total, total + period} - {-1})
+  for step in awkward:
+    for lr in (schedule(step), jax.jit(schedule)(jnp.int32(step))):
+      assert lr.dtype == jnp.float32 and float(lr) >= 0
+      if held[step]:
+        np.testing.assert_allclose(float(lr), peak * end_factor, rtol=1e-6, atol=0)
+      np.testing.assert_allclose(float(lr), want[step], rtol=1e-6, atol=1e-6 * top)
+  assert np.all(got >= 0)
+
+
+@pytest.mark.parametrize('warmup,total', [(1, 1), (1, 50), (7, 3), (100, 1000), (4000, 100)])
+@pytest.mark.parametrize('name', optim.SCHEDULES)
+def test_the_first_update_learns(name, warmup, total):
+  cfg = _config(schedule=name, warmup_steps=warmup, total_steps=total, restart_period=5)
+  schedule = optim.make_schedule(cfg)
+  assert float(schedule(0)) > 0 and float(jax.jit(schedule)(jnp.int32(0))) > 0
+
+
 @pytest.mark.parametrize(
   'overrides,match',
   [

@@ -23,17 +23,32 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
   return default if value is None else value
 
 
-def _warmup(step: jax.Array, peak: float, warmup_steps: int) -> jax.Array:
-  """Linear peak / warmup_steps -> peak over the first warmup_steps updates: update 0 already
-  learns (at peak / warmup_steps, never 0), and update warmup_steps - 1 is at the peak."""
+def _warmup(peak: float, warmup_steps: int, after: optax.Schedule) -> optax.Schedule:
+  """A linear warmup from peak / warmup_steps at update 0 (never 0: the first update learns) to
+  peak at update warmup_steps - 1, then `after`, counted from 0 at update warmup_steps."""
   if warmup_steps == 0:
-    return jnp.full_like(step, peak)
-  return peak * jnp.minimum((step + 1) / warmup_steps, 1.0)
+    return after
+  # peak / warmup_steps, multiplied by warmup_steps at update warmup_steps - 1. optax computes it
+  # as start + (end - start) * fraction, so the small first values keep their float32 digits;
+  # linear_schedule's (start - end) * (1 - fraction) + end cancels (2e-4 relative error at
+  # update 0 of a 4000-step warmup).
+  ramp = optax.piecewise_interpolate_schedule(
+    'linear', peak / warmup_steps, {warmup_steps - 1: warmup_steps}
+  )
+  return optax.join_schedules([ramp, after], [warmup_steps])
 
 
-def _cosine(fraction: jax.Array, peak: float, end: float) -> jax.Array:
-  """Half a cosine from peak (fraction 0) to end (fraction 1)."""
-  return end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * fraction))
+def _decay(shape: str, peak: float, end_factor: float, steps: int) -> optax.Schedule:
+  """A 'cosine' (half a cosine) or 'linear' decay from peak at 0 to peak * end_factor at
+  `steps`, held there after."""
+  # Held exactly: jitted on CPU, linear_schedule(peak, 0, steps) stays at -1e-10 after `steps`
+  # (XLA computes its 1 - step / steps as fma(-step, 1 / steps, 1)).
+  return optax.piecewise_interpolate_schedule(shape, peak, {steps: end_factor})
+
+
+def _float32(schedule: optax.Schedule) -> optax.Schedule:
+  """The schedule as a float32 array, for a Python int step as for a traced one."""
+  return lambda step: jnp.asarray(schedule(step), jnp.float32)
 
 
 def fit_warmup(warmup_steps: int, total_steps: int | None) -> int:
@@ -74,6 +89,11 @@ def make_schedule(cfg: Any) -> optax.Schedule:
   (cfg.total_steps, when given) or longer is cut to the run by `fit_warmup`, which warns: the
   learning rate ramps up over the whole run to the peak the config states (for 'rsqrt',
   lr * (d_model * warmup_steps)^-0.5), reached at the last step.
+
+  Built from optax: the warmup and each decay are `optax.piecewise_interpolate_schedule`s joined
+  by `optax.join_schedules`; 'cosine_restarts' runs one cosine on the step modulo restart_period
+  (`optax.sgdr_schedule` wants a finite list of cycles); 'rsqrt' is the paper's formula. Any step,
+  a Python int or a traced array, gives a float32 array.
   """
   name = _get(cfg, 'schedule', 'rsqrt')
   peak = float(cfg.learning_rate)
@@ -93,7 +113,6 @@ def make_schedule(cfg: Any) -> optax.Schedule:
     if total < 1:
       raise ValueError(f'total_steps={total} must be >= 1 (the run length, train.steps)')
     warmup = fit_warmup(warmup, total)
-  end = peak * end_factor
 
   if name == 'rsqrt':
     d_model = int(cfg.d_model)
@@ -101,7 +120,7 @@ def make_schedule(cfg: Any) -> optax.Schedule:
       raise ValueError(f'd_model={d_model} must be > 0 for the rsqrt schedule')
     if total is not None and configured >= total:  # cut: the configured peak at the last step
       top = peak * (d_model * configured) ** -0.5
-      return lambda step: top * jnp.minimum((jnp.asarray(step, jnp.float32) + 1.0) / total, 1.0)
+      return _float32(_warmup(top, total, optax.constant_schedule(top)))
 
     def rsqrt(step):
       s = jnp.maximum(jnp.asarray(step, jnp.float32), 1.0)  # the paper counts steps from 1
@@ -111,32 +130,21 @@ def make_schedule(cfg: Any) -> optax.Schedule:
     return rsqrt
 
   if name == 'constant':
-    return lambda step: _warmup(jnp.asarray(step, jnp.float32), peak, warmup)
+    return _float32(_warmup(peak, warmup, optax.constant_schedule(peak)))
 
   if name == 'cosine_restarts':
     period = int(_get(cfg, 'restart_period', 0))
     if period <= 0:
       raise ValueError(f'restart_period={period} must be > 0 for schedule=cosine_restarts')
-
-    def restarts(step):
-      step = jnp.asarray(step, jnp.float32)
-      in_cycle = jnp.mod(jnp.maximum(step - warmup, 0.0), period) / period  # 0 at each restart
-      return jnp.where(step < warmup, _warmup(step, peak, warmup), _cosine(in_cycle, peak, end))
-
-    return restarts
+    cycle = _decay('cosine', peak, end_factor, period)
+    return _float32(_warmup(peak, warmup, lambda step: cycle(step % period)))
 
   if total is None:  # 'warmup_cosine' and 'linear' decay until total_steps
     raise ValueError(f'schedule={name} needs total_steps (the run length)')
-
-  def decay(step):
-    step = jnp.asarray(step, jnp.float32)
-    fraction = jnp.clip((step - warmup) / max(total - warmup, 1), 0.0, 1.0)  # 0 -> 1 after it
-    decayed = (
-      _cosine(fraction, peak, end) if name == 'warmup_cosine' else peak + (end - peak) * fraction
-    )
-    return jnp.where(step < warmup, _warmup(step, peak, warmup), decayed)
-
-  return decay
+  shape = 'cosine' if name == 'warmup_cosine' else 'linear'
+  # A warmup cut to the run leaves 1 decay step: update total_steps is at peak, then end.
+  decay = _decay(shape, peak, end_factor, max(total - warmup, 1))
+  return _float32(_warmup(peak, warmup, decay))
 
 
 def decay_mask(params: Any) -> Any:
