@@ -5,6 +5,13 @@ import os
 import shutil
 import tempfile
 
+# configs/, experiments/, research/ and bench/ run from the clone and are not installed: pytest's
+# `pythonpath` puts the root on this process's path, and PYTHONPATH on every subprocess's (a
+# worker script started as `python tests/x.py` has only tests/ on its path otherwise).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in os.environ.get('PYTHONPATH', '').split(os.pathsep):
+  os.environ['PYTHONPATH'] = os.pathsep.join(p for p in (_ROOT, os.environ.get('PYTHONPATH')) if p)
+
 # XLA:CPU compiles about twice as fast without LLVM's backend optimisations, and the suite is
 # mostly compile time on tiny models. Results stay within every test's tolerance; benchmarks
 # (experiments/bench_*.py) never run under this flag.
