@@ -182,7 +182,7 @@ def test_alibi_slopes_known_values():
 
 def test_alibi_bias_definition():
   slopes = P.alibi_slopes(3)
-  got = np.asarray(P.alibi_bias(slopes, 4, 6))
+  got = np.asarray(P.alibi_bias(slopes, jnp.arange(4), jnp.arange(6)))
   assert got.shape == (3, 4, 6)
   s = np.asarray(slopes, np.float64)
   for n in range(3):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.kernels import gpu, mosaic_gpu, target, tpu
+from transformer.kernels import gpu, masks, mosaic_gpu, target, tpu
 
 Array = jax.Array
 _MIN_GPU_BLOCK = 16  # Triton's smallest tile for tl.dot
@@ -392,16 +392,13 @@ def flash_attention_reference(
   scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
   qg = q.reshape(B, T, K, N // K, H).astype(jnp.float32)  # [B, T, K, G, H]
   logits = jnp.einsum('btkgh,bskh->bkgts', qg, k.astype(jnp.float32)) * scale  # [B, K, G, T, S]
-  i = np.arange(T)[:, None]
-  j = np.arange(S)[None, :]
-  ok = jnp.ones((B, T, S), bool)
-  if causal:
-    ok &= j <= i
-  if window is not None:
-    ok &= (j >= i - window[0]) & (j <= i + window[1])
+  qs = ks = None
   if q_segment_ids is not None:
-    qs, ks = q_segment_ids[:, :, None], kv_segment_ids[:, None, :]
-    ok &= (qs == ks) & (qs != 0)
+    qs, ks = q_segment_ids[:, :, None], kv_segment_ids[:, None, :]  # [B, T, 1], [B, 1, S]
+  ok = masks.visible(
+    np.arange(T)[:, None], np.arange(S)[None, :], qs, ks, causal=causal, window=window
+  )
+  ok = jnp.ones((B, T, S), bool) if ok is None else jnp.broadcast_to(ok, (B, T, S))
   ok = ok[:, None, None]  # [B, 1, 1, T, S]
   logits = jnp.where(ok, logits, -jnp.inf)
   m = jnp.max(logits, axis=-1, keepdims=True)

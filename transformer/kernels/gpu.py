@@ -13,6 +13,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from transformer.kernels import masks
+
 Array = jax.Array
 MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
 
@@ -66,20 +68,11 @@ def query_block_range(
   return lo, hi
 
 
-def visible(q_pos, k_pos, q_seg, kv_seg, *, causal, window, kv_len):
-  """Boolean `[bq, bk]` mask of which keys each query may see, or None when all are visible."""
-  conds = []
-  if kv_len is not None:
-    conds.append(k_pos[None, :] < kv_len)  # the padded tail of the keys
-  if causal:
-    conds.append(k_pos[None, :] <= q_pos[:, None])
-  if window is not None:
-    conds.append(k_pos[None, :] >= q_pos[:, None] - window[0])
-    conds.append(k_pos[None, :] <= q_pos[:, None] + window[1])
+def _visible(q_pos, k_pos, q_seg, kv_seg, **mask):
+  """`masks.visible` on a `[bq, bk]` tile, from positions `[bq]`, `[bk]` and segment ids alike."""
   if q_seg is not None:
-    conds.append((q_seg[:, None] == kv_seg[None, :]) & (q_seg[:, None] != 0))  # 0 = padding
-  # None (decided at trace time) when no condition applies: callers then skip the where().
-  return functools.reduce(jnp.logical_and, conds) if conds else None
+    q_seg, kv_seg = q_seg[:, None], kv_seg[None, :]  # [bq, 1], [1, bk]
+  return masks.visible(q_pos[:, None], k_pos[None, :], q_seg, kv_seg, **mask)  # or None
 
 
 def _dot(a, b, trans_b=False):
@@ -119,7 +112,7 @@ def _forward_kernel(
     k, v = k_ref[ks, :], v_ref[ks, :]  # [bk, H]
     s = _dot(q, k, trans_b=True) * scale  # [bq, bk]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[ks]  # [bk]
-    mask = visible(
+    mask = _visible(
       q_pos,
       kb * block_k + jnp.arange(block_k),
       q_seg,
@@ -167,7 +160,7 @@ def _probs(q, k, lse, q_pos, k_pos, q_seg, kv_seg, *, scale, causal, window, kv_
   """Recompute the softmax block `[bq, bk]` from the saved logsumexp."""
   s = _dot(q, k, trans_b=True) * scale  # [bq, bk]
   p = jnp.exp(s - lse[:, None])  # already normalised: lse = log of the row's softmax sum
-  mask = visible(q_pos, k_pos, q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len)
+  mask = _visible(q_pos, k_pos, q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len)
   return p if mask is None else jnp.where(mask, p, 0.0)
 
 

@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from transformer.kernels import masks
 from transformer.kernels.gpu import key_block_range, query_block_range
 
 Array = jax.Array
@@ -118,39 +119,29 @@ def _load_vector(ref, reduce_axis, interpret):
 
 
 def _visible(shape, q_first, k_first, q_seg, kv_seg, cfg, *, keys_on_rows=False):
-  """Boolean mask of a `[rows, cols]` score tile, or None when every key is visible.
+  """`masks.visible` on a `[rows, cols]` score tile, or None when every key is visible.
 
   Rows are queries and columns keys, or the reverse when `keys_on_rows` (the dK/dV kernel).
   """
   q_dim, k_dim = (1, 0) if keys_on_rows else (0, 1)
-  conds = []
-  if cfg.causal or cfg.window is not None or cfg.kv_len is not None:
+  q_pos = k_pos = None  # read by the rule only for causal, window and kv_len
+  if cfg.causal or cfg.window is not None:
     # Positions as a per-row and a per-column vector, broadcast where compared: a thread holds
     # 2 rows and 16 columns of a [64, 64] tile, so that is 18 values instead of two 32-value
     # tiles, which the dK/dV kernel at head dim 128 cannot keep beside its accumulators.
+    q_pos = q_first + _iota_vector(shape, q_dim, cfg.interpret)
+    k_pos = k_first + _iota_vector(shape, k_dim, cfg.interpret)
+    q_pos = lax.broadcast_in_dim(q_pos, shape, [q_dim])
+    k_pos = lax.broadcast_in_dim(k_pos, shape, [k_dim])
+  elif cfg.kv_len is not None:
     # The padded-tail condition alone keeps whole tiles: Mosaic GPU's layout inference (jax 0.12)
     # finds no layout for a broadcast vector compared just once.
-    if cfg.causal or cfg.window is not None:
-      q_pos = q_first + _iota_vector(shape, q_dim, cfg.interpret)
-      k_pos = k_first + _iota_vector(shape, k_dim, cfg.interpret)
-      q_pos = lax.broadcast_in_dim(q_pos, shape, [q_dim])
-      k_pos = lax.broadcast_in_dim(k_pos, shape, [k_dim])
-    else:
-      q_pos = q_first + _iota(shape, q_dim, cfg.interpret)
-      k_pos = k_first + _iota(shape, k_dim, cfg.interpret)
-    if cfg.kv_len is not None:
-      conds.append(k_pos < cfg.kv_len)  # the padded tail of the keys
-    if cfg.causal:
-      conds.append(k_pos <= q_pos)
-    if cfg.window is not None:
-      left, right = cfg.window
-      conds.append(k_pos >= q_pos - left)
-      conds.append(k_pos <= q_pos + right)
+    q_pos = q_first + _iota(shape, q_dim, cfg.interpret)
+    k_pos = k_first + _iota(shape, k_dim, cfg.interpret)
   if q_seg is not None:
-    qs = lax.broadcast_in_dim(q_seg, shape, [q_dim])
-    ks = lax.broadcast_in_dim(kv_seg, shape, [k_dim])
-    conds.append((qs == ks) & (qs != 0))  # segment 0 is padding
-  return functools.reduce(jnp.logical_and, conds) if conds else None
+    q_seg = lax.broadcast_in_dim(q_seg, shape, [q_dim])
+    kv_seg = lax.broadcast_in_dim(kv_seg, shape, [k_dim])
+  return masks.visible(q_pos, k_pos, q_seg, kv_seg, **cfg.mask_kw())
 
 
 def _softmax_step(carry, s, mask, v_s, dtype, interpret):

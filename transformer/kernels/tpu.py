@@ -15,6 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from transformer.kernels import masks
 from transformer.kernels.gpu import key_block_range, query_block_range
 
 MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
@@ -32,21 +33,12 @@ def _clamp(j, lo, hi, n):
   return jnp.clip(jnp.clip(j, lo, hi - 1), 0, n - 1)
 
 
-def _visible(i, j, bq, bk, q_seg, kv_seg, *, causal, window, kv_len):
-  """Boolean `[bq, bk]` mask for query block i and key block j, or None if nothing is masked."""
+def _visible(i, j, bq, bk, q_seg, kv_seg, **mask):
+  """`masks.visible` on the `[bq, bk]` tile of query block i and key block j, or None."""
   # Positions as 2D iotas: TPU vectors are 2D tiles, so no 1D arange is broadcast here.
   q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)  # [bq, bk]
   k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)  # [bq, bk]
-  conds = []
-  if kv_len is not None:
-    conds.append(k_pos < kv_len)  # the padded tail of the keys
-  if causal:
-    conds.append(k_pos <= q_pos)
-  if window is not None:
-    conds.append((k_pos >= q_pos - window[0]) & (k_pos <= q_pos + window[1]))
-  if q_seg is not None:  # q_seg [bq, 1], kv_seg [1, bk]
-    conds.append((q_seg == kv_seg) & (q_seg != 0))
-  return functools.reduce(jnp.logical_and, conds) if conds else None
+  return masks.visible(q_pos, k_pos, q_seg, kv_seg, **mask)  # q_seg [bq, 1], kv_seg [1, bk]
 
 
 def _forward_kernel(

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from transformer import config, sharding
+from transformer.kernels import masks as kernel_masks
 from transformer.model import attention_paths as paths
 from transformer.model import compressed_attention as compressed
 from transformer.model import linear_attention as linear
@@ -432,9 +433,10 @@ class MultiHeadAttention(nn.Module):
       return paths.attend_one_step(q, k, v, visible, scale=scale)
     q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
     slots = jnp.arange(k.shape[1])[None]  # [1, L]
-    visible = slots <= q_pos[:, None]  # [B, L]: causal; later slots are not written yet
-    if mask.window is not None:  # only the left edge: causal already hides keys to the right
-      visible &= slots >= q_pos[:, None] - mask.window[0]
+    # Row b's query sits at q_pos[b]; causal, as later slots are not written yet.
+    visible = kernel_masks.visible(
+      q_pos[:, None], slots, None, None, causal=True, window=mask.window
+    )  # [B, L]
     return paths.attend_one_step(
       q, k, v, visible, scale=scale, alibi_slopes=alibi_slopes, q_pos=q_pos
     )

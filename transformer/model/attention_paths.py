@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from transformer.model.masks import NEG, MaskSpec, alibi_bias
+from transformer.model.masks import NEG, MaskSpec
 from transformer.model.masks import visible as visible_keys
+from transformer.model.positions import alibi_bias
 
 
 def xla_attention(
@@ -36,9 +37,7 @@ def xla_attention(
     logits = jnp.matmul(qt, kt.transpose(0, 2, 1), preferred_element_type=f32)  # [B * N, T, S]
     logits = logits.reshape(B, N, T, S) * scale
     if alibi_slopes is not None:
-      logits = logits + alibi_bias(alibi_slopes, K, jnp.arange(T), jnp.arange(S)).reshape(
-        1, N, T, S
-      )
+      logits = logits + alibi_bias(alibi_slopes, jnp.arange(T), jnp.arange(S))  # [B, N, T, S]
     visible = mask.dense(T, S)  # [B or 1, 1, T, S]
     logits = jnp.where(visible, logits, NEG)
     probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
@@ -50,7 +49,8 @@ def xla_attention(
   # float32 logits whatever the input dtype: bfloat16 exp/sum over S keys loses too much.
   logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=f32) * scale
   if alibi_slopes is not None:
-    logits = logits + alibi_bias(alibi_slopes, K, jnp.arange(T), jnp.arange(S))  # [B, K, G, T, S]
+    bias = alibi_bias(alibi_slopes, jnp.arange(T), jnp.arange(S)).reshape(K, -1, T, S)
+    logits = logits + bias  # [B, K, G, T, S]
   visible = mask.dense(T, S)[:, :, None]  # [B or 1, 1, 1, T, S]
   logits = jnp.where(visible, logits, NEG)  # [B, K, G, T, S]
   probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
@@ -92,7 +92,7 @@ def _chunk_logits(cfg, qg, k_c, start, q_seg, kv_seg_c, slopes):
   q_pos, k_pos = jnp.arange(T), start + jnp.arange(C)
   s = jnp.einsum('btkgh,bckh->bkgtc', qg, k_c, preferred_element_type=jnp.float32) * cfg.scale
   if slopes is not None:
-    s = s + alibi_bias(slopes, K, q_pos, k_pos)  # [B, K, G, T, C]
+    s = s + alibi_bias(slopes, q_pos, k_pos).reshape(K, -1, T, C)  # [B, K, G, T, C]
   visible = visible_keys(cfg.causal, cfg.window, q_pos, k_pos, q_seg, kv_seg_c, cfg.kv_len)
   visible = visible[:, :, None]  # [B or 1, 1, 1, T, C]
   return jnp.where(visible, s, NEG), visible
@@ -218,8 +218,8 @@ def cudnn_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
     segments = segments.dense(T, S)
   bias = None
   if alibi_slopes is not None:
-    bias = alibi_bias(alibi_slopes, q.shape[2], jnp.arange(T), jnp.arange(S))  # [N, 1, T, S]
-    bias = bias.reshape(1, -1, T, S).astype(q.dtype)  # [1, N, T, S]
+    bias = alibi_bias(alibi_slopes, jnp.arange(T), jnp.arange(S))  # [N, T, S]
+    bias = bias[None].astype(q.dtype)  # [1, N, T, S]
   cudnn = functools.partial(jax.nn.dot_product_attention, implementation='cudnn')
   out = cudnn(q, k, v, bias, segments, scale=scale, is_causal=mask.causal, local_window_size=window)
   # cuDNN does not promise 0 on rows with no visible key; the contract here does.
@@ -275,9 +275,8 @@ def attend_one_step(q, k, v, visible, *, scale, alibi_slopes=None, q_pos=None) -
   qg = q.reshape(B, K, N // K, H)  # [B, K, G, H]
   logits = jnp.einsum('bkgh,blkh->bkgl', qg, k, preferred_element_type=f32) * scale  # [B, K, G, L]
   if alibi_slopes is not None:
-    dist = jnp.abs(q_pos[:, None] - jnp.arange(L)[None]).astype(f32)  # [B, L]
-    slopes = alibi_slopes.astype(f32).reshape(K, N // K)  # [K, G]
-    logits = logits - slopes[None, :, :, None] * dist[:, None, None, :]  # [B, K, G, L]
+    bias = alibi_bias(alibi_slopes, q_pos, jnp.arange(L))  # [N, B, L]: row b's query at q_pos[b]
+    logits = logits + bias.reshape(K, N // K, B, L).transpose(2, 0, 1, 3)  # [B, K, G, L]
   visible = visible[:, None, None, :]  # [B or 1, 1, 1, L]
   probs = jax.nn.softmax(jnp.where(visible, logits, NEG), axis=-1)
   # A row with no visible key has uniform softmax over NEG logits; zero it so it outputs 0.

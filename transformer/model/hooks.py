@@ -175,8 +175,7 @@ def _scores(module: MultiHeadAttention, q, k, mask, positions, self_attention: b
   scores = jnp.einsum('btnh,bsnh->bnts', q, k).astype(jnp.float32) * scale
   if module.alibi and self_attention:
     slopes = positions_lib.alibi_slopes(module.num_heads)  # [N]
-    distance = jnp.arange(T)[:, None] - jnp.arange(S)[None]  # [T, S]
-    scores = scores - slopes[:, None, None] * jnp.abs(distance)
+    scores = scores + positions_lib.alibi_bias(slopes, jnp.arange(T), jnp.arange(S))  # [N, T, S]
   if mask is not None:
     scores = jnp.where(mask.dense(T, S), scores, -jnp.inf)
   return scores

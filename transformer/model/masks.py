@@ -1,6 +1,7 @@
-"""Structured attention masks: `MaskSpec` (causal, segments, sliding window) and the ALiBi bias.
+"""Structured attention masks: `MaskSpec` (causal, segments, sliding window).
 
-Only the dense paths materialise a mask; the blocked ones evaluate `visible` per key block.
+Only the dense paths materialise a mask; the blocked ones evaluate `visible` per key block. The rule
+itself is `transformer.kernels.masks.visible`, which the kernels share.
 """
 
 from __future__ import annotations
@@ -9,26 +10,24 @@ import flax
 import jax.numpy as jnp
 from jax import Array
 
+from transformer.kernels import masks as kernel_masks
+
 NEG = -1e30  # logit of a masked entry: finite, so fully masked rows never produce NaN
 
 
 def visible(causal, window, q_pos, k_pos, q_seg, kv_seg, kv_len=None) -> Array:
-  """bool[B or 1, 1, T, C]: may query at q_pos[t] see key at k_pos[c]?"""
-  i, j = q_pos[:, None], k_pos[None, :]  # [T, 1], [1, C]
-  ok = jnp.ones((q_pos.shape[0], k_pos.shape[0]), bool)  # [T, C]
-  if causal:  # top-left aligned: query i sits at position i, like key i
-    ok &= j <= i
-  if window is not None:
-    ok &= (j >= i - window[0]) & (j <= i + window[1])
-  if kv_len is not None:  # keys past kv_len are padding added by the chunked path
-    ok &= j < kv_len
-  ok = ok[None, None]  # [1, 1, T, C]
+  """bool[B or 1, 1, T, C]: may query at q_pos[t] see key at k_pos[c]? (`kernels.masks.visible`)
+
+  q_pos `[T]`, k_pos `[C]`; q_seg `[B, T]` and kv_seg `[B, C]` (0 = padding) or both None; keys
+  from kv_len on are padding added by the chunked path.
+  """
+  B, T, C = 1 if q_seg is None else q_seg.shape[0], q_pos.shape[0], k_pos.shape[0]
   if q_seg is not None:
-    # Packed examples keep apart (equal ids); segment 0 is padding and sees nothing, not even
-    # other padding, so a padded query row is fully masked and attention returns 0 there.
-    same = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] != 0)  # [B, T, C]
-    ok = ok & same[:, None]  # [B, 1, T, C]
-  return ok
+    q_seg, kv_seg = q_seg[:, None, :, None], kv_seg[:, None, None, :]  # [B, 1, T, 1], [B, 1, 1, C]
+  ok = kernel_masks.visible(
+    q_pos[:, None], k_pos[None, :], q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len
+  )  # broadcastable to [B, 1, T, C], or None
+  return jnp.ones((B, 1, T, C), bool) if ok is None else jnp.broadcast_to(ok, (B, 1, T, C))
 
 
 @flax.struct.dataclass
@@ -59,10 +58,3 @@ class MaskSpec:
     """Materialises the mask as bool[B or 1, 1, T, S] (True = visible)."""
     pos_q, pos_k = jnp.arange(T), jnp.arange(S)  # [T], [S]
     return visible(self.causal, self.window, pos_q, pos_k, self.q_segment_ids, self.kv_segment_ids)
-
-
-def alibi_bias(slopes: Array, K: int, q_pos: Array, k_pos: Array) -> Array:
-  """float32[K, G, T, C]: the ALiBi bias -slope[n] * |i - j|, heads split as n = k * G + g."""
-  # Symmetric |i - j|, so it also serves bidirectional attention; causal masking hides j > i.
-  dist = jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)  # [T, C]
-  return -slopes.astype(jnp.float32).reshape(K, -1)[:, :, None, None] * dist  # [K, G, T, C]

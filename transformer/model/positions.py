@@ -204,16 +204,18 @@ def alibi_slopes(num_heads: int) -> Array:
   return jnp.asarray(slopes, jnp.float32)
 
 
-def alibi_bias(slopes: Array, q_len: int, kv_len: int) -> Array:
-  """Reference ALiBi bias -slope[n] * |i - j| for query i and key j (both counted from 0).
+def alibi_bias(slopes: Array, q_pos: Array, k_pos: Array) -> Array:
+  """The ALiBi bias -slope[n] * |i - j| for the query at position i and the key at position j.
+
+  The distance is symmetric, so it also serves bidirectional attention; a causal mask hides j > i.
 
   Args:
     slopes: `[N]` from `alibi_slopes`.
-    q_len: T.
-    kv_len: S.
+    q_pos: `[T]` query positions.
+    k_pos: `[S]` key positions.
 
   Returns:
-    `[N, T, S]` float32.
+    `[N, T, S]` float32; head n = k * G + g of grouped attention reshapes it to `[K, G, T, S]`.
   """
-  distance = jnp.abs(jnp.arange(q_len)[:, None] - jnp.arange(kv_len)[None, :])  # [T, S]
-  return -slopes.astype(jnp.float32)[:, None, None] * distance.astype(jnp.float32)  # [N, T, S]
+  distance = jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)  # [T, S]
+  return -slopes.astype(jnp.float32)[:, None, None] * distance  # [N, T, S]
