@@ -5,10 +5,10 @@ import re
 
 import numpy as np
 import pytest
+from decode_reference import greedy_uncached_continue, greedy_uncached_translate
 
 import transformer
 from transformer import data
-from transformer.model import decode
 from transformer.training import checkpoint
 from transformer.training.loop import train_and_evaluate
 
@@ -37,7 +37,7 @@ def test_generate_matches_uncached_greedy_decoding(gpt):
   padded = np.zeros((2, max(map(len, ids))), np.int32)
   for i, row in enumerate(ids):
     padded[i, : len(row)] = row
-  reference = decode.greedy_uncached_continue(gpt.module, gpt.params, padded, 6)
+  reference = greedy_uncached_continue(gpt.module, gpt.params, padded, 6)
   assert out == [gpt.tokenizer.decode(r.tolist()) for r in np.asarray(reference)]
   assert 'Model(causal_lm' in repr(gpt)
 
@@ -80,7 +80,7 @@ def test_translate_with_beam_1_is_greedy(translator):
   padded = np.zeros((2, max(map(len, ids))), np.int32)
   for i, row in enumerate(ids):
     padded[i, : len(row)] = row
-  reference = decode.greedy_uncached_translate(translator.module, translator.params, padded, 8)
+  reference = greedy_uncached_translate(translator.module, translator.params, padded, 8)
   assert beam1 == [translator.tokenizer.decode(r.tolist()) for r in np.asarray(reference)]
   assert len(translator.translate(sources, beam_size=4, max_length=8)) == 2
 

@@ -8,10 +8,10 @@ import sys
 
 import numpy as np
 import pytest
+from decode_reference import greedy_uncached_continue
 
 import transformer
 from configs import char_lm
-from transformer.model import decode
 from transformer.training import checkpoint
 from transformer.training.run import Run
 
@@ -63,7 +63,7 @@ def test_a_stream_model_is_prompted_without_bos(char_model):
   assert char_model.tokenizer.kind == 'char' and char_model.prompt_prefix() == []
   ids = char_model.tokenizer.encode('ROMEO: O')
   out = char_model.generate('ROMEO: O', max_new_tokens=5)  # within the context: the KV cache
-  reference = decode.greedy_uncached_continue(
+  reference = greedy_uncached_continue(
     char_model.module, char_model.params, np.array([ids], np.int32), 5
   )
   assert out == [char_model.tokenizer.decode(np.asarray(reference)[0].tolist())]
@@ -102,9 +102,7 @@ def test_rope_goes_on_along_its_cache_and_says_how_far(tmp_path):
   model = transformer.load(_workdir(tmp_path / 'rope', position='rope'))
   ids = model.tokenizer.encode('ROMEO:')
   out = model.generate('ROMEO:', max_new_tokens=40)  # 45 positions, context 16: the cache
-  reference = decode.greedy_uncached_continue(
-    model.module, model.params, np.array([ids], np.int32), 40
-  )
+  reference = greedy_uncached_continue(model.module, model.params, np.array([ids], np.int32), 40)
   assert out == [model.tokenizer.decode(np.asarray(reference)[0].tolist())]
   with pytest.raises(ValueError, match=r'at most 256 \(16 x max_length=16\)'):
     model.generate('ROMEO:', max_new_tokens=300)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_reference import greedy_uncached_continue
 
 from transformer.config import ModelConfig
 from transformer.model import decode, hooks, models
@@ -253,7 +254,7 @@ def test_decoding_with_the_cache_uses_the_running_statistics():
   model, variables = models.build(cfg), _random_variables(cfg)
   prompt = jnp.asarray([[1, 7, 9, 11], [1, 8, 0, 0]], jnp.int32)
   cached = decode.generate(model, variables, prompt, max_new_tokens=5)
-  uncached = decode.greedy_uncached_continue(model, variables, prompt, 5)
+  uncached = greedy_uncached_continue(model, variables, prompt, 5)
   np.testing.assert_array_equal(np.asarray(cached), np.asarray(uncached))
   with pytest.raises(ValueError, match=r"norm='batchnorm'.*batch_stats"):
     decode.generate(model, variables['params'], prompt, max_new_tokens=5)  # no statistics

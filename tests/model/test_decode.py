@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_reference import greedy_uncached_continue, greedy_uncached_translate
 
 from transformer.config import ModelConfig
 from transformer.data import BOS_ID, EOS_ID, PAD_ID
@@ -110,8 +111,8 @@ def greedy(model, params, tokens, **kwargs):
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def uncached(model, params, tokens, length):
   if isinstance(model, models.EncoderDecoder):
-    return decode.greedy_uncached_translate(model, params, tokens, length)
-  return decode.greedy_uncached_continue(model, params, tokens, length)
+    return greedy_uncached_translate(model, params, tokens, length)
+  return greedy_uncached_continue(model, params, tokens, length)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decode_reference import greedy_uncached_continue, greedy_uncached_translate
 from model_helpers import random_model
 
 from transformer import config as config_lib
@@ -283,11 +284,11 @@ def test_decoding_equals_the_parallel_form_token_for_token(family, overrides):
   tokens = jnp.asarray(tokens)
   if family == 'causal_lm':
     got = decode.generate(model, params, tokens, max_new_tokens=8)
-    want = decode.greedy_uncached_continue(model, params, tokens, 8)
+    want = greedy_uncached_continue(model, params, tokens, 8)
     beams = decode.generate(model, params, tokens, max_new_tokens=8, beam_size=3)
   else:
     got = decode.translate(model, params, tokens, max_length=8)
-    want = decode.greedy_uncached_translate(model, params, tokens, 8)
+    want = greedy_uncached_translate(model, params, tokens, 8)
     beams = decode.translate(model, params, tokens, max_length=8, beam_size=3)
   np.testing.assert_array_equal(got, want)
   assert len(set(map(tuple, np.asarray(got).tolist()))) > 1  # not a constant model

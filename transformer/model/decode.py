@@ -1,8 +1,8 @@
 """Decoding over a KV cache: greedy, temperature / top-k / top-p sampling and beam search.
 
 `translate` (EncoderDecoder) and `generate` (CausalLM) each jit one prefill of the prompt and a
-`lax.while_loop` of single-token steps that stops once every row is done. `greedy_uncached_*`
-rerun the decoder over the whole prefix at every step: slow, simple references for the tests.
+`lax.while_loop` of single-token steps that stops once every row is done. The tests check the
+cache against greedy decoding without one, in tests/decode_reference.py.
 
 Prompts are right-padded and stay so in the cache: row b's token i sits in slot (and position)
 `start[b] + i`, so each row writes its own slot and sees slots <= its position. Beam search keeps
@@ -544,70 +544,3 @@ def _beam_search(model, params, tokens, knobs: _Knobs, opts: _Options) -> tuple[
   state = (jnp.int32(0), beams, jnp.zeros((B * W,), jnp.int32), cache)
   _, beams, _, _ = lax.while_loop(cond, body, state)
   return beams.finished, beams.scores
-
-
-# Uncached references ----------------------------------------------------------------------------
-def greedy_uncached_translate(model: Any, params: Any, inputs: Array, max_length: int) -> Array:
-  """EncoderDecoder greedy decoding that reruns the decoder on the whole prefix at every step.
-
-  Args:
-    inputs: source tokens [B, S] (0 = padding).
-    max_length: tokens to generate, eos included.
-  Returns:
-    [B, max_length] generated tokens; after eos everything is PAD_ID.
-  """
-  variables = models_variables(params)
-  segments = (inputs != PAD_ID).astype(jnp.int32)
-  encoded = model.apply(variables, inputs, inputs_segments=segments, method=model.encode)
-  batch = inputs.shape[0]
-  # [B, 1 + max_length]: BOS, then the generated tokens; the decoder reads all but the last.
-  buffer = jnp.full((batch, max_length + 1), PAD_ID, jnp.int32).at[:, 0].set(BOS_ID)
-
-  def step(i, state):
-    buffer, done = state
-    logits = model.apply(
-      variables,
-      encoded,
-      segments,
-      buffer[:, :-1],
-      targets_segments=jnp.ones_like(buffer[:, :-1]),
-      method=model.decode,
-    )  # [B, L, V]
-    token = jnp.argmax(logits[:, i], axis=-1).astype(jnp.int32)  # [B]
-    token = jnp.where(done, PAD_ID, token)
-    buffer = buffer.at[:, i + 1].set(token)
-    return buffer, done | (token == EOS_ID)
-
-  buffer, _ = lax.fori_loop(0, max_length, step, (buffer, jnp.zeros((batch,), bool)))
-  return buffer[:, 1:]
-
-
-def greedy_uncached_continue(model: Any, params: Any, prompt: Array, max_new_tokens: int) -> Array:
-  """CausalLM greedy continuation of right-padded prompts, rerunning the whole buffer each step.
-
-  Args:
-    prompt: [B, P] tokens starting with bos, right-padded with 0.
-  Returns:
-    [B, max_new_tokens] generated tokens; after eos everything is PAD_ID.
-  """
-  variables = models_variables(params)
-  batch, prompt_len = prompt.shape
-  lengths = jnp.sum(prompt != PAD_ID, axis=1)  # [B]
-  total = prompt_len + max_new_tokens
-  buffer = jnp.zeros((batch, total), jnp.int32).at[:, :prompt_len].set(prompt)
-  rows = jnp.arange(batch)
-
-  def step(i, state):
-    buffer, done = state
-    position = lengths + i  # where the next token goes, per row
-    # [B, total]: mask the padding and the not-yet-written tail (segment 0).
-    segments = (jnp.arange(total)[None] < position[:, None]).astype(jnp.int32)
-    logits = model.apply(variables, buffer, segments=segments)  # [B, total, V]
-    token = jnp.argmax(logits[rows, position - 1], axis=-1).astype(jnp.int32)  # [B]
-    token = jnp.where(done, PAD_ID, token)
-    buffer = buffer.at[rows, position].set(token)
-    return buffer, done | (token == EOS_ID)
-
-  buffer, _ = lax.fori_loop(0, max_new_tokens, step, (buffer, jnp.zeros((batch,), bool)))
-  # Row b's new tokens start at its own length: [B, max_new_tokens].
-  return jax.vmap(lambda row, n: lax.dynamic_slice(row, (n,), (max_new_tokens,)))(buffer, lengths)
