@@ -265,9 +265,15 @@ def test_workdir_contents(hf_models, imported):
   assert not os.path.exists(os.path.join(imported['bert'], 'tokenizer'))  # none in the input
 
 
-def _direct_params(arch: str, directory: str):
-  """(ModelConfig, params) converted in memory: no workdir, no checkpoint."""
-  _, hf_config, tensors = hf.read_hf_dir(directory)
+def _direct_params(arch: str, path: str):
+  """(ModelConfig, params) converted in memory: no workdir, no checkpoint.
+
+  `path` is a Hugging Face model directory or its weights file; the tensors are read lazily.
+  """
+  directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+  with open(os.path.join(directory, 'config.json')) as f:
+    hf_config = json.load(f)
+  tensors = hf.open_weights(directory, path)[0]
   cfg = ModelConfig.from_config(hf.experiment_config(arch, hf_config, 'x').model)
   return cfg, hf.params_from_hf(arch, cfg, tensors)
 

@@ -35,12 +35,6 @@ def scored_positions(pairs: int, gap: int, queries: int) -> tuple[int, ...]:
   return tuple(start + 2 * j + 1 for j in range(queries))
 
 
-def key_positions(pairs: int, gap: int, queries: int) -> tuple[int, ...]:
-  """Target positions of the queried keys (a key is predictable only in order='pairs')."""
-  start = layout(pairs, gap, queries)['query_start']
-  return tuple(start + 2 * j for j in range(queries))
-
-
 def check(pairs: int, gap: int, queries: int) -> None:
   """One ValueError naming the first bad knob and what is valid."""
   for name, value, low, high in (

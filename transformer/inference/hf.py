@@ -94,16 +94,6 @@ def _read_config(path: str) -> tuple[str, dict]:
   return directory, hf
 
 
-def read_hf_dir(path: str) -> tuple[str, dict, Tensors]:
-  """(directory, config.json dict, tensors) of a Hugging Face model directory or its weights file.
-
-  Reads safetensors only (one file, or shards listed in model.safetensors.index.json); the
-  tensors are read lazily, one at a time, by `params_from_hf`.
-  """
-  directory, hf = _read_config(path)
-  return directory, hf, open_weights(directory, path)[0]
-
-
 def _check_tokenizer(directory: str, vocab_size: int) -> None:
   """A tokenizer.json with more ids than the model's vocabulary is refused."""
   path = os.path.join(directory, 'tokenizer.json')
