@@ -1,4 +1,5 @@
-"""Training objectives: label-smoothed cross-entropy, summed metrics, and BERT-style MLM masking.
+"""Training objectives: label-smoothed cross-entropy (also fused with the output head, chunked over
+the vocabulary) and summed metrics. BERT's MLM masking is data, in `transformer.data.masking`.
 
 Losses and metrics are returned as sums with their weight sum, so they add up across batches.
 """
