@@ -204,7 +204,7 @@ def _parts(run, config, params, batch, reference, inputs, targets) -> None:
   from transformer.training.run import loss_chunk_size
 
   cfg = run.model_cfg
-  chunk = loss_chunk_size(config.train, cfg, jax.devices()[0])
+  chunk = loss_chunk_size(run.experiment.train, cfg, jax.devices()[0])
   rng = jax.random.PRNGKey(0)
   loss = lambda p: steps.loss_sums(
     run.model, run.family, p, batch, rng, label_smoothing=0.0, loss_chunk_size=chunk

@@ -19,10 +19,10 @@ _WORKERS = flags.DEFINE_integer('workers', None, 'Processes; default config.data
 
 
 def main():
-  from transformer.data import knobs, prepare
+  from transformer.config.experiment import DataConfig, section
+  from transformer.data import prepare
 
-  cfg = _CONFIG.value.data
-  knobs.check_data_config(cfg)
+  cfg = section(DataConfig, _CONFIG.value.data)  # every data knob checked, before any work
   out = _OUT.value or cfg.prepared_dir
   if not out:
     raise ValueError('no output directory: pass --out=DIR or --config.data.prepared_dir=DIR')

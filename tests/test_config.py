@@ -258,15 +258,15 @@ def test_choice_lists_are_the_registries():
 
 def test_from_configdict_types_every_section():
   cd = experiment.default_configdict()
-  assert experiment.Config.from_configdict(cd) == experiment.Config()
+  # The one change: the context is set once, data.max_length follows model.max_length.
+  resolved = experiment.DataConfig(max_length=experiment.ModelConfig().max_length)
+  assert experiment.Config.from_configdict(cd) == experiment.Config(data=resolved)
   cd.train.steps, cd.mesh.rules.mlp, cd.model.num_kv_heads = 7, '', 4
   typed = experiment.Config.from_configdict(json.loads(cd.to_json()))  # as a run saves it
   assert (typed.train.steps, typed.mesh.rules.mlp, typed.model.kv_heads) == (7, '', 4)
   assert typed.mesh.shape == (-1, 1, 1)  # JSON's list back as the tuple
   partial = experiment.Config.from_configdict({'train': {'steps': 3}, 'model': {}})
-  assert (
-    partial.train == experiment.TrainConfig(steps=3) and partial.data == experiment.DataConfig()
-  )
+  assert partial.train == experiment.TrainConfig(steps=3) and partial.data == resolved
 
 
 def test_from_configdict_names_an_unknown_key_and_the_valid_ones():

@@ -127,11 +127,15 @@ class Partitioner:
 
   @classmethod
   def from_config(cls, mesh_cfg: Any, devices: Sequence[jax.Device] | None = None) -> Partitioner:
-    """From `config.mesh` ({shape, rules}); None means all devices data parallel."""
+    """From `config.mesh` (a MeshConfig, or its ConfigDict); None means all devices data
+    parallel."""
     if mesh_cfg is None:
       return cls(make_mesh((-1, 1, 1), devices), parse_rules(default_rules()))
     rules = mesh_cfg.rules
-    rules = rules.to_dict() if isinstance(rules, ml_collections.ConfigDict) else rules
+    if isinstance(rules, ml_collections.ConfigDict):
+      rules = rules.to_dict()
+    elif dataclasses.is_dataclass(rules):  # MeshRules: its fields in order
+      rules = dataclasses.asdict(rules)
     return cls(make_mesh(tuple(mesh_cfg.shape), devices), parse_rules(rules))
 
   @contextlib.contextmanager

@@ -254,7 +254,7 @@ def test_set_state_rejects_a_different_dataset():
 def test_two_processes_read_disjoint_halves(tmp_path):
   lines = [f'document number {i} with some words' for i in range(264)]
   (tmp_path / 'train.txt').write_text('\n'.join(lines))
-  overrides = dict(task='text', train_path=str(tmp_path / 'train.txt'), num_eval_examples=0)
+  overrides = dict(task='text', train_path=str(tmp_path / 'train.txt'))
   overrides['text_format'] = 'lines'
   seen = []
   eval_counts = []

@@ -5,34 +5,31 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
 
+from transformer.config.experiment import OptimConfig
 from transformer.training import optim
 
 
-def _config(**overrides):
-  cfg = ml_collections.ConfigDict(
-    dict(
-      schedule='warmup_cosine',
-      learning_rate=2e-3,
-      warmup_steps=10,
-      total_steps=110,
-      d_model=64,
-      end_learning_rate_factor=0.1,
-      restart_period=25,
-      optimizer='adam',
-      b1=0.9,
-      b2=0.98,
-      eps=1e-9,
-      weight_decay=0.0,
-      clip_norm=0.0,
-    )
+def _config(total_steps=110, d_model=64, **overrides):
+  """The optimizer of a run of `total_steps` (train.steps) with a model of width `d_model`."""
+  knobs = dict(
+    schedule='warmup_cosine',
+    learning_rate=2e-3,
+    warmup_steps=10,
+    end_learning_rate_factor=0.1,
+    restart_period=25,
+    optimizer='adam',
+    b1=0.9,
+    b2=0.98,
+    eps=1e-9,
+    weight_decay=0.0,
+    clip_norm=0.0,
   )
-  cfg.update(overrides)
-  return cfg
+  knobs.update(overrides)
+  return optim.RunOptim(OptimConfig(**knobs), steps=total_steps, d_model=d_model)
 
 
 def _lr(schedule, step):
@@ -255,7 +252,7 @@ def test_make_optimizer_reuses_the_given_schedule(caplog):
   updates, _ = tx.update({'w': jnp.ones((3,))}, tx.init(params), params)
   # Update 0 of the warmup (cut to the 5-step run) already learns: lr = 1e-3 * 1 / 5, and Adam's
   # first step moves every weight by about lr against the gradient.
-  np.testing.assert_allclose(np.asarray(updates['w']), -cfg.learning_rate / 5, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(updates['w']), -cfg.optim.learning_rate / 5, rtol=1e-4)
 
 
 def _params():

@@ -1,5 +1,6 @@
 """train_step with the fused head + loss equals the logits path; train.fused_loss resolution."""
 
+import dataclasses
 import functools
 
 import jax
@@ -55,27 +56,28 @@ class _Device:
 
 def test_fused_loss_resolution(tiny_config):
   config = tiny_config('causal_lm')
-  cfg = Run(config, None, with_data=False).model_cfg
-  t = config.train
+  run = Run(config, None, with_data=False)
+  cfg, t = run.model_cfg, run.experiment.train
   assert loss_chunk_size(t, cfg, _Device('cpu')) == t.loss_chunk_size  # auto: on for CPU
   assert loss_chunk_size(t, cfg, _Device('gpu')) is None  # auto: GPU keeps the logits path
-  t.fused_loss = 'on'
+  t = dataclasses.replace(t, fused_loss='on')
   assert loss_chunk_size(t, cfg, _Device('gpu')) == t.loss_chunk_size
-  t.fused_loss = 'off'
+  t = dataclasses.replace(t, fused_loss='off')
   assert loss_chunk_size(t, cfg, _Device('cpu')) is None
   untied = cfg.replace(tie_output=False)
   assert not models.has_fused_head(untied)
-  t.fused_loss = 'auto'
+  t = dataclasses.replace(t, fused_loss='auto')
   assert loss_chunk_size(t, untied, _Device('cpu')) is None  # untied heads keep logits
-  t.fused_loss = 'on'
+  t = dataclasses.replace(t, fused_loss='on')
   with pytest.raises(ValueError, match='fused_loss=on needs a tied token head'):
     loss_chunk_size(t, untied, _Device('cpu'))
-  t.fused_loss = 'sometimes'
+  # The knobs themselves are checked when the train section is typed, before any run.
   with pytest.raises(ValueError, match="fused_loss='sometimes' is not one of"):
-    loss_chunk_size(t, cfg, _Device('cpu'))
-  t.fused_loss, t.loss_chunk_size = 'auto', 0
+    loss_chunk_size(dataclasses.replace(t, fused_loss='sometimes'), cfg, _Device('cpu'))
   with pytest.raises(ValueError, match='loss_chunk_size=0 must be a positive integer'):
-    loss_chunk_size(t, cfg, _Device('cpu'))
+    loss_chunk_size(
+      dataclasses.replace(t, fused_loss='auto', loss_chunk_size=0), cfg, _Device('cpu')
+    )
 
 
 def test_the_initialisation_program_does_not_depend_on_the_seed(tiny_config):

@@ -8,6 +8,7 @@ experiment file overrides; flags override it further (`--config.model.num_kv_hea
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any
@@ -15,6 +16,52 @@ from typing import Any
 import ml_collections
 
 from transformer.config import ModelConfig
+
+# The names a knob may choose, beside the dataclasses that check them.
+TEXT_FORMATS = ('stream', 'lines')  # data.text_format
+SAMPLINGS = ('random', 'sequential')  # data.sampling: where training rows start
+BAD_LINES = ('error', 'skip')  # data.bad_lines
+FUSED_LOSS = ('auto', 'on', 'off')  # train.fused_loss
+NONFINITE_POLICIES = ('auto', 'skip', 'halt', 'rollback')  # train.nonfinite
+SCHEDULES = ('rsqrt', 'warmup_cosine', 'cosine_restarts', 'constant', 'linear')  # optim.schedule
+OPTIMIZERS = ('adam', 'adamw')  # optim.optimizer
+
+# key -> the smallest valid value, for the integer knobs of config.data.
+DATA_MIN_INT = {
+  'batch_size': 1,
+  'eval_batch_size': 1,
+  'vocab_multiple': 1,
+  'spm_train_lines': 1,
+  'max_length': 2,  # room for a token and eos
+  'max_source_length': 2,
+  'max_target_length': 2,
+  'num_train_examples': 1,
+  'num_eval_examples': 1,
+  'grammar_words': 1,
+  'grammar_join': 1,
+  'grammar_successors': 0,
+  'repeat_subset': 1,
+  'grammar_seed': 0,
+  'vocab_size': 7,  # more than the 5 special ids + 1
+  'prepare_workers': 1,
+  'prepare_chunk_mb': 1,
+  'eval_batches': -1,  # -1 = auto
+}
+# key -> the smallest valid value, for the integer knobs of config.train.
+TRAIN_MIN_INT = {
+  'steps': 1,
+  'grad_accum_steps': 1,
+  'log_every': 1,
+  'head_entropy_every': 0,  # 0 = off
+  'induction_every': 0,  # 0 = off
+  'eval_every': 1,
+  'checkpoint_every': 1,
+  'keep_checkpoints': 1,
+  'num_samples': 0,
+  'eval_decode_examples': 0,
+  'max_decode_length': 1,
+  'loss_scale_period': 1,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +148,37 @@ class DataConfig:
   recall_loss: str = 'all'  # recall: tokens that carry loss, all | answers (Zoology's: the values)
   recall_seed: int = 0  # recall: fixes the generated examples
 
+  def __post_init__(self):
+    """Raises one ValueError naming the first knob no data source can work with, before any data
+    is read, generated or written."""
+    for key, minimum in DATA_MIN_INT.items():
+      if key == 'max_length' and self.max_length is None:
+        continue  # follows model.max_length (`Config.from_configdict`)
+      check_int('data', self, key, minimum)
+    check_fraction('data', self, 'mlm_prob', low_open=True, high_open=False)
+    check_fraction('data', self, 'grammar_repeat', low_open=False, high_open=False)
+    check_fraction('data', self, 'repeat_fraction', low_open=False, high_open=True)
+    check_fraction('data', self, 'grammar_holdout', low_open=False, high_open=True)
+    if self.grammar_holdout and self.task != 'grammar':
+      raise ValueError(
+        f'data.grammar_holdout={self.grammar_holdout!r} holds out transitions of the grammar '
+        f"chain; data.task={self.task!r} has none: use task='grammar' or grammar_holdout=0"
+      )
+    if self.text_format not in TEXT_FORMATS:
+      raise ValueError(
+        f'data.text_format={self.text_format!r} is not valid; choose one of {TEXT_FORMATS}'
+      )
+    fraction = self.eval_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+      raise ValueError(f'data.eval_fraction={fraction!r} must be a number in (0, 1)')
+    if self.sampling not in SAMPLINGS:
+      raise ValueError(f'data.sampling={self.sampling!r} is not valid; choose one of {SAMPLINGS}')
+    for key in ('train_path', 'eval_path', 'prepared_dir', 'tokenizer_path'):
+      if not isinstance(getattr(self, key), str):
+        raise ValueError(f'data.{key}={getattr(self, key)!r} must be a string (a path, or a glob)')
+    if self.bad_lines not in BAD_LINES:
+      raise ValueError(f'bad_lines={self.bad_lines!r} is not valid; choose one of {BAD_LINES}')
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -133,6 +211,36 @@ class TrainConfig:
   spike_window: int = 100  # losses in that running median
   spike_rollback: bool = False  # a spike also rolls back to the last checkpoint, past its batch
 
+  def __post_init__(self):
+    """Raises one ValueError naming the first knob of the loop that cannot work (zero
+    intervals, negative counts, an unknown policy), before anything is written."""
+    for key, minimum in TRAIN_MIN_INT.items():
+      check_int('train', self, key, minimum)
+    chunk = self.loss_chunk_size
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+      raise ValueError(f'train.loss_chunk_size={chunk!r} must be a positive integer')
+    check_fraction('train', self, 'label_smoothing', low_open=False, high_open=True)
+    scale = self.loss_scale
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+      raise ValueError(f'train.loss_scale={scale!r} must be a finite number > 0')
+    if scale <= 0:
+      raise ValueError(f'train.loss_scale={scale!r} must be a finite number > 0')
+    if self.fused_loss not in FUSED_LOSS:
+      raise ValueError(f'train.fused_loss={self.fused_loss!r} is not one of {FUSED_LOSS}')
+    if self.nonfinite not in NONFINITE_POLICIES:
+      raise ValueError(
+        f'train.nonfinite={self.nonfinite!r} is not one of {" | ".join(NONFINITE_POLICIES)}'
+      )
+    factor = self.spike_factor
+    if not isinstance(factor, (int, float)) or not (factor == 0 or factor > 1):
+      raise ValueError(f'train.spike_factor={factor!r} must be 0 (off) or a number > 1, e.g. 5')
+    window = self.spike_window
+    if factor and (not isinstance(window, int) or window < 3):
+      raise ValueError(f'train.spike_window={window!r} must be an int >= 3 (steps in the median)')
+    seconds = self.checkpoint_every_seconds
+    if not isinstance(seconds, (int, float)) or seconds < 0:
+      raise ValueError(f'train.checkpoint_every_seconds={seconds!r} must be >= 0 (0 = off)')
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -149,6 +257,32 @@ class OptimConfig:
   eps: float = 1e-9  # Adam epsilon (paper)
   weight_decay: float = 0.0  # adamw only
   clip_norm: float = 0.0  # global gradient-norm clipping; 0 = off
+
+  def __post_init__(self):
+    """Raises one ValueError for a schedule or optimizer knob that cannot work."""
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f'unknown schedule={self.schedule!r}; choose one of {SCHEDULES}')
+    if float(self.learning_rate) < 0:
+      raise ValueError(f'learning_rate={float(self.learning_rate)} must be >= 0')
+    if int(self.warmup_steps) < 0:
+      raise ValueError(f'warmup_steps={int(self.warmup_steps)} must be >= 0')
+    if not 0.0 <= float(self.end_learning_rate_factor) <= 1.0:
+      raise ValueError(
+        f'end_learning_rate_factor={float(self.end_learning_rate_factor)} must be in [0, 1]'
+      )
+    if self.schedule == 'cosine_restarts' and int(self.restart_period) <= 0:
+      raise ValueError(
+        f'restart_period={int(self.restart_period)} must be > 0 for schedule=cosine_restarts'
+      )
+    if self.optimizer not in OPTIMIZERS:
+      raise ValueError(f'unknown optimizer={self.optimizer!r}; choose one of {OPTIMIZERS}')
+    weight_decay, clip_norm = float(self.weight_decay), float(self.clip_norm)
+    if weight_decay < 0:
+      raise ValueError(f'weight_decay={weight_decay} must be >= 0')
+    if self.optimizer == 'adam' and weight_decay > 0:
+      raise ValueError(f"weight_decay={weight_decay} needs optimizer='adamw' (or weight_decay=0)")
+    if clip_norm < 0:
+      raise ValueError(f'clip_norm={clip_norm} must be >= 0 (0 = no clipping)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,12 +325,65 @@ class Config:
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
 
+  def __post_init__(self):
+    """Raises one ValueError for knobs of two sections that cannot work together, or a bad seed
+    (each section has checked its own knobs)."""
+    seed = self.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+      raise ValueError(f'seed={seed!r} must be an integer in [0, 2**32)')
+    model, data = self.model, self.data
+    if (
+      model.family != 'encoder_decoder'
+      and data.max_length is not None
+      and data.max_length > model.max_length
+    ):
+      raise ValueError(
+        f'data.max_length={data.max_length} is longer than the context model.max_length='
+        f'{model.max_length}; set the context once, as model.max_length (data.max_length follows '
+        'it), or train on rows no longer than it'
+      )
+    block = model.compress_block
+    if model.attention == 'compressed' and data.max_length is not None and block:
+      if data.max_length % block:
+        raise ValueError(
+          f'model.compress_block={block} does not divide the row length data.max_length='
+          f'{data.max_length}; choose a block that divides it'
+        )
+    if self.train.induction_every and model.family != 'causal_lm':
+      raise ValueError(
+        f'train.induction_every={self.train.induction_every} probes next-token heads; it needs '
+        f"model.family='causal_lm', not {model.family!r}"
+      )
+    if model.norm == 'batchnorm' and data.pack:  # its statistics are over whole examples
+      raise ValueError(
+        "data.pack=True puts several examples in one row, and model.norm='batchnorm' would then "
+        'take its statistics over a mix of examples; use data.pack=False with batchnorm, or '
+        "model.norm='layernorm' or 'rmsnorm' with packing"
+      )
+
   @classmethod
   def from_configdict(cls, config: Any) -> Config:
-    """The typed experiment of a ConfigDict (or mapping): a missing key or section takes its
-    default; an unknown key is one ValueError that lists the valid ones; the model is validated
-    (`ModelConfig.from_config`)."""
-    return _from_items(cls, config, 'config')
+    """The typed experiment of a ConfigDict (or mapping), every knob checked before any work: a
+    missing key or section takes its default; an unknown key is one ValueError that lists the
+    valid ones; the model is validated (`ModelConfig.from_config`), each section by its own
+    dataclass, and the sections together by `Config`.
+
+    The context is set once here: data.max_length (an LM's row) follows model.max_length unless
+    given; a shorter one trains below it (the long-context sweeps do).
+    """
+    items = _typed_items(cls, config, 'config')
+    data, model = items.get('data', DataConfig()), items.get('model', ModelConfig())
+    if data.max_length is None:
+      items['data'] = dataclasses.replace(data, max_length=model.max_length)
+    return cls(**items)
+
+
+def section(cls: type, config: Any) -> Any:
+  """One section of an experiment typed and checked: `cls` (DataConfig, TrainConfig, OptimConfig
+  or MeshConfig) as it is, or built from a ConfigDict or mapping of its keys."""
+  if isinstance(config, cls):
+    return config
+  return _from_items(cls, config, _SECTIONS[cls])
 
 
 def _from_items(cls: type, config: Any, where: str) -> Any:
@@ -204,12 +391,19 @@ def _from_items(cls: type, config: Any, where: str) -> Any:
   (JSON's form of a tuple) as tuples."""
   if cls is ModelConfig:
     return ModelConfig.from_config(config)
+  return cls(**_typed_items(cls, config, where))
+
+
+def _typed_items(cls: type, config: Any, where: str) -> dict[str, Any]:
+  """The fields of `cls` from the items of `config`, nested sections built (and checked)."""
   items = {} if config is None else dict(config.items())
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(items) - names)
   if unknown:
+    # a rule's name is a logical axis, as transformer.sharding.parse_rules says it
+    axis = f' (unknown logical axis {unknown[0]!r})' if cls is MeshRules else ''
     raise ValueError(
-      f'unknown {where} key {unknown[0]!r}; valid keys are: {", ".join(sorted(names))}'
+      f'unknown {where} key {unknown[0]!r}{axis}; valid keys are: {", ".join(sorted(names))}'
     )
   hints = typing.get_type_hints(cls)
   for name, value in items.items():
@@ -217,7 +411,28 @@ def _from_items(cls: type, config: Any, where: str) -> Any:
       items[name] = _from_items(hints[name], value, f'{where}.{name}')
     elif isinstance(value, list):
       items[name] = tuple(value)
-  return cls(**items)
+  return items
+
+
+def check_int(section: str, cfg: Any, key: str, minimum: int) -> None:
+  """Raises one ValueError unless `cfg.key` is an int >= `minimum`."""
+  value = getattr(cfg, key)
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f'{section}.{key}={value!r} must be an integer >= {minimum}')
+
+
+def check_fraction(section: str, cfg: Any, key: str, *, low_open: bool, high_open: bool) -> None:
+  """Raises one ValueError unless `cfg.key` is a number in the given interval."""
+  value = getattr(cfg, key)
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  ok = number and math.isfinite(value)
+  ok = ok and (value > 0 if low_open else value >= 0) and (value < 1 if high_open else value <= 1)
+  if not ok:
+    interval = ('(' if low_open else '[') + '0, 1' + (')' if high_open else ']')
+    raise ValueError(f'{section}.{key}={value!r} must be a number in {interval}')
+
+
+_SECTIONS = {DataConfig: 'data', TrainConfig: 'train', OptimConfig: 'optim', MeshConfig: 'mesh'}
 
 
 def default_configdict() -> ml_collections.ConfigDict:

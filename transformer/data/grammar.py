@@ -236,13 +236,11 @@ def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict
     in the training documents. With a holdout, also `held_out_transitions`, the sorted [from,
     to] word indices held out, and `grammar_holdout`, their share of the word transitions.
   """
-  grammar = make_grammar(
-    int(cfg.grammar_seed), int(cfg.grammar_words), int(cfg.get('grammar_successors', 0))
-  )
-  join = int(cfg.get('grammar_join', 1))
+  grammar = make_grammar(int(cfg.grammar_seed), int(cfg.grammar_words), int(cfg.grammar_successors))
+  join = int(cfg.grammar_join)
   if join < 1:
     raise ValueError(f'grammar_join={join} must be >= 1 (documents per example)')
-  holdout = cfg.get('grammar_holdout', 0.0)
+  holdout = cfg.grammar_holdout
   held_out = held_out_transitions(grammar, holdout, int(cfg.grammar_seed)) if holdout else []
   train_chain = grammar.without(held_out) if held_out else grammar
   train, train_words = train_chain.sample(
@@ -254,7 +252,7 @@ def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict
   if join > 1:  # long examples: `join` documents in a row, separated by a space
     train = [' '.join(train[i : i + join]) for i in range(0, len(train), join)]
     evaluation = [' '.join(evaluation[i : i + join]) for i in range(0, len(evaluation), join)]
-  repeat = cfg.get('grammar_repeat', 0.0)
+  repeat = cfg.grammar_repeat
   fresh = 1.0  # the share of words that are not copies
   if repeat:  # text with repeated spans: an example followed by itself, as induction heads use
     train, fresh = _repeat(train, repeat, np.random.default_rng([cfg.grammar_seed, 3]))

@@ -95,10 +95,10 @@ def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict
   """
   knobs = int(cfg.recall_pairs), int(cfg.recall_gap), int(cfg.recall_queries)
   seed = int(cfg.recall_seed)
-  loss = cfg.get('recall_loss', 'all')
+  loss = cfg.recall_loss
   if loss not in LOSSES:
     raise ValueError(f'recall_loss={loss!r} is not valid; choose one of {LOSSES}')
-  style = str(cfg.get('recall_order', 'random')), str(cfg.get('recall_filler', 'random'))
+  style = str(cfg.recall_order), str(cfg.recall_filler)
   train = sample(np.random.default_rng([seed, 1]), cfg.num_train_examples, *knobs, *style)
   evaluation = sample(np.random.default_rng([seed, 2]), cfg.num_eval_examples, *knobs, *style)
   return train, evaluation, {'recall_chance': 1.0 / len(VALUES), **layout(*knobs)}

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 
 from absl import logging
 
+from transformer.config.experiment import BAD_LINES
+
 
 def _paths(pattern: str, what: str) -> list[str]:
   """The files matching `pattern` (a path or a glob), sorted; FileNotFoundError when none."""
@@ -23,7 +25,6 @@ def _paths(pattern: str, what: str) -> list[str]:
   return paths
 
 
-BAD_LINES = ('error', 'skip')
 MAX_LINE_BYTES = 64 * 2**20  # a longer line is a bad line: it is never read into memory whole
 
 

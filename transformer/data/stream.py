@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from transformer.config.experiment import SAMPLINGS
 from transformer.data import batching, masking, shards
 from transformer.data.tokenizers import MASK_ID, PAD_ID
 
 _EVAL_MASK_SEED = 7  # eval masks are the same for every run seed, so eval losses compare
-SAMPLINGS = ('random', 'sequential')  # data.sampling: where training rows start
 AUTO_EVAL_TOKENS = 2**22  # eval_batches=-1 scores a split of up to this many tokens whole
 AUTO_EVAL_BATCHES = 20  # and the first this many batches of a larger one
 

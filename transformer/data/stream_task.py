@@ -196,10 +196,8 @@ def stream_task(
     mask_id=getattr(tokenizer, 'mask_id', None),
     special=_special_ids(tokenizer, separator),
   )
-  eval_options = dict(
-    options, global_rows=cfg.eval_batch_size, num_batches=cfg.get('eval_batches', -1)
-  )
-  options['sampling'] = cfg.get('sampling', 'random')
+  eval_options = dict(options, global_rows=cfg.eval_batch_size, num_batches=cfg.eval_batches)
+  options['sampling'] = cfg.sampling
   return StreamTask(
     name, family, tokenizer, info, train, evaluation, options, eval_options, seed,
     list(prompt_prefix),
@@ -237,7 +235,7 @@ def build(cfg, *, family: str, workdir, seed: int, process_index: int, process_c
     'eval_tokens': len(evaluation),
     'train_rows_per_epoch': len(train) / cfg.max_length,
     'tokens_kept': 1.0,  # every token is read: nothing is cut
-    'sampling': cfg.get('sampling', 'random'),
+    'sampling': cfg.sampling,
   }
   if 'meta' in found:
     info['num_train_documents'] = found['meta']['documents']

@@ -12,6 +12,7 @@ import itertools
 import math
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import ml_collections
 import numpy as np
@@ -121,22 +122,20 @@ class Task:
     return out
 
 
-def running_text(data_cfg, family: str) -> bool:
-  """Whether a model of `family` trained on `data_cfg` read one running text (task='text' as a
-  stream): no bos, no document ends."""
-  return (
-    data_cfg.get('task') == 'text'
-    and family != 'encoder_decoder'
-    and data_cfg.get('text_format', 'lines') == 'stream'
-  )
+def running_text(data_cfg: Any, family: str) -> bool:
+  """Whether a model of `family` trained on `data_cfg` (a DataConfig, or its ConfigDict) read one
+  running text (task='text' as a stream): no bos, no document ends."""
+  cfg = experiment.section(experiment.DataConfig, data_cfg)
+  return cfg.task == 'text' and family != 'encoder_decoder' and cfg.text_format == 'stream'
 
 
-def prompt_prefix(data_cfg, family: str, tokenizer: Tokenizer) -> list[int] | None:
+def prompt_prefix(data_cfg: Any, family: str, tokenizer: Tokenizer) -> list[int] | None:
   """The ids a prompt starts with, as the training rows did: [] after a running text, the
   document separator (eos) after a corpus; None (the caller's bos) for everything else."""
+  data_cfg = experiment.section(experiment.DataConfig, data_cfg)
   if running_text(data_cfg, family):
     return []
-  if data_cfg.get('task') == 'corpus' and getattr(tokenizer, 'eos_id', None) is not None:
+  if data_cfg.task == 'corpus' and getattr(tokenizer, 'eos_id', None) is not None:
     return [int(tokenizer.eos_id)]
   return None
 
@@ -174,7 +173,7 @@ def _raw_data(cfg, family: str) -> tuple[str, Iterable, list, dict]:
     return 'text', train, evaluation, info
   if task in ('text', 'tsv'):
     columns = 1 if task == 'text' else 2
-    bad_lines = cfg.get('bad_lines', 'error')
+    bad_lines = cfg.bad_lines
     train = sources.read_lines(cfg.train_path, 'train_path', columns, bad_lines=bad_lines)
     if cfg.eval_path:
       evaluation = sources.read_lines(cfg.eval_path, 'eval_path', columns, bad_lines=bad_lines)
@@ -195,7 +194,7 @@ def _raw_data(cfg, family: str) -> tuple[str, Iterable, list, dict]:
     else:
       kind, keys = 'pairs', (cfg.source_lang, cfg.target_lang)
 
-    bad_lines = cfg.get('bad_lines', 'error')
+    bad_lines = cfg.bad_lines
 
     class _Train:  # re-iterable: SentencePiece training and tokenisation each read the split
       def __iter__(self):
@@ -362,7 +361,7 @@ def _origins(cfg) -> tuple[str, str]:
 
 
 def build(
-  data_cfg: ml_collections.ConfigDict,
+  data_cfg: Any,
   *,
   family: str,
   workdir: str | None,
@@ -373,7 +372,7 @@ def build(
   """Builds the data task described by `data_cfg` (see `default_config`) for one model family.
 
   Args:
-    data_cfg: the data ConfigDict.
+    data_cfg: the DataConfig, or its ConfigDict (typed and checked here).
     family: 'encoder_decoder', 'causal_lm' or 'bidirectional_lm' (decides the batch format).
     workdir: where the trained SentencePiece model is cached (workdir/tokenizer); None = no cache.
     seed: drives the training order and MLM masking (the generated data depend only on the task
@@ -384,25 +383,20 @@ def build(
   Returns:
     A Task whose batches are per-process: batch_size // process_count rows each.
   """
-  cfg = data_cfg
+  cfg = experiment.section(experiment.DataConfig, data_cfg)
   if family not in batching.FAMILIES:
     raise ValueError(f'unknown family={family!r}; choose one of {batching.FAMILIES}')
   if not 0 <= process_index < process_count:
     raise ValueError(f'process_index={process_index} must be in [0, process_count={process_count})')
   for key in ('batch_size', 'eval_batch_size'):
-    if cfg[key] < process_count or cfg[key] % process_count:
-      raise ValueError(
-        f'{key}={cfg[key]} is not a positive multiple of process_count={process_count}'
-      )
+    rows = getattr(cfg, key)
+    if rows < process_count or rows % process_count:
+      raise ValueError(f'{key}={rows} is not a positive multiple of process_count={process_count}')
   if seed < 0:
     raise ValueError(f'seed={seed} must be >= 0')
-  if cfg.get('bad_lines', 'error') not in sources.BAD_LINES:
-    raise ValueError(f'bad_lines={cfg.bad_lines!r} is not valid; choose one of {sources.BAD_LINES}')
   shard = dict(process_index=process_index, process_count=process_count)
-  streamed = cfg.task in ('corpus', 'tfds') or (
-    cfg.task == 'text' and family != 'encoder_decoder' and cfg.get('text_format') == 'stream'
-  )
-  if cfg.get('repeat_fraction', 0.0) and streamed:
+  streamed = cfg.task in ('corpus', 'tfds') or running_text(cfg, family)
+  if cfg.repeat_fraction and streamed:
     raise ValueError(
       f'data.repeat_fraction={cfg.repeat_fraction} repeats examples of a training set held in '
       f"memory; task={cfg.task!r} streams it. Use a built-in task, 'text' (lines) or 'tsv'"
@@ -414,15 +408,7 @@ def build(
         "memory; a corpus (task='corpus') uses 'byte', 'sentencepiece' or data.tokenizer_path"
       )
     return stream_task.build(cfg, family=family, workdir=workdir, seed=seed, **shard)
-  if cfg.task == 'text' and family != 'encoder_decoder':
-    text_stream.check_config(cfg)
-  if (
-    cfg.task == 'text'
-    and family != 'encoder_decoder'
-    and cfg.get('text_format', 'lines') == 'stream'
-  ):
-    if cfg.max_length < 2:
-      raise ValueError(f'max_length={cfg.max_length} must be >= 2')
+  if running_text(cfg, family):
 
     def tokenizer_for(texts: list[str]) -> Tokenizer:
       if cfg.tokenizer == 'sentencepiece':  # trained on lines: it skips very long sentences
@@ -431,16 +417,10 @@ def build(
 
     return text_stream.build(cfg, family=family, tokenizer_for=tokenizer_for, seed=seed, **shard)
   target_length = cfg.max_target_length if family == 'encoder_decoder' else cfg.max_length
-  target_key = 'max_target_length' if family == 'encoder_decoder' else 'max_length'
-  for key in ('max_source_length', target_key):
-    if cfg[key] < 2:
-      raise ValueError(f'{key}={cfg[key]} must be >= 2 (room for a token and eos)')
 
   kind, train_raw, eval_raw, task_info = _raw_data(cfg, family)
-  if cfg.get('repeat_fraction', 0.0):
-    train_raw, repeated = repeat_subset(
-      train_raw, cfg.repeat_fraction, int(cfg.get('repeat_subset', 100))
-    )
+  if cfg.repeat_fraction:
+    train_raw, repeated = repeat_subset(train_raw, cfg.repeat_fraction, int(cfg.repeat_subset))
     task_info = {**task_info, **repeated}
   if kind == 'text' and family == 'encoder_decoder':
     raise ValueError(
@@ -508,7 +488,7 @@ def build(
 
 def _scored(cfg, family: str) -> tuple[int, ...] | None:
   """The target positions that carry loss (Batcher.scored): recall's answers, or None = all."""
-  if cfg.task != 'recall' or cfg.get('recall_loss', 'all') == 'all':
+  if cfg.task != 'recall' or cfg.recall_loss == 'all':
     return None
   if family != 'causal_lm':
     raise ValueError(

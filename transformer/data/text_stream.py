@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from transformer.config.experiment import DataConfig
 from transformer.data import sources, stream, stream_task
 from transformer.data.tokenizers import EOS_ID, Tokenizer
 
-TEXT_FORMATS = ('stream', 'lines')  # data.text_format
 _ENCODE_CHARS = 2**16  # characters encoded at a time (cut at a newline)
 
 
@@ -71,21 +71,17 @@ def _pieces(text: str) -> list[str]:
   return out
 
 
-def check_config(cfg) -> None:
-  """One ValueError for a text-stream knob that cannot work."""
-  if cfg.get('text_format', 'stream') not in TEXT_FORMATS:
-    raise ValueError(
-      f'data.text_format={cfg.text_format!r} is not valid; choose one of {TEXT_FORMATS}'
-    )
-  fraction = cfg.get('eval_fraction', 0.1)
-  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
-    raise ValueError(f'data.eval_fraction={fraction!r} must be a number in (0, 1)')
-
-
-def build(cfg, *, family: str, tokenizer_for, seed: int, process_index: int, process_count: int):
+def build(
+  cfg: DataConfig,
+  *,
+  family: str,
+  tokenizer_for,
+  seed: int,
+  process_index: int,
+  process_count: int,
+):
   """The StreamTask of a running text. `tokenizer_for(texts)` gives the run's tokenizer (built
   from the texts, or the one cached in the workdir)."""
-  check_config(cfg)
   train_texts = read_texts(cfg.train_path, 'data.train_path')
   eval_texts = read_texts(cfg.eval_path, 'data.eval_path') if cfg.eval_path else []
   tokenizer = tokenizer_for(train_texts + eval_texts)
@@ -119,7 +115,7 @@ def build(cfg, *, family: str, tokenizer_for, seed: int, process_index: int, pro
     'train_tokens': len(train),
     'eval_tokens': len(evaluation),
     'train_rows_per_epoch': len(train) / cfg.max_length,
-    'sampling': cfg.get('sampling', 'random'),
+    'sampling': cfg.sampling,
   }
   return stream_task.stream_task(
     'text', cfg, family, tokenizer, info, train_stream, eval_stream, separator, seed,

@@ -24,13 +24,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from transformer import util
+from transformer.config.experiment import TrainConfig, section
 from transformer.model import models, objectives
 from transformer.training.state import model_inputs
 
 # Exit status of a run stopped by SIGTERM/SIGINT after saving its checkpoint: sysexits.h's
 # EX_TEMPFAIL ("try again later"), distinct from errors (1, 2) and from deaths by a signal (128+N).
 EXIT_PREEMPTED = 75
-NONFINITE_POLICIES = ('auto', 'skip', 'halt', 'rollback')
 MAX_ROLLBACKS = 3  # rollbacks to one checkpoint before the run halts instead of looping
 MAX_SKIPS_IN_A_ROW = 25  # non-finite steps in a row that 'skip' accepts before it halts
 
@@ -54,27 +54,17 @@ class OutOfMemoryError(ValueError):
 
 # Config ------------------------------------------------------------------------------------------
 def nonfinite_policy(policy: str, dtype: str) -> str:
-  """train.nonfinite (`policy`) with 'auto' resolved: 'skip' for float16 (loss scaling), else
-  'halt'."""
-  if policy not in NONFINITE_POLICIES:
-    raise ValueError(f'train.nonfinite={policy!r} is not one of {" | ".join(NONFINITE_POLICIES)}')
+  """train.nonfinite (`policy`, checked by TrainConfig) with 'auto' resolved: 'skip' for float16
+  (loss scaling), else 'halt'."""
   if policy == 'auto':
     return 'skip' if dtype == 'float16' else 'halt'
   return policy
 
 
-def check_config(train_cfg: ml_collections.ConfigDict) -> None:
-  """Raises one ValueError for a bad fault knob of config.train, before anything is written."""
-  nonfinite_policy(train_cfg.get('nonfinite', 'auto'), 'float32')
-  factor = train_cfg.get('spike_factor', 0.0)
-  if not isinstance(factor, (int, float)) or not (factor == 0 or factor > 1):
-    raise ValueError(f'train.spike_factor={factor!r} must be 0 (off) or a number > 1, e.g. 5')
-  window = train_cfg.get('spike_window', 100)
-  if factor and (not isinstance(window, int) or window < 3):
-    raise ValueError(f'train.spike_window={window!r} must be an int >= 3 (steps in the median)')
-  seconds = train_cfg.get('checkpoint_every_seconds', 0)
-  if not isinstance(seconds, (int, float)) or seconds < 0:
-    raise ValueError(f'train.checkpoint_every_seconds={seconds!r} must be >= 0 (0 = off)')
+def check_config(train_cfg: ml_collections.ConfigDict) -> TrainConfig:
+  """Raises one ValueError for a bad knob of config.train (a sweep's variants, before any run):
+  the checks of `TrainConfig`. Returns it typed."""
+  return section(TrainConfig, train_cfg)
 
 
 # Stop signals ----------------------------------------------------------------------------------
@@ -226,7 +216,7 @@ def describe_nonfinite(
       '(a transient device fault?)'
     )
   index, activations, loss, grad_counts, grad_max = result
-  where = f'micro-batch {index + 1} of {run.config.train.grad_accum_steps}: ' if index else ''
+  where = f'micro-batch {index + 1} of {run.experiment.train.grad_accum_steps}: ' if index else ''
   for name, counts in activations:
     if counts.any():
       first = 'the first in the forward pass'
@@ -317,7 +307,7 @@ def _recompute(run, params, host_batch, rng, step, scale):
   |gradient|}) for the first micro-batch with anything non-finite (the gradient norm included),
   or None.
   """
-  cfg = run.config.train
+  cfg = run.experiment.train
   accum, label_smoothing = cfg.grad_accum_steps, cfg.label_smoothing
   # Module outputs are read through an interceptor; inside remat or a scanned stack they would
   # be values of an inner trace, so they are read from the same model without remat (the same
@@ -415,7 +405,7 @@ def out_of_memory_error(run: Any, error: BaseException, host_batch: dict) -> Out
     size = 'XLA gave no estimate'
   limit = (jax.local_devices()[0].memory_stats() or {}).get('bytes_limit')
   have = f' and a device has {_gib(limit)}' if limit else ''
-  config, cfg = run.config, run.model_cfg
+  config, cfg = run.experiment, run.model_cfg
   d = config.data
   knobs = [
     f'lower data.batch_size={d.batch_size} (or keep it and raise '

@@ -6,6 +6,7 @@ methods handle resuming, non-finite steps, spikes, logging, stop signals, evalua
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -19,10 +20,10 @@ import numpy as np
 
 from transformer import data, util
 from transformer.config import ModelConfig
-from transformer.config.experiment import Config, TrainConfig
+from transformer.config.experiment import Config, DataConfig, TrainConfig
 from transformer.model import models, probes
 from transformer.model.capture import capture, entropy_by_layer
-from transformer.training import checkpoint, events, faults, knobs, peers
+from transformer.training import checkpoint, events, faults, peers
 from transformer.training.faults import (  # noqa: F401 - the loop's outcomes
   EXIT_PREEMPTED,
   NonFiniteError,
@@ -53,15 +54,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     OutOfMemoryError: the train step does not fit in device memory.
   """
   config = ml_collections.ConfigDict(config.to_dict())  # never mutate the caller's config
-  knobs.resolve_lengths(config)  # data.max_length follows model.max_length
-  tcfg = Config.from_configdict(config).train  # typed; bad model shapes and unknown keys fail here
-  knobs.check_config(config)  # train.* and data.* knobs that cannot work, before any data work
+  # Typed once: every knob that cannot work (alone or with another) fails here, before any work.
+  experiment = Config.from_configdict(config)
+  config.data.max_length = experiment.data.max_length  # the context, as from_configdict set it
+  tcfg = experiment.train
   saved = checkpoint.read_run_config(workdir)
   if saved is not None:  # compare before touching anything; the vocabulary is checked below
     config.model.vocab_size = saved['model']['vocab_size']
+    model = experiment.model.replace(vocab_size=config.model.vocab_size)
+    experiment = dataclasses.replace(experiment, model=model)
   checkpoint.check_resume_compatible(workdir, config)
-  if config.data.task == 'corpus':
-    _prepare_corpus(config.data, workdir)
+  if experiment.data.task == 'corpus':
+    _prepare_corpus(experiment.data, workdir)
   ckpt, lost = None, None
   directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
   try:
@@ -70,7 +74,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if jax.process_count() > 1:
       peers.start_beating(jax.process_index())  # so that survivors can name a lost process
     with faults.StopSignals() as signals:  # from here on a signal means: checkpoint, then stop
-      run = Run(config, workdir)  # sets model.vocab_size from the tokenizer
+      run = Run(config, workdir, experiment=experiment)  # model.vocab_size from the tokenizer
       checkpoint.check_resume_compatible(workdir, config)
       checkpoint.write_run_metadata(workdir, config)
       return _train_loop(run, tcfg, ckpt, workdir, signals)
@@ -84,7 +88,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       ckpt.close()  # waits for pending saves and stops orbax's threads, also after an error
 
 
-def _prepare_corpus(data_cfg: ml_collections.ConfigDict, workdir: str) -> None:
+def _prepare_corpus(data_cfg: DataConfig, workdir: str) -> None:
   """task='corpus': tokenises the corpus into shards on first use, before the workdir is set up;
   a bad corpus (empty, a jsonl line without text, a bad shard) leaves no new workdir behind."""
   existed = os.path.exists(workdir)
@@ -144,7 +148,7 @@ class _Loop:
     self.tcfg = tcfg
     self.policy = faults.nonfinite_policy(tcfg.nonfinite, run.model_cfg.dtype)
     self.iterator = run.task.train_iterator()
-    self.rng = run.replicate(jax.random.PRNGKey(run.config.seed + 1))
+    self.rng = run.replicate(jax.random.PRNGKey(run.experiment.seed + 1))
     self.compiled = False  # the train step, before its first call
     self.spikes = faults.SpikeDetector(tcfg.spike_factor, tcfg.spike_window)
     self.agreement = faults.HostAgreement(2)  # [a stop signal, a timed checkpoint due]

@@ -5,6 +5,7 @@ The training loop logs the learning rate by calling `make_schedule(config)(step)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -12,15 +13,19 @@ import jax.numpy as jnp
 import optax
 from absl import logging
 
-SCHEDULES = ('rsqrt', 'warmup_cosine', 'cosine_restarts', 'constant', 'linear')
-OPTIMIZERS = ('adam', 'adamw')
+from transformer.config.experiment import OPTIMIZERS, SCHEDULES, OptimConfig  # noqa: F401
+
 NO_DECAY_NAMES = ('bias', 'scale')  # flax biases and LayerNorm/RMSNorm scales
 
 
-def _get(cfg: Any, name: str, default: Any = None) -> Any:
-  """Reads cfg.name from a ConfigDict (or any object), with a default for optional fields."""
-  value = getattr(cfg, name, default)
-  return default if value is None else value
+@dataclasses.dataclass(frozen=True)
+class RunOptim:
+  """The optimizer of one run: `config.optim` (checked by OptimConfig) with what its schedule
+  needs from the rest of the experiment."""
+
+  optim: OptimConfig
+  steps: int | None = None  # train.steps, the run length; None = a schedule without one
+  d_model: int | None = None  # model.d_model, which scales 'rsqrt'
 
 
 def _warmup(peak: float, warmup_steps: int, after: optax.Schedule) -> optax.Schedule:
@@ -71,10 +76,11 @@ def fit_warmup(warmup_steps: int, total_steps: int | None) -> int:
   return total_steps
 
 
-def make_schedule(cfg: Any) -> optax.Schedule:
+def make_schedule(cfg: RunOptim) -> optax.Schedule:
   """Learning rate as a function of the optimizer step (0 for the first update).
 
-  Schedules (peak = cfg.learning_rate, end = peak * cfg.end_learning_rate_factor):
+  Schedules (peak = optim.learning_rate, end = peak * optim.end_learning_rate_factor, where
+  optim = cfg.optim and the run length total_steps = cfg.steps):
     'rsqrt':           the paper's lr * d_model^-0.5 * min(s^-0.5, s * warmup^-1.5), with the
                        paper's step s = max(step, 1), so step 0 and step 1 both use s = 1 and the
                        peak lr * (d_model * warmup)^-0.5 is at step == warmup_steps.
@@ -86,7 +92,7 @@ def make_schedule(cfg: Any) -> optax.Schedule:
     'constant':        peak, after a linear warmup when warmup_steps > 0.
     'linear':          linear warmup, then a straight line from peak to end at total_steps.
   After total_steps, 'warmup_cosine' and 'linear' stay at end. A warmup as long as the run
-  (cfg.total_steps, when given) or longer is cut to the run by `fit_warmup`, which warns: the
+  (cfg.steps, when given) or longer is cut to the run by `fit_warmup`, which warns: the
   learning rate ramps up over the whole run to the peak the config states (for 'rsqrt',
   lr * (d_model * warmup_steps)^-0.5), reached at the last step.
 
@@ -95,19 +101,12 @@ def make_schedule(cfg: Any) -> optax.Schedule:
   (`optax.sgdr_schedule` wants a finite list of cycles); 'rsqrt' is the paper's formula. Any step,
   a Python int or a traced array, gives a float32 array.
   """
-  name = _get(cfg, 'schedule', 'rsqrt')
-  peak = float(cfg.learning_rate)
-  warmup = int(_get(cfg, 'warmup_steps', 0))
-  end_factor = float(_get(cfg, 'end_learning_rate_factor', 0.0))
-  if name not in SCHEDULES:
-    raise ValueError(f'unknown schedule={name!r}; choose one of {SCHEDULES}')
-  if peak < 0:
-    raise ValueError(f'learning_rate={peak} must be >= 0')
-  if warmup < 0:
-    raise ValueError(f'warmup_steps={warmup} must be >= 0')
-  if not 0.0 <= end_factor <= 1.0:
-    raise ValueError(f'end_learning_rate_factor={end_factor} must be in [0, 1]')
-  total, configured = _get(cfg, 'total_steps'), warmup
+  optim = cfg.optim  # its knobs were checked by OptimConfig
+  name = optim.schedule
+  peak = float(optim.learning_rate)
+  warmup = int(optim.warmup_steps)
+  end_factor = float(optim.end_learning_rate_factor)
+  total, configured = cfg.steps, warmup
   if total is not None:
     total = int(total)
     if total < 1:
@@ -133,9 +132,7 @@ def make_schedule(cfg: Any) -> optax.Schedule:
     return _float32(_warmup(peak, warmup, optax.constant_schedule(peak)))
 
   if name == 'cosine_restarts':
-    period = int(_get(cfg, 'restart_period', 0))
-    if period <= 0:
-      raise ValueError(f'restart_period={period} must be > 0 for schedule=cosine_restarts')
+    period = int(optim.restart_period)
     cycle = _decay('cosine', peak, end_factor, period)
     return _float32(_warmup(peak, warmup, lambda step: cycle(step % period)))
 
@@ -164,30 +161,23 @@ def decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(
-  cfg: Any, schedule: optax.Schedule | None = None
+  cfg: RunOptim, schedule: optax.Schedule | None = None
 ) -> optax.GradientTransformation:
   """clip_by_global_norm (if clip_norm) -> Adam or AdamW (decay masked by `decay_mask`).
 
-  Config fields: optimizer, b1, b2, eps (paper: 0.9, 0.98, 1e-9), weight_decay, clip_norm
-  (0 or None = no clipping), plus the schedule fields of `make_schedule`, unless `schedule` (the
-  one `make_schedule(cfg)` gave) is passed. AdamW follows optax: the decay is multiplied by the
+  Knobs of cfg.optim: optimizer, b1, b2, eps (paper: 0.9, 0.98, 1e-9), weight_decay, clip_norm
+  (0 = no clipping), plus the schedule knobs of `make_schedule`, unless `schedule` (the one
+  `make_schedule(cfg)` gave) is passed. AdamW follows optax: the decay is multiplied by the
   scheduled learning rate.
   """
-  name = _get(cfg, 'optimizer', 'adam')
-  if name not in OPTIMIZERS:
-    raise ValueError(f'unknown optimizer={name!r}; choose one of {OPTIMIZERS}')
-  weight_decay = float(_get(cfg, 'weight_decay', 0.0))
-  clip_norm = float(_get(cfg, 'clip_norm', 0.0))
-  if weight_decay < 0:
-    raise ValueError(f'weight_decay={weight_decay} must be >= 0')
-  if name == 'adam' and weight_decay > 0:
-    raise ValueError(f"weight_decay={weight_decay} needs optimizer='adamw' (or weight_decay=0)")
-  if clip_norm < 0:
-    raise ValueError(f'clip_norm={clip_norm} must be >= 0 (0 = no clipping)')
+  optim = cfg.optim  # its knobs were checked by OptimConfig
+  name = optim.optimizer
+  weight_decay = float(optim.weight_decay)
+  clip_norm = float(optim.clip_norm)
 
   schedule = make_schedule(cfg) if schedule is None else schedule
-  adam_args = dict(b1=float(_get(cfg, 'b1', 0.9)), b2=float(_get(cfg, 'b2', 0.98)))
-  adam_args['eps'] = float(_get(cfg, 'eps', 1e-9))
+  adam_args = dict(b1=float(optim.b1), b2=float(optim.b2))
+  adam_args['eps'] = float(optim.eps)
   if name == 'adamw':
     optimizer = optax.adamw(schedule, weight_decay=weight_decay, mask=decay_mask, **adam_args)
   else:

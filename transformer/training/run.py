@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -11,8 +12,9 @@ import numpy as np
 
 from transformer import data, sharding
 from transformer.config import ModelConfig
+from transformer.config.experiment import Config, TrainConfig
 from transformer.model import decode, models, objectives
-from transformer.training import knobs, optim, steps
+from transformer.training import optim, steps
 from transformer.training.state import (
   TrainState,
   create_state,
@@ -24,20 +26,13 @@ from transformer.training.state import (
 Array = jax.Array
 
 
-FUSED_LOSS = ('auto', 'on', 'off')
-
-
-def loss_chunk_size(tcfg: ml_collections.ConfigDict, cfg: ModelConfig, device: Any) -> int | None:
+def loss_chunk_size(tcfg: TrainConfig, cfg: ModelConfig, device: Any) -> int | None:
   """The vocabulary chunk of the fused head + loss for `train.fused_loss`, or None for logits.
 
   'auto' fuses on CPU only: there it saves the [B, T, V] passes that XLA:CPU runs slowly, while GPU
   and TPU keep the path they were tuned on. Untied and classifier heads always use logits.
   """
-  mode, chunk = tcfg.get('fused_loss', 'auto'), tcfg.get('loss_chunk_size', 4096)
-  if mode not in FUSED_LOSS:
-    raise ValueError(f'train.fused_loss={mode!r} is not one of {FUSED_LOSS}')
-  if not isinstance(chunk, int) or chunk < 1:
-    raise ValueError(f'train.loss_chunk_size={chunk!r} must be a positive integer')
+  mode, chunk = tcfg.fused_loss, tcfg.loss_chunk_size  # checked by TrainConfig
   if mode == 'on' and not models.has_fused_head(cfg):
     raise ValueError(
       'train.fused_loss=on needs a tied token head (model.tie_output=True, num_classes=0); '
@@ -59,35 +54,45 @@ class Run:
     devices: list | None = None,
     *,
     with_data: bool = True,
+    experiment: Config | None = None,
   ):
     """`devices` (default: all of them) are what `config.mesh.shape` lays out.
 
     `with_data=False` skips the data task (benchmarks): the model keeps config.model.vocab_size.
+    `experiment`: `Config.from_configdict(config)`, when the caller has it already (it is built
+    here otherwise, which checks every knob before any work). `config` is changed in place to
+    what the run is: data.max_length follows model.max_length unless given, and the vocabulary
+    is the tokenizer's; `self.experiment` is the same, typed.
     """
-    self.config = knobs.resolve_lengths(config)  # data.max_length follows model.max_length
-    self.partitioner = sharding.Partitioner.from_config(config.get('mesh'), devices)
+    cfg = Config.from_configdict(config) if experiment is None else experiment
+    config.data.max_length = cfg.data.max_length  # the context, set once by from_configdict
+    self.config = config
+    self.partitioner = sharding.Partitioner.from_config(cfg.mesh, devices)
     self.task = None
     if with_data:
-      knobs.check_norm_data(config)  # before the data task is built
-      _check_batch_sizes(config.data, self.partitioner)
+      _check_batch_sizes(cfg.data, self.partitioner)
       self.task = data.build(
-        config.data,
-        family=config.model.family,
+        cfg.data,
+        family=cfg.model.family,
         workdir=workdir,
-        seed=config.seed,
+        seed=cfg.seed,
         process_index=jax.process_index(),
         process_count=jax.process_count(),
       )
-      self.model_cfg = resolve_model_config(config, self.task.tokenizer)
+      self.model_cfg = resolve_model_config(cfg, self.task.tokenizer)
+      with config.unlocked():
+        config.model.vocab_size = self.model_cfg.vocab_size
     else:
-      self.model_cfg = ModelConfig.from_config(config.model)
+      self.model_cfg = cfg.model
+    self.experiment = dataclasses.replace(cfg, model=self.model_cfg)
     self.model = models.build(self.model_cfg)
     self.family = self.model_cfg.family
-    ocfg = optim_config(config, self.model_cfg)
+    ocfg = optim_config(self.experiment, self.model_cfg)
     self.schedule = optim.make_schedule(ocfg)
     self.tx = optim.make_optimizer(ocfg, self.schedule)  # one warmup warning, not two
-    accum = config.train.grad_accum_steps
-    rows = config.data.batch_size // jax.process_count()
+    tcfg = cfg.train
+    accum = tcfg.grad_accum_steps
+    rows = cfg.data.batch_size // jax.process_count()
     if accum < 1 or rows % accum:
       raise ValueError(
         f'train.grad_accum_steps={accum} must be >= 1 and divide the per-process batch of {rows}'
@@ -96,12 +101,9 @@ class Run:
     # The seed is an argument, not a constant of the program: another seed reuses the compiled
     # initialisation (from JAX's compile cache in a new process).
     new_state = lambda seed, boxed=False: create_state(
-      self.model, self.model_cfg, self.tx, seed, config.train.loss_scale, boxed=boxed
+      self.model, self.model_cfg, self.tx, seed, tcfg.loss_scale, boxed=boxed
     )
-    seed = config.seed
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-      raise ValueError(f'seed={seed!r} must be an integer in [0, 2**32)')
-    self._seed = np.uint32(seed)
+    self._seed = np.uint32(cfg.seed)  # in [0, 2**32), checked by Config
     p = self.partitioner
     boxed = jax.eval_shape(functools.partial(new_state, boxed=True), self._seed)
     self.state_shardings = p.tree_shardings(boxed)
@@ -121,11 +123,11 @@ class Run:
         family=self.family,
         tx=self.tx,
         schedule=self.schedule,
-        label_smoothing=config.train.label_smoothing,
+        label_smoothing=tcfg.label_smoothing,
         accum_steps=accum,
         dynamic_scale=self.model_cfg.dtype == 'float16',
-        scale_period=config.train.loss_scale_period,
-        loss_chunk_size=loss_chunk_size(config.train, self.model_cfg, p.mesh.devices.flat[0]),
+        scale_period=tcfg.loss_scale_period,
+        loss_chunk_size=loss_chunk_size(tcfg, self.model_cfg, p.mesh.devices.flat[0]),
       ),
       in_shardings=(self.state_shardings, batch, rep),
       out_shardings=(self.state_shardings, rep),
@@ -136,7 +138,7 @@ class Run:
       in_shardings=(self.weight_shardings, batch),
       out_shardings=rep,
     )
-    max_len = config.train.max_decode_length
+    max_len = tcfg.max_decode_length
     self._translate = p.jit(
       lambda params, inputs: decode.greedy_translate(self.model, params, inputs, max_len),
       in_shardings=(self.weight_shardings, rep),
@@ -174,8 +176,8 @@ class Run:
     (source, reference, output) strings.
     """
     metrics = self._scores(params, self.task.eval_batches())
-    tcfg = self.config.train
-    if tcfg.get('eval_train_loss', True) and hasattr(self.task, 'train_eval_batches'):
+    tcfg = self.experiment.train
+    if tcfg.eval_train_loss and hasattr(self.task, 'train_eval_batches'):
       metrics['train_loss'] = self._scores(params, self.task.train_eval_batches())['loss']
     num_decode = tcfg.eval_decode_examples if num_decode is None else num_decode
     samples = []
@@ -199,7 +201,7 @@ class Run:
   def generate(self, params, examples: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
     """Greedy outputs for (source, reference) pairs: translations, or LM continuations."""
     tok = self.task.tokenizer
-    dcfg = self.config.data
+    dcfg = self.experiment.data
     outputs = []
     for start in range(0, len(examples), dcfg.eval_batch_size):
       chunk = examples[start : start + dcfg.eval_batch_size]
@@ -220,13 +222,11 @@ class Run:
     """CausalLM: summed negative log-likelihood (nats) and token count of each text (+ eos)."""
     if self.family != 'causal_lm':
       raise ValueError(f'scoring texts needs family=causal_lm, not {self.family!r}')
-    tok, length = self.task.tokenizer, self.config.data.max_length
+    tok, length = self.task.tokenizer, self.experiment.data.max_length
+    rows = self.experiment.data.eval_batch_size
     results = []
-    for start in range(0, len(texts), self.config.data.eval_batch_size):
-      ids = [
-        tok.encode(t)[: length - 1] for t in texts[start : start + self.config.data.eval_batch_size]
-      ]
-      rows = self.config.data.eval_batch_size
+    for start in range(0, len(texts), rows):
+      ids = [tok.encode(t)[: length - 1] for t in texts[start : start + rows]]
       inputs = _pad([[data.BOS_ID] + row for row in ids], length, rows)
       targets = _pad([row + [data.EOS_ID] for row in ids], length, rows)
       nll = self.token_nll(params, self.replicate(inputs), self.replicate(targets))
@@ -240,7 +240,7 @@ def _check_batch_sizes(data_cfg: Any, partitioner: sharding.Partitioner) -> None
   """Global batch sizes must split evenly over processes and over the mesh's batch axes."""
   parts = partitioner.axis_size(partitioner.spec(('batch',))[0])
   for key in ('batch_size', 'eval_batch_size'):
-    rows = data_cfg[key]
+    rows = getattr(data_cfg, key)
     for divisor, what in ((jax.process_count(), 'processes'), (parts, 'mesh batch shards')):
       if rows % divisor:
         raise ValueError(

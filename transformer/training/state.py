@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import ml_collections
 
 from transformer.config import ModelConfig
+from transformer.config.experiment import Config, OptimConfig, TrainConfig, section
 from transformer.model import models
+from transformer.training.optim import RunOptim
 
 Array = jax.Array
 
@@ -59,30 +61,26 @@ def model_inputs(family: str, batch: dict[str, Array]) -> dict[str, Array]:
   return {k: batch[k] for k in keys}
 
 
-def optim_config(config: ml_collections.ConfigDict, model_cfg: ModelConfig) -> Any:
-  """The optimizer ConfigDict plus the run length and model width that schedules need."""
-  cfg = ml_collections.ConfigDict(config.optim.to_dict())
-  cfg.total_steps = config.train.steps
-  cfg.d_model = model_cfg.d_model
-  return cfg
+def optim_config(config: Config | ml_collections.ConfigDict, model_cfg: ModelConfig) -> RunOptim:
+  """The optimizer knobs of `config` (typed and checked) plus the run length and model width that
+  schedules need."""
+  optim, train = config.optim, config.train
+  if not isinstance(config, Config):
+    optim, train = section(OptimConfig, optim), section(TrainConfig, train)
+  return RunOptim(optim, steps=train.steps, d_model=model_cfg.d_model)
 
 
-def resolve_model_config(config: ml_collections.ConfigDict, tokenizer) -> ModelConfig:
+def resolve_model_config(config: Config, tokenizer) -> ModelConfig:
   """The model of the experiment, with the vocabulary taken from the tokenizer.
 
   The vocabulary is rounded up to a multiple of `config.data.vocab_multiple` (so that tensor
   parallelism can split it); the extra rows are never targets. An imported Hugging Face model
   (tokenizer kind 'hf') keeps its own vocabulary when the tokenizer fits in it.
   """
-  multiple = config.data.get('vocab_multiple', 1)
-  if not isinstance(multiple, int) or multiple < 1:
-    raise ValueError(f'data.vocab_multiple={multiple!r} must be a positive int')
-  with config.unlocked():
-    if tokenizer.kind == 'hf' and config.model.vocab_size >= tokenizer.vocab_size:
-      pass  # an imported model keeps its own (often padded) embedding table
-    else:
-      config.model.vocab_size = -(-tokenizer.vocab_size // multiple) * multiple
-  return ModelConfig.from_config(config.model)
+  model, multiple = config.model, config.data.vocab_multiple
+  if tokenizer.kind == 'hf' and model.vocab_size >= tokenizer.vocab_size:
+    return model  # an imported model keeps its own (often padded) embedding table
+  return model.replace(vocab_size=-(-tokenizer.vocab_size // multiple) * multiple)
 
 
 def create_state(

@@ -56,6 +56,9 @@ def load_run(
       'or experiments.convert_hf writes one)?'
     )
   if config is None:
+    data_cfg = saved.get('data')
+    if isinstance(data_cfg, dict) and 'text_format' not in data_cfg:
+      data_cfg['text_format'] = 'lines'  # saved before data.text_format: a document a line
     try:
       config = ml_collections.ConfigDict(saved)
       ModelConfig.from_config(config.model)
@@ -66,7 +69,7 @@ def load_run(
     config = ml_collections.ConfigDict(config.to_dict())
     config.model.vocab_size = saved['model']['vocab_size']
   run = Run(fit_mesh(config), workdir if with_data else None, with_data=with_data)
-  ckpt = checkpoint.Checkpointer(workdir, keep=config.train.get('keep_checkpoints', 3))
+  ckpt = checkpoint.Checkpointer(workdir, keep=run.experiment.train.keep_checkpoints)
   try:
     state, _, step = ckpt.restore(run.abstract_state, step)
   finally:
