@@ -180,8 +180,12 @@ def test_cached_greedy_equals_recomputation(name):
     np.testing.assert_array_equal(decode.greedy_continue(model, params, tokens, LENGTH), want)
 
 
-SELF_ATTENTION = MultiHeadAttention(num_heads=4, num_kv_heads=1, head_dim=8, alibi=True)
-CROSS_ATTENTION = MultiHeadAttention(num_heads=4, num_kv_heads=1, head_dim=8)
+# One config for both: ALiBi acts in self attention only.
+_ATTENTION_CFG = ModelConfig(
+  family='causal_lm', d_model=32, num_heads=4, num_kv_heads=1, head_dim=8, position='alibi'
+)
+SELF_ATTENTION = MultiHeadAttention(_ATTENTION_CFG)
+CROSS_ATTENTION = MultiHeadAttention(_ATTENTION_CFG)
 
 
 @jax.jit

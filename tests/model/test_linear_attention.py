@@ -196,9 +196,11 @@ def test_config_errors(overrides, message):
 def test_state_steps_equal_parallel_attention():
   """Self (GQA, RoPE) and cross attention: a prefill of 3 tokens, then one step per token, gives
   the outputs of the whole sequence at once, and the state keeps its size."""
-  rope = (10000.0, 'none', 1.0, 32, 1.0, 4.0)
-  kw = dict(num_heads=4, num_kv_heads=2, head_dim=6, kind='linear', chunk_size=4)
-  self_attn, cross_attn = MultiHeadAttention(**kw, rope=rope), MultiHeadAttention(**kw)
+  cfg = ModelConfig(
+    family='causal_lm', d_model=24, num_heads=4, num_kv_heads=2, head_dim=6, attention='linear',
+    attention_chunk_size=4, position='rope', max_length=32,
+  )  # fmt: skip
+  self_attn, cross_attn = MultiHeadAttention(cfg), MultiHeadAttention(cfg)  # RoPE: self only
   rng = np.random.default_rng(0)
   B, T, P, S = 2, 9, 3, 7
   x = jnp.asarray(rng.standard_normal((B, T, 16)), jnp.float32)

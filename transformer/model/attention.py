@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax.numpy as jnp
 from jax import Array
 
 from transformer import config, sharding
+from transformer.config import ModelConfig
 from transformer.kernels import masks as kernel_masks
 from transformer.model import attention_paths as paths
 from transformer.model import compressed_attention as compressed
 from transformer.model import linear_attention as linear
 from transformer.model import matmul
 from transformer.model import positions as positions_lib
+from transformer.model.hookpoint import HookPoint
 from transformer.model.masks import MaskSpec
 from transformer.model.norms import Norm
 
@@ -105,6 +107,7 @@ def dot_product_attention(
   chunk_size: int = 128,
   dropout_rate: float = 0.0,
   dropout_rng: Array | None = None,
+  hooks: tuple[Callable[[Array], Array], Callable[[Array], Array]] | None = None,
 ) -> Array | tuple[Array, Array]:
   """Multi-head (and grouped-query) scaled dot-product attention.
 
@@ -124,6 +127,9 @@ def dot_product_attention(
     chunk_size: keys per block for 'chunked'.
     dropout_rate: dropout on the attention probabilities (needs 'xla' and `dropout_rng`).
     dropout_rng: PRNG key for that dropout.
+    hooks: with return_probs, (on_scores, on_pattern): functions of the float32 scores
+      [B, N, T, S] (scaled, ALiBi added, -inf where masked) and of the probabilities, each
+      returning the values the attention goes on with (the hook points of `MultiHeadAttention`).
 
   Returns:
     out `[B, T, N, H]` in q.dtype; with return_probs, (out, probs float32[B, N, T, S]).
@@ -154,7 +160,9 @@ def dot_product_attention(
   # Only the dense path materialises the probabilities [B, N, T, S], to return or drop out.
   if return_probs or dropout_rate > 0:
     dropout = (dropout_rate, dropout_rng) if dropout_rate > 0 else None
-    return paths.xla_attention(q, k, v, return_probs=return_probs, dropout=dropout, **kwargs)
+    return paths.xla_attention(
+      q, k, v, return_probs=return_probs, dropout=dropout, hooks=hooks, **kwargs
+    )
   return _IMPLEMENTATIONS[implementation](q, k, v, **kwargs)  # [B, T, N, H]
 
 
@@ -176,33 +184,18 @@ class CacheMode(NamedTuple):
 
 class MultiHeadAttention(nn.Module):
   """Self or cross attention: q/k/v/out projections around `dot_product_attention`, or around
-  `linear_attention.linear_attention` with kind='linear' (its cache is then a fixed-size state),
-  or `compressed_attention.compressed_attention` with kind='compressed' (self attention only).
+  `linear_attention.linear_attention` (cfg.attention='linear'; its cache is then a fixed-size
+  state), or `compressed_attention.compressed_attention` ('compressed', self attention only).
 
   Positions that act on q and k (RoPE) or on the logits (ALiBi) are applied here, for self
-  attention only; absolute positions are added to the embeddings by the model.
+  attention only; absolute positions are added to the embeddings by the model. The hook points
+  (`hook_q`, `hook_k`, `hook_v`, `hook_attn_scores`, `hook_pattern`, `hook_z`) follow
+  TransformerLens; scores and pattern exist on the dense path only (`return_probs=True`).
   """
 
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-  use_bias: bool = True
-  kernel_init: Callable = nn.initializers.xavier_uniform()
-  out_kernel_init: Callable = nn.initializers.xavier_uniform()
-  dropout_rate: float = 0.0
-  scale: float | None = None  # None = 1/sqrt(head_dim); 1.0 = unscaled
-  implementation: str | None = None
-  chunk_size: int = 128
-  # RoPE (theta, scaling, factor, original_max_length, low_freq_factor, high_freq_factor); None: off
-  rope: tuple | None = None
-  alibi: bool = False
-  qkv_bias: bool | None = None  # biases on query/key/value; None = use_bias (which sets 'out')
-  qk_norm: tuple[str, float] | None = None  # (norm kind, eps) over head_dim of q and k (Qwen3)
-  kind: str = 'softmax'  # 'softmax' | 'linear' | 'compressed' (config.ATTENTIONS)
-  feature_map: str = 'elu'  # kind='linear': phi, a name in linear_attention.FEATURE_MAPS
-  compress_block: int = 16  # kind='compressed': positions pooled per block
+  cfg: ModelConfig
+  kernel_init: Callable = nn.initializers.xavier_uniform()  # q/k/v projections
+  out_init: Callable = nn.initializers.xavier_uniform()  # the output projection
 
   @nn.compact
   def __call__(
@@ -226,23 +219,23 @@ class MultiHeadAttention(nn.Module):
     Returns:
       [B, T, D], or ([B, T, D], [B, N, T, S]) with return_probs.
     """
+    cfg = self.cfg
     self_attention = inputs_kv is None
     inputs_kv = inputs_q if self_attention else inputs_kv  # [B, S, D]; S = T in self attention
     if cache_mode is not None and cache_mode.phase == 'step' and self_attention:
       if positions is None:
         raise ValueError("CacheMode step needs positions [B, 1]: the slot of each row's token")
     features = inputs_q.shape[-1]  # D: the output projection maps back to the input width
-
-    qkv_bias = self.use_bias if self.qkv_bias is None else self.qkv_bias
+    qkv_bias = cfg.use_bias if cfg.qkv_bias is None else cfg.qkv_bias
 
     # [..., D] -> [..., heads, H]
     def dense(heads: int, heads_axis: str, name: str) -> nn.DenseGeneral:
       return nn.DenseGeneral(
-        (heads, self.head_dim),
+        (heads, cfg.head_size),
         axis=-1,
         use_bias=qkv_bias,
-        dtype=self.dtype,
-        param_dtype=self.param_dtype,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.params_dtype,
         kernel_init=nn.with_logical_partitioning(self.kernel_init, ('embed', heads_axis, 'kv')),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (heads_axis, 'kv')),
         dot_general=matmul.dot_general,
@@ -251,53 +244,51 @@ class MultiHeadAttention(nn.Module):
 
     # Pins [B, T, heads, H] to its logical axes (config.mesh.rules map them to mesh axes).
     constrain = lambda x, heads_axis: sharding.constrain(x, ('batch', 'length', heads_axis, 'kv'))
-    q = constrain(dense(self.num_heads, 'heads', 'query')(inputs_q), 'heads')  # [B, T, N, H]
-    k = constrain(
-      dense(self.num_kv_heads, 'kv_heads', 'key')(inputs_kv), 'kv_heads'
-    )  # [B, S, K, H]
+    q = constrain(dense(cfg.num_heads, 'heads', 'query')(inputs_q), 'heads')  # [B, T, N, H]
+    k = constrain(dense(cfg.kv_heads, 'kv_heads', 'key')(inputs_kv), 'kv_heads')  # [B, S, K, H]
     # [B, S, K, H]. GQA: K <= N kv heads, each shared by G = N // K query heads (K = N: MHA).
-    v = constrain(dense(self.num_kv_heads, 'kv_heads', 'value')(inputs_kv), 'kv_heads')
-    if self.qk_norm is not None:  # per head, over H, before RoPE
-      kind, eps = self.qk_norm
-      norm = lambda name: Norm(kind, eps, self.dtype, self.param_dtype, 'kv', name=name)
+    v = constrain(dense(cfg.kv_heads, 'kv_heads', 'value')(inputs_kv), 'kv_heads')
+    q, k, v = (HookPoint(name=f'hook_{n}')(x) for n, x in (('q', q), ('k', k), ('v', v)))
+    if cfg.qk_norm:  # per head, over H, before RoPE (Qwen3)
+      norm = lambda name: Norm(cfg.norm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, 'kv',
+                               name=name)  # fmt: skip
       q, k = norm('query_norm')(q), norm('key_norm')(k)  # shapes unchanged
 
     alibi_slopes = None
     # Relative positions only make sense within one sequence, so cross attention gets neither.
-    if self_attention and (self.rope is not None or self.alibi):
+    if self_attention and cfg.position in ('rope', 'alibi'):
       if positions is None:
         positions = jnp.arange(inputs_q.shape[1])[None]  # [1, T]
-      if self.rope is not None:
-        theta, scaling, factor, original_max_length, low, high = self.rope
+      if cfg.position == 'rope':
         inv_freq, mscale = positions_lib.rope_frequencies(
-          self.head_dim,
-          theta=theta,
-          scaling=scaling,
-          factor=factor,
-          original_max_length=original_max_length,
-          low_freq_factor=low,
-          high_freq_factor=high,
+          cfg.head_size,
+          theta=cfg.rope_theta,
+          scaling=cfg.rope_scaling,
+          factor=cfg.rope_scaling_factor,
+          original_max_length=cfg.rope_original_max_length or cfg.max_length,
+          low_freq_factor=cfg.rope_low_freq_factor,
+          high_freq_factor=cfg.rope_high_freq_factor,
         )
         # Rotating q and k by their positions makes q.k depend on the offset i - j only.
         q = positions_lib.apply_rope(q, positions, inv_freq, mscale)  # [B, T, N, H]
         k = positions_lib.apply_rope(k, positions, inv_freq, mscale)  # [B, S, K, H]
-      if self.alibi:
-        alibi_slopes = positions_lib.alibi_slopes(self.num_heads)  # [N]
+      else:
+        alibi_slopes = positions_lib.alibi_slopes(cfg.num_heads)  # [N]
 
     if cache_mode is not None:  # decoding: fill the cache, or add one token to it
       # -> [B, L, K, H] (self 'step'), [B, S, K, H] (cross 'step'), or unchanged ('prefill')
       k, v = self._update_cache(cache_mode, k, v, self_attention, mask, positions, return_probs)
-    dropout = self.dropout_rate > 0 and not deterministic  # training only; forces the 'xla' path
+    dropout = cfg.attention_dropout_rate > 0 and not deterministic  # forces the 'xla' path
     if cache_mode is not None and cache_mode.phase == 'step':
       # [B, 1, N, H]: one new token per row against the cache
       out = self._attend_cache(q, k, v, self_attention, mask, positions, alibi_slopes)
-    elif self.kind == 'compressed':
+    elif cfg.attention == 'compressed':
       if return_probs:
         raise ValueError("return_probs=True needs kind='softmax': compressed attention pools keys")
       if not self_attention:
         raise ValueError("kind='compressed' pools the keys of self attention, not cross attention")
       out = self._compressed(q, k, v, mask, prefill=cache_mode is not None)  # [B, T, N, H]
-    elif self.kind == 'linear':
+    elif cfg.attention == 'linear':
       if return_probs:
         raise ValueError("return_probs=True needs kind='softmax': linear attention has no probs")
       out = linear.linear_attention(
@@ -305,44 +296,53 @@ class MultiHeadAttention(nn.Module):
         k,
         v,
         mask=mask,
-        feature_map=self.feature_map,
-        chunk_size=self.chunk_size,
+        feature_map=cfg.linear_feature_map,
+        chunk_size=cfg.attention_chunk_size,
         self_attention=self_attention,
       )  # [B, T, N, H]
     else:
+      dense_path = dropout or return_probs  # the probabilities exist only there
       out = dot_product_attention(
         q,
         k,
         v,
         mask=mask,
         scale=self.scale,
-        implementation='xla' if (dropout or return_probs) else self.implementation,
+        implementation='xla' if dense_path else cfg.attention_impl,
         return_probs=return_probs,
         alibi_slopes=alibi_slopes,
-        chunk_size=self.chunk_size,
-        dropout_rate=self.dropout_rate if dropout else 0.0,
+        chunk_size=cfg.attention_chunk_size,
+        dropout_rate=cfg.attention_dropout_rate if dropout else 0.0,
         dropout_rng=self.make_rng('dropout') if dropout else None,
+        hooks=(HookPoint(name='hook_attn_scores'), HookPoint(name='hook_pattern'))
+        if return_probs
+        else None,
       )  # [B, T, N, H]
     out, probs = out if return_probs else (out, None)  # probs: [B, N, T, S] or None
-    out = constrain(out, 'heads')  # [B, T, N, H]
+    out = HookPoint(name='hook_z')(constrain(out, 'heads'))  # [B, T, N, H]
     # The output projection contracts heads and head_dim together: [B, T, N, H] -> [B, T, D].
     y = nn.DenseGeneral(
       features,
       axis=(-2, -1),
-      use_bias=self.use_bias,
-      dtype=self.dtype,
-      param_dtype=self.param_dtype,
-      kernel_init=nn.with_logical_partitioning(self.out_kernel_init, ('heads', 'kv', 'embed')),
+      use_bias=cfg.use_bias,
+      dtype=cfg.compute_dtype,
+      param_dtype=cfg.params_dtype,
+      kernel_init=nn.with_logical_partitioning(self.out_init, ('heads', 'kv', 'embed')),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
       dot_general=matmul.dot_general,
       name='out',
     )(out)  # [B, T, D]
     return (y, probs) if return_probs else y
 
+  @property
+  def scale(self) -> float | None:
+    """The logits' multiplier: None is 1/sqrt(head_dim); 1.0 is the unscaled ablation."""
+    return None if self.cfg.attention_scale else 1.0
+
   def _compressed(self, q, k, v, mask, prefill: bool):
     """kind='compressed' over whole blocks. A prompt being prefilled may end inside a block: it
     is padded at the end (padding segment 0), which no earlier causal query can see."""
-    T, block = q.shape[1], self.compress_block
+    T, block = q.shape[1], self.cfg.compress_block
     pad = -T % block if (prefill and mask is not None and mask.causal) else 0
     if pad:
       grow = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
@@ -371,7 +371,7 @@ class MultiHeadAttention(nn.Module):
       raise ValueError('return_probs=True is not available while decoding with a KV cache')
     if self_attention and (mask is None or not mask.causal):
       raise ValueError('a KV cache needs causal self attention; pass a MaskSpec with causal=True')
-    if self.kind == 'linear':
+    if self.cfg.attention == 'linear':
       return self._update_state(mode, k, v, self_attention, mask)
     B, T, K, H = k.shape
     if mode.phase == 'prefill':
@@ -405,7 +405,7 @@ class MultiHeadAttention(nn.Module):
     step returns the state after this token (self) or the encoder's (cross)."""
     kv_segments = None if mask is None else mask.kv_segment_ids
     if mode.phase == 'prefill':
-      kv, z = linear.state(k, v, kv_segments, self.feature_map)
+      kv, z = linear.state(k, v, kv_segments, self.cfg.linear_feature_map)
       self.variable('cache', 'linear_state', jnp.zeros, kv.shape, kv.dtype).value = kv
       self.variable('cache', 'linear_normalizer', jnp.zeros, z.shape, z.dtype).value = z
       return k, v
@@ -415,19 +415,19 @@ class MultiHeadAttention(nn.Module):
     if self_attention:
       if k.shape[1] != 1:
         raise ValueError(f'CacheMode step takes one token per row; got {k.shape[1]}')
-      kv_t, z_t = linear.state(k, v, None, self.feature_map)  # the new token is real
+      kv_t, z_t = linear.state(k, v, None, self.cfg.linear_feature_map)  # the new token is real
       kv.value, z.value = kv.value + kv_t, z.value + z_t
     return kv.value, z.value
 
   def _attend_cache(self, q, k, v, self_attention, mask, positions, alibi_slopes):
     """'step' attention of q [B, 1, N, H] over cached k/v [B, L, K, H] (or, for kind='linear',
     over the state (k, v) = ([B, K, H, H], [B, K, 1, H]))."""
-    if self.kind == 'linear':
-      return linear.readout(q, k, v, self.feature_map)
-    if self.kind == 'compressed':  # self attention: the cache holds every written key
+    if self.cfg.attention == 'linear':
+      return linear.readout(q, k, v, self.cfg.linear_feature_map)
+    if self.cfg.attention == 'compressed':  # self attention: the cache holds every written key
       q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
-      return compressed.attend_step(q, k, v, q_pos, block=self.compress_block, scale=self.scale)
-    scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale
+      return compressed.attend_step(q, k, v, q_pos, block=self.cfg.compress_block, scale=self.scale)
+    scale = 1.0 / math.sqrt(self.cfg.head_size) if self.scale is None else self.scale
     if not self_attention:  # the cross mask is top-left aligned already: [B or 1, S]
       visible = (MaskSpec() if mask is None else mask).dense(1, k.shape[1])[:, 0, 0]
       return paths.attend_one_step(q, k, v, visible, scale=scale)

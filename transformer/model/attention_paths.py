@@ -20,17 +20,29 @@ from transformer.model.positions import alibi_bias
 
 
 def xla_attention(
-  q, k, v, *, mask, scale, alibi_slopes, chunk_size=None, return_probs=False, dropout=None
+  q,
+  k,
+  v,
+  *,
+  mask,
+  scale,
+  alibi_slopes,
+  chunk_size=None,
+  return_probs=False,
+  dropout=None,
+  hooks=None,
 ):
   """Reference: dense logits and mask. Returns out, or (out, probs) if return_probs.
 
   `dropout=(rate, rng)` drops attention probabilities (the returned probs are before dropout).
+  `hooks=(on_scores, on_pattern)` see the scores [B, N, T, S] (-inf where masked) and the
+  probabilities, and may replace them (masked entries stay masked).
   """
   del chunk_size  # unused: everything is materialised
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   f32 = jnp.float32
-  if K == N and not return_probs and dropout is None:
+  if K == N and not return_probs and dropout is None and hooks is None:
     # One kv head per query head: heads merged into the batch, [B * N, T, H], so that both
     # products are plain batched matmuls (XLA:CPU transposes the 5-d einsums' operands instead).
     qt, kt, vt = (x.transpose(0, 2, 1, 3).reshape(B * N, -1, H) for x in (q, k, v))
@@ -52,8 +64,14 @@ def xla_attention(
     bias = alibi_bias(alibi_slopes, jnp.arange(T), jnp.arange(S)).reshape(K, -1, T, S)
     logits = logits + bias  # [B, K, G, T, S]
   visible = mask.dense(T, S)[:, :, None]  # [B or 1, 1, 1, T, S]
+  if hooks is not None:  # [B, K, G, T, S] <-> [B, N, T, S]: query head n = k * G + g
+    on_scores, on_pattern = hooks
+    scores = on_scores(jnp.where(visible, logits, -jnp.inf).reshape(B, N, T, S))
+    logits = scores.reshape(logits.shape)
   logits = jnp.where(visible, logits, NEG)  # [B, K, G, T, S]
   probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
+  if hooks is not None:
+    probs = on_pattern(probs.reshape(B, N, T, S)).reshape(probs.shape)
   weights = probs
   if dropout is not None:
     rate, rng = dropout

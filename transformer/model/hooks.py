@@ -30,9 +30,11 @@ attention as `decoder.blocks.{l}.cross_attn.hook_*` and `decoder.blocks.{l}.hook
 Pre-LN: hook_resid_mid = hook_resid_pre + hook_attn_out. Post-LN (BERT, the 2017 paper): it is
 the normalised sum after attention, as the block computes it.
 
-Patterns and scores are computed only for the layers whose pattern or scores are asked for, on
-the 'xla' path there; every other layer runs as configured, so a long text needs only the memory
-of what was asked for.
+Each name is a `HookPoint` declared in the module where its activation is made (layers.py,
+attention.py, norms.py); `run` intercepts those calls, so nothing here computes an activation a
+second time. Patterns and scores are computed only for the layers whose pattern or scores are
+asked for, on the 'xla' path there; every other layer runs as configured, so a long text needs
+only the memory of what was asked for.
 """
 
 from __future__ import annotations
@@ -44,15 +46,12 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from transformer.config import ModelConfig
 from transformer.model import models
-from transformer.model import positions as positions_lib
 from transformer.model.attention import MultiHeadAttention
 from transformer.model.capture import unscan_params
-from transformer.model.layers import Block, FeedForward
-from transformer.model.norms import BatchNorm, Norm
+from transformer.model.hookpoint import HookPoint
 
 Array = jax.Array
 Hook = Callable[[Array, str], Array]
@@ -120,6 +119,30 @@ def select(
   return tuple(dict.fromkeys(names))
 
 
+# Module path parts -> TransformerLens's; 'stack' drops out and 'layer_3' becomes 'blocks.3'.
+_PARTS = {
+  'self_attention': 'attn',
+  'cross_attention': 'cross_attn',
+  'self_attention_norm': 'ln1',
+  'cross_attention_norm': 'ln_cross',
+  'mlp_norm': 'ln2',
+  'final_norm': 'ln_final',
+}
+
+
+def hook_name(cfg: ModelConfig, path: tuple[str, ...]) -> str:
+  """The TransformerLens name of a `HookPoint` (or module) at `path` in an unscanned model:
+  ('decoder', 'stack', 'layer_3', 'self_attention', 'hook_z') -> 'blocks.3.attn.hook_z' (an
+  encoder-decoder keeps its 'encoder.' or 'decoder.' in front)."""
+  parts = []
+  for part in path:
+    if part.startswith('layer_'):
+      parts += ['blocks', part[len('layer_') :]]
+    elif part != 'stack':
+      parts.append(_PARTS.get(part, part))
+  return '.'.join(parts if cfg.family == 'encoder_decoder' else parts[1:])
+
+
 @dataclasses.dataclass
 class _State:
   """What one forward pass keeps while the interceptor walks it."""
@@ -127,8 +150,6 @@ class _State:
   keep: frozenset
   hooks: Mapping[str, Hook]
   cache: dict = dataclasses.field(default_factory=dict)
-  resid_pre: dict = dataclasses.field(default_factory=dict)  # block prefix -> its input
-  qk: dict = dataclasses.field(default_factory=dict)  # attention prefix -> (q, k) after hooks
 
   def see(self, name: str, value: Array) -> Array:
     """Applies the hook on `name` (if any), then caches the value if it was asked for."""
@@ -142,129 +163,20 @@ class _State:
     return any(n in self.keep or n in self.hooks for n in names)
 
 
-def _prefix(cfg: ModelConfig, path: tuple[str, ...]) -> str | None:
-  """'blocks.3.' (or 'encoder.blocks.3.') for a module path inside layer 3 of a stack."""
-  if 'stack' not in path:
-    return None
-  i = path.index('stack')
-  if i + 1 >= len(path) or not path[i + 1].startswith('layer_'):
-    return None
-  layer = path[i + 1][len('layer_') :]
-  side = f'{path[i - 1]}.' if cfg.family == 'encoder_decoder' and i else ''
-  return f'{side}blocks.{layer}.'
-
-
-def _scores(module: MultiHeadAttention, q, k, mask, positions, self_attention: bool) -> Array:
-  """Scaled (and ALiBi-biased) attention scores [B, N, T, S], -inf where masked, recomputed from
-  the hooked q [B, T, N, H] and k [B, S, K, H] as `MultiHeadAttention` does."""
-  if module.qk_norm is not None:
-    raise ValueError('hook_attn_scores is not available with qk_norm')
-  T, S = q.shape[1], k.shape[1]
-  if module.rope is not None and self_attention:
-    theta, scaling, factor, original, low, high = module.rope
-    inv_freq, mscale = positions_lib.rope_frequencies(
-      module.head_dim, theta=theta, scaling=scaling, factor=factor,
-      original_max_length=original, low_freq_factor=low, high_freq_factor=high,
-    )  # fmt: skip
-    pos = jnp.arange(T)[None] if positions is None else positions
-    q = positions_lib.apply_rope(q, pos, inv_freq, mscale)
-    k = positions_lib.apply_rope(k, pos, inv_freq, mscale)
-  groups = q.shape[2] // k.shape[2]
-  k = jnp.repeat(k, groups, axis=2)  # [B, S, N, H]
-  scale = module.scale if module.scale is not None else module.head_dim**-0.5
-  scores = jnp.einsum('btnh,bsnh->bnts', q, k).astype(jnp.float32) * scale
-  if module.alibi and self_attention:
-    slopes = positions_lib.alibi_slopes(module.num_heads)  # [N]
-    scores = scores + positions_lib.alibi_bias(slopes, jnp.arange(T), jnp.arange(S))  # [N, T, S]
-  if mask is not None:
-    scores = jnp.where(mask.dense(T, S), scores, -jnp.inf)
-  return scores
-
-
 def _interceptor(cfg: ModelConfig, state: _State):
+  """Each `HookPoint` call passes its value through `state`; an attention whose pattern or
+  scores are asked for runs the dense path, where those two hook points are."""
+
   def intercept(next_fun, args, kwargs, context):
-    module, method = context.module, context.method_name
-    if method != '__call__':
+    module = context.module
+    if context.method_name != '__call__':
       return next_fun(*args, **kwargs)
-    path = module.path
-    prefix = _prefix(cfg, path)
-    name = path[-1] if path else ''
-
-    if isinstance(module, Block):
-      x = state.see(prefix + 'hook_resid_pre', args[0])
-      state.resid_pre[prefix] = x
-      y = next_fun(x, *args[1:], **kwargs)
-      return state.see(prefix + 'hook_resid_post', y)
-
-    if isinstance(module, MultiHeadAttention) and prefix is not None:
-      attn = prefix + ('cross_attn.' if name == 'cross_attention' else 'attn.')
-      out_name = prefix + ('hook_cross_attn_out' if name == 'cross_attention' else 'hook_attn_out')
-      probs_wanted = state.wants(attn + 'hook_pattern')
-      if any(attn + h in state.hooks for h in ('hook_pattern', 'hook_attn_scores')):
-        raise ValueError(f'{attn}hook_pattern and hook_attn_scores are read only; patch hook_z')
-      if probs_wanted:
-        y, probs = next_fun(*args, **{**kwargs, 'return_probs': True})
-        state.see(attn + 'hook_pattern', probs)
-      else:
-        y = next_fun(*args, **kwargs)
-      if state.wants(attn + 'hook_attn_scores'):
-        q, k = state.qk.pop(attn)
-        mask, positions = kwargs.get('mask'), kwargs.get('positions')
-        scores = _scores(module, q, k, mask, positions, name == 'self_attention')
-        state.see(attn + 'hook_attn_scores', scores)
-      y = state.see(out_name, y)
-      if name == 'self_attention' and cfg.norm_placement == 'pre':
-        # hook_resid_mid = resid_pre + attn_out: a hook on it replaces attn_out by the difference
-        x = state.resid_pre[prefix] if cfg.residual else jnp.zeros_like(y)
-        mid_name = prefix + 'hook_resid_mid'
-        if mid_name in state.hooks:
-          y = state.hooks[mid_name](x + y, mid_name) - x
-        if mid_name in state.keep:
-          state.cache[mid_name] = x + y
-      return y
-
-    parent = path[-2] if len(path) >= 2 else ''
-    if prefix is not None and parent in ('self_attention', 'cross_attention'):
-      attn = prefix + ('cross_attn.' if parent == 'cross_attention' else 'attn.')
-      if name in ('query', 'key', 'value'):
-        hook = attn + {'query': 'hook_q', 'key': 'hook_k', 'value': 'hook_v'}[name]
-        out = state.see(hook, next_fun(*args, **kwargs))
-        if name in ('query', 'key') and state.wants(attn + 'hook_attn_scores'):
-          q, k = state.qk.get(attn, (None, None))
-          state.qk[attn] = (out, k) if name == 'query' else (q, out)
-        return out
-      if name == 'out':
-        z = state.see(attn + 'hook_z', args[0])
-        return next_fun(z, *args[1:], **kwargs)
-
-    if isinstance(module, FeedForward) and prefix is not None:
-      return state.see(prefix + 'hook_mlp_out', next_fun(*args, **kwargs))
-    if prefix is not None and parent == 'mlp':
-      mlp = prefix + 'mlp.'
-      if name == 'gate' or (name == 'wi' and cfg.activation != 'swiglu'):
-        return state.see(mlp + 'hook_pre', next_fun(*args, **kwargs))
-      if name == 'wi':  # SwiGLU's linear half
-        return state.see(mlp + 'hook_pre_linear', next_fun(*args, **kwargs))
-      if name == 'wo':
-        h = state.see(mlp + 'hook_post', args[0])
-        return next_fun(h, *args[1:], **kwargs)
-
-    is_norm = isinstance(module, (Norm, BatchNorm))
-    if is_norm and prefix is not None and cfg.norm_placement == 'post':
-      if name == 'self_attention_norm':  # post-LN: the normalised sum is the residual stream
-        return state.see(prefix + 'hook_resid_mid', next_fun(*args, **kwargs))
-    if isinstance(module, Norm) and name == 'final_norm':
-      if cfg.family == 'encoder_decoder' and path[0] != 'decoder':
-        return next_fun(*args, **kwargs)  # the encoder's final norm has no hook point
-      side = 'decoder.' if cfg.family == 'encoder_decoder' else ''
-      if state.wants(side + 'ln_final.hook_scale'):
-        if side + 'ln_final.hook_scale' in state.hooks:
-          raise ValueError('ln_final.hook_scale is read only')
-        x = args[0].astype(jnp.float32)
-        if module.kind == 'layernorm':
-          x = x - x.mean(-1, keepdims=True)
-        scale = jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + module.eps)  # [B, T, 1]
-        state.see(side + 'ln_final.hook_scale', scale)
+    if isinstance(module, HookPoint):
+      return state.see(hook_name(cfg, module.path), next_fun(*args, **kwargs))
+    if isinstance(module, MultiHeadAttention) and not kwargs.get('return_probs'):
+      attn = hook_name(cfg, module.path)
+      if state.wants(f'{attn}.hook_pattern', f'{attn}.hook_attn_scores'):
+        return next_fun(*args, **{**kwargs, 'return_probs': True})[0]
     return next_fun(*args, **kwargs)
 
   return intercept

@@ -16,6 +16,7 @@ from transformer.config import ModelConfig
 from transformer.model import matmul
 from transformer.model import positions as positions_lib
 from transformer.model.attention import CacheMode, MaskSpec, MultiHeadAttention
+from transformer.model.hookpoint import HookPoint
 from transformer.model.norms import BatchNorm, Norm
 
 Array = jax.Array
@@ -195,11 +196,14 @@ class FeedForward(nn.Module):
     up = ('embed', 'mlp')  # logical axes of the [D, F] up projections
     if cfg.activation == 'swiglu':
       # SwiGLU: silu(x W_gate) * (x W_in), a gated unit with two up projections (LLaMA).
-      h = nn.silu(dense(cfg.d_ff, 'gate', up)(x)) * dense(cfg.d_ff, 'wi', up)(x)  # [B, T, F]
+      pre = HookPoint(name='hook_pre')(dense(cfg.d_ff, 'gate', up)(x))  # [B, T, F]
+      linear = HookPoint(name='hook_pre_linear')(dense(cfg.d_ff, 'wi', up)(x))  # [B, T, F]
+      h = nn.silu(pre) * linear  # [B, T, F]
     else:
-      h = ACTIVATIONS[cfg.activation](dense(cfg.d_ff, 'wi', up)(x))  # [B, T, F]
+      h = ACTIVATIONS[cfg.activation](HookPoint(name='hook_pre')(dense(cfg.d_ff, 'wi', up)(x)))
     h = sharding.constrain(h, ('batch', 'length', 'mlp'))
     h = nn.Dropout(cfg.ffn_dropout_rate)(h, deterministic=deterministic)
+    h = HookPoint(name='hook_post')(h)  # [B, T, F]
     # 'wo' writes into the residual stream, so it takes the block's (maybe scaled) out_init.
     return dense(cfg.d_model, 'wo', ('mlp', 'embed'), self.out_init)(h)  # [B, T, D]
 
@@ -299,73 +303,56 @@ class Block(nn.Module):
         return skip + drop(fn(norm(x)), deterministic=self.deterministic)
       return norm(skip + drop(fn(x), deterministic=self.deterministic))
 
-    def attention(name, rope_alibi):
-      rope = None
-      # Only self attention gets RoPE/ALiBi: in cross attention, decoder and encoder positions
-      # index different sequences, so their distance means nothing.
-      if rope_alibi and cfg.position == 'rope':
-        rope = (
-          cfg.rope_theta,
-          cfg.rope_scaling,
-          cfg.rope_scaling_factor,
-          cfg.rope_original_max_length or cfg.max_length,
-          cfg.rope_low_freq_factor,
-          cfg.rope_high_freq_factor,
-        )
-      return MultiHeadAttention(
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.kv_heads,
-        head_dim=cfg.head_size,
-        dtype=cfg.compute_dtype,
-        param_dtype=cfg.params_dtype,
-        use_bias=cfg.use_bias,
-        kernel_init=kernel_init(cfg),
-        out_kernel_init=out_init,
-        dropout_rate=cfg.attention_dropout_rate,
-        scale=None if cfg.attention_scale else 1.0,  # None: 1 / sqrt(H)
-        implementation=cfg.attention_impl,
-        chunk_size=cfg.attention_chunk_size,
-        rope=rope,
-        alibi=rope_alibi and cfg.position == 'alibi',
-        qkv_bias=cfg.qkv_bias,
-        qk_norm=(cfg.norm, cfg.norm_eps) if cfg.qk_norm else None,
-        kind=cfg.attention,
-        feature_map=cfg.linear_feature_map,
-        compress_block=cfg.compress_block,
-        name=name,
-      )
+    # RoPE and ALiBi act in self attention only: in cross attention, decoder and encoder
+    # positions index different sequences, so their distance means nothing.
+    attention = lambda name: MultiHeadAttention(cfg, kernel_init(cfg), out_init, name=name)
 
-    self_attn = attention('self_attention', rope_alibi=True)
+    self_attn = attention('self_attention')
     conv = lambda h: h
     if cfg.short_conv:
       short = ShortConv(cfg.short_conv, param_dtype=cfg.params_dtype, name='short_conv')
       conv = lambda h: short(h, self_mask, positions, self.cache_mode)
+    hook = lambda name, h: HookPoint(name=name)(h)  # TransformerLens's names; see hooks.py
+    x = hook('hook_resid_pre', x)  # [B, T, D]
     # Self attention: causal in a decoder, not in an encoder (self_mask says which).
     x = sublayer(
       x,
-      lambda h: self_attn(
-        conv(h),
-        mask=self_mask,
-        positions=positions,
-        deterministic=self.deterministic,
-        cache_mode=self.cache_mode,
+      lambda h: hook(
+        'hook_attn_out',
+        self_attn(
+          conv(h),
+          mask=self_mask,
+          positions=positions,
+          deterministic=self.deterministic,
+          cache_mode=self.cache_mode,
+        ),
       ),
       'self_attention',
     )  # [B, T, D]
+    if cfg.d_ff or self.cross_attention:  # attention-only: resid_post follows (TransformerLens)
+      x = hook('hook_resid_mid', x)
     if self.cross_attention:
-      cross_attn = attention('cross_attention', rope_alibi=False)
+      cross_attn = attention('cross_attention')
       # Queries from x [B, T, D], keys/values from the encoder output [B, S, D].
       x = sublayer(
         x,
-        lambda h: cross_attn(
-          h, encoded, mask=cross_mask, deterministic=self.deterministic, cache_mode=self.cache_mode
+        lambda h: hook(
+          'hook_cross_attn_out',
+          cross_attn(
+            h,
+            encoded,
+            mask=cross_mask,
+            deterministic=self.deterministic,
+            cache_mode=self.cache_mode,
+          ),
         ),
         'cross_attention',
       )  # [B, T, D]
     if cfg.d_ff:  # d_ff=0: an attention-only layer (Elhage et al. 2021), no MLP sub-layer
       ffn = FeedForward(cfg, out_init, name='mlp')
-      x = sublayer(x, lambda h: ffn(h, self.deterministic), 'mlp')  # [B, T, D]
-    x = sharding.constrain(x, ('batch', 'length', 'embed'))
+      x = sublayer(x, lambda h: hook('hook_mlp_out', ffn(h, self.deterministic)), 'mlp')
+    x = sharding.constrain(x, ('batch', 'length', 'embed'))  # [B, T, D]
+    x = hook('hook_resid_post', x)
     return (x, None) if self.scanned else x
 
 

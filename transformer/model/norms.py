@@ -9,6 +9,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer.model.hookpoint import HookPoint
+
 Array = jax.Array
 
 
@@ -30,7 +32,8 @@ class Norm(nn.Module):
     if self.kind == 'layernorm':
       x32 = x32 - x32.mean(-1, keepdims=True)  # LayerNorm centres; RMSNorm does not
     # Centred, the mean of squares is the variance, so one line serves both kinds.
-    y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)
+    inverse = jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)  # [..., 1]
+    y = x32 * HookPoint(name='hook_scale')(inverse)
     ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
     y = y * self.param('scale', ones, (features,), self.param_dtype)
     if self.kind == 'layernorm' and self.use_bias:
