@@ -56,13 +56,13 @@ def _embedding_stats(table: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray,
   return x.mean(axis=0), x.var(axis=0)
 
 
-def _setup(family: str, accum_steps: int = 1, **overrides):
+def _setup(family: str, grad_accum_steps: int = 1, **overrides):
   cfg = _cfg(family, **overrides)
   model, tx = models.build(cfg), optax.adam(1e-2)
   step = jax.jit(
     functools.partial(
-      steps.train_step, model=model, family=family, tx=tx,
-      schedule=optax.constant_schedule(1e-2), label_smoothing=0.0, accum_steps=accum_steps,
+      steps.train_step, model=model, family=family, tx=tx, schedule=optax.constant_schedule(1e-2),
+      label_smoothing=0.0, grad_accum_steps=grad_accum_steps,
     )
   )  # fmt: skip
   return cfg, model, tx, step
@@ -114,7 +114,7 @@ def test_a_non_finite_step_keeps_the_statistics_and_accumulation_updates_per_mic
   assert metrics['skipped']
   jax.tree.map(np.testing.assert_array_equal, kept.batch_stats, state.batch_stats)
   # Two micro-batches of two rows: two momentum updates, each over its own real tokens.
-  _, _, _, accumulated = _setup('causal_lm', accum_steps=2)
+  _, _, _, accumulated = _setup('causal_lm', grad_accum_steps=2)
   four = _batch('causal_lm', 0, (7, 3, 5, 1))
   after, _ = accumulated(state, four, rng)
   table, m = state.params['embedding']['embedding'], BATCHNORM_MOMENTUM

@@ -135,7 +135,7 @@ def _run_and_batch(config, tmp_path):
   return run, next(run.task.train_iterator())
 
 
-def _step_fn(run, accum, dynamic_scale=False, scale_period=2000):
+def _step_fn(run, accum, dynamic_scale=False, loss_scale_period=2000):
   return jax.jit(
     functools.partial(
       train_step,
@@ -144,9 +144,9 @@ def _step_fn(run, accum, dynamic_scale=False, scale_period=2000):
       tx=run.tx,
       schedule=run.schedule,
       label_smoothing=0.1,
-      accum_steps=accum,
+      grad_accum_steps=accum,
       dynamic_scale=dynamic_scale,
-      scale_period=scale_period,
+      loss_scale_period=loss_scale_period,
     )
   )
 
@@ -178,7 +178,7 @@ def test_float16_loss_scale_skips_non_finite_steps(tmp_path, tiny_config):
   config = tiny_config('causal_lm')
   config.model.dtype = 'float16'
   run, batch = _run_and_batch(config, tmp_path)
-  step = _step_fn(run, 1, dynamic_scale=True, scale_period=2)
+  step = _step_fn(run, 1, dynamic_scale=True, loss_scale_period=2)
   rng = jax.random.PRNGKey(0)
   state = run.init_state()
   assert float(state.loss_scale) == config.train.loss_scale
@@ -195,7 +195,7 @@ def test_float16_loss_scale_skips_non_finite_steps(tmp_path, tiny_config):
   assert int(after.good_steps) == 0 and int(after.step) == 1
   jax.tree_util.tree_map(np.testing.assert_array_equal, after.params, kept)
 
-  # Finite steps update the parameters; after scale_period=2 of them the scale doubles.
+  # Finite steps update the parameters; after loss_scale_period=2 of them the scale doubles.
   good = run.init_state()
   one, metrics = step(good, batch, rng=rng)
   assert float(metrics['skipped']) == 0.0 and int(one.good_steps) == 1

@@ -13,8 +13,8 @@ from transformer.config.experiment import OptimConfig
 from transformer.training import optim
 
 
-def _config(total_steps=110, d_model=64, **overrides):
-  """The optimizer of a run of `total_steps` (train.steps) with a model of width `d_model`."""
+def _config(steps=110, d_model=64, **overrides):
+  """The optimizer of a run of `steps` (train.steps) with a model of width `d_model`."""
   knobs = dict(
     schedule='warmup_cosine',
     learning_rate=2e-3,
@@ -29,7 +29,7 @@ def _config(total_steps=110, d_model=64, **overrides):
     clip_norm=0.0,
   )
   knobs.update(overrides)
-  return optim.RunOptim(OptimConfig(**knobs), steps=total_steps, d_model=d_model)
+  return optim.RunOptim(OptimConfig(**knobs), steps=steps, d_model=d_model)
 
 
 def _lr(schedule, step):
@@ -145,7 +145,7 @@ def test_schedules_match_a_float64_formula(name, warmup, total, end_factor, peri
     schedule=name,
     learning_rate=peak,
     warmup_steps=warmup,
-    total_steps=total,
+    steps=total,
     end_learning_rate_factor=end_factor,
     restart_period=period,
     d_model=d_model,
@@ -178,7 +178,7 @@ def test_schedules_match_a_float64_formula(name, warmup, total, end_factor, peri
 @pytest.mark.parametrize('warmup,total', [(1, 1), (1, 50), (7, 3), (100, 1000), (4000, 100)])
 @pytest.mark.parametrize('name', optim.SCHEDULES)
 def test_the_first_update_learns(name, warmup, total):
-  cfg = _config(schedule=name, warmup_steps=warmup, total_steps=total, restart_period=5)
+  cfg = _config(schedule=name, warmup_steps=warmup, steps=total, restart_period=5)
   schedule = optim.make_schedule(cfg)
   assert float(schedule(0)) > 0 and float(jax.jit(schedule)(jnp.int32(0))) > 0
 
@@ -188,7 +188,7 @@ def test_the_first_update_learns(name, warmup, total):
   [
     (dict(schedule='noam'), "'noam'.*'rsqrt'"),
     (dict(warmup_steps=-1), 'warmup_steps=-1'),
-    (dict(total_steps=0), r'total_steps=0 must be >= 1 \(the run length, train.steps\)'),
+    (dict(steps=0), r'total_steps=0 must be >= 1 \(the run length, train.steps\)'),
     (dict(schedule='cosine_restarts', restart_period=0), 'restart_period=0'),
     (dict(end_learning_rate_factor=1.5), 'end_learning_rate_factor=1.5'),
     (dict(learning_rate=-1.0), 'learning_rate=-1.0'),
@@ -207,7 +207,7 @@ def _warnings(caplog):
 @pytest.mark.parametrize('total', [1, 2, 7, 50])
 @pytest.mark.parametrize('name', optim.SCHEDULES)
 def test_a_warmup_longer_than_the_run_is_cut_to_it(name, total, caplog):
-  cfg = _config(schedule=name, warmup_steps=100, total_steps=total, restart_period=3)
+  cfg = _config(schedule=name, warmup_steps=100, steps=total, restart_period=3)
   with caplog.at_level(logging.WARNING):
     schedule = optim.make_schedule(cfg)
   (warning,) = _warnings(caplog)
@@ -228,22 +228,22 @@ def test_a_warmup_longer_than_the_run_is_cut_to_it(name, total, caplog):
 @pytest.mark.parametrize('name', optim.SCHEDULES)
 def test_a_warmup_longer_than_the_run_is_cut_and_one_as_long_is_kept(name, caplog):
   with caplog.at_level(logging.WARNING):
-    cut = optim.make_schedule(_config(schedule=name, warmup_steps=21, total_steps=20))
+    cut = optim.make_schedule(_config(schedule=name, warmup_steps=21, steps=20))
   assert len(_warnings(caplog)) == 1 and 'warmup_steps=21' in _warnings(caplog)[0]
   peak = 2e-3 * (64 * 21) ** -0.5 if name == 'rsqrt' else 2e-3  # rsqrt: the peak of warmup 21
   assert _lr(cut, 19) == pytest.approx(peak, rel=1e-6)  # the peak at the last update
   caplog.clear()
   with caplog.at_level(logging.WARNING):
-    kept = optim.make_schedule(_config(schedule=name, warmup_steps=20, total_steps=20))
+    kept = optim.make_schedule(_config(schedule=name, warmup_steps=20, steps=20))
     if name not in ('warmup_cosine', 'linear'):  # these two need the run length
-      optim.make_schedule(_config(schedule=name, warmup_steps=500, total_steps=None))
+      optim.make_schedule(_config(schedule=name, warmup_steps=500, steps=None))
   assert _warnings(caplog) == []
   if name != 'rsqrt':
     assert _lr(kept, 19) == pytest.approx(_lr(cut, 19), rel=1e-6)
 
 
 def test_make_optimizer_reuses_the_given_schedule(caplog):
-  cfg = _config(schedule='warmup_cosine', warmup_steps=100, total_steps=5)
+  cfg = _config(schedule='warmup_cosine', warmup_steps=100, steps=5)
   with caplog.at_level(logging.WARNING):
     schedule = optim.make_schedule(cfg)
     tx = optim.make_optimizer(cfg, schedule)

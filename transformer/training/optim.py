@@ -56,42 +56,42 @@ def _float32(schedule: optax.Schedule) -> optax.Schedule:
   return lambda step: jnp.asarray(schedule(step), jnp.float32)
 
 
-def fit_warmup(warmup_steps: int, total_steps: int | None) -> int:
+def fit_warmup(warmup_steps: int, steps: int | None) -> int:
   """The warmup cut to the run, with one warning line naming both numbers when it is cut.
 
-  The updates of a run are steps 0 .. total_steps - 1, and a warmup peaks at update
-  warmup_steps - 1, so a warmup longer than the run is cut to total_steps: the learning rate
+  The updates of a run are steps 0 .. steps - 1, and a warmup peaks at update
+  warmup_steps - 1, so a warmup longer than the run is cut to steps: the learning rate
   ramps up over the whole run and its last update is at the peak (a 1-step run: the peak at
-  once). `total_steps=None` (a schedule with no run length) cuts nothing.
+  once). `steps=None` (a schedule with no run length) cuts nothing.
   """
-  if total_steps is None or warmup_steps <= total_steps:
+  if steps is None or warmup_steps <= steps:
     return warmup_steps
   logging.warning(
     'warmup_steps=%d is longer than the run (total_steps=%d, train.steps): the warmup is cut to '
     '%d steps, so the learning rate ramps up over the whole run and peaks at its last step',
     warmup_steps,
-    total_steps,
-    total_steps,
+    steps,
+    steps,
   )
-  return total_steps
+  return steps
 
 
 def make_schedule(cfg: RunOptim) -> optax.Schedule:
   """Learning rate as a function of the optimizer step (0 for the first update).
 
   Schedules (peak = optim.learning_rate, end = peak * optim.end_learning_rate_factor, where
-  optim = cfg.optim and the run length total_steps = cfg.steps):
+  optim = cfg.optim and the run length steps = cfg.steps, train.steps):
     'rsqrt':           the paper's lr * d_model^-0.5 * min(s^-0.5, s * warmup^-1.5), with the
                        paper's step s = max(step, 1), so step 0 and step 1 both use s = 1 and the
                        peak lr * (d_model * warmup)^-0.5 is at step == warmup_steps.
     The other schedules warm up linearly from peak / warmup_steps at update 0 (never 0: the
     first update learns) to the peak at update warmup_steps - 1.
-    'warmup_cosine':   linear warmup, then a cosine from peak to end at step == total_steps.
+    'warmup_cosine':   linear warmup, then a cosine from peak to end at step == steps.
     'cosine_restarts': linear warmup, then cosine cycles of restart_period steps from peak to end,
                        each cycle restarting at peak (SGDR).
     'constant':        peak, after a linear warmup when warmup_steps > 0.
-    'linear':          linear warmup, then a straight line from peak to end at total_steps.
-  After total_steps, 'warmup_cosine' and 'linear' stay at end. A warmup as long as the run
+    'linear':          linear warmup, then a straight line from peak to end at steps.
+  After steps, 'warmup_cosine' and 'linear' stay at end. A warmup as long as the run
   (cfg.steps, when given) or longer is cut to the run by `fit_warmup`, which warns: the
   learning rate ramps up over the whole run to the peak the config states (for 'rsqrt',
   lr * (d_model * warmup_steps)^-0.5), reached at the last step.
@@ -106,20 +106,20 @@ def make_schedule(cfg: RunOptim) -> optax.Schedule:
   peak = float(optim.learning_rate)
   warmup = int(optim.warmup_steps)
   end_factor = float(optim.end_learning_rate_factor)
-  total, configured = cfg.steps, warmup
-  if total is not None:
-    total = int(total)
-    if total < 1:
-      raise ValueError(f'total_steps={total} must be >= 1 (the run length, train.steps)')
-    warmup = fit_warmup(warmup, total)
+  steps, configured = cfg.steps, warmup
+  if steps is not None:
+    steps = int(steps)
+    if steps < 1:
+      raise ValueError(f'total_steps={steps} must be >= 1 (the run length, train.steps)')
+    warmup = fit_warmup(warmup, steps)
 
   if name == 'rsqrt':
     d_model = int(cfg.d_model)
     if d_model <= 0:
       raise ValueError(f'd_model={d_model} must be > 0 for the rsqrt schedule')
-    if total is not None and configured >= total:  # cut: the configured peak at the last step
+    if steps is not None and configured >= steps:  # cut: the configured peak at the last step
       top = peak * (d_model * configured) ** -0.5
-      return _float32(_warmup(top, total, optax.constant_schedule(top)))
+      return _float32(_warmup(top, steps, optax.constant_schedule(top)))
 
     def rsqrt(step):
       s = jnp.maximum(jnp.asarray(step, jnp.float32), 1.0)  # the paper counts steps from 1
@@ -136,11 +136,11 @@ def make_schedule(cfg: RunOptim) -> optax.Schedule:
     cycle = _decay('cosine', peak, end_factor, period)
     return _float32(_warmup(peak, warmup, lambda step: cycle(step % period)))
 
-  if total is None:  # 'warmup_cosine' and 'linear' decay until total_steps
+  if steps is None:  # 'warmup_cosine' and 'linear' decay until steps
     raise ValueError(f'schedule={name} needs total_steps (the run length)')
   shape = 'cosine' if name == 'warmup_cosine' else 'linear'
-  # A warmup cut to the run leaves 1 decay step: update total_steps is at peak, then end.
-  decay = _decay(shape, peak, end_factor, max(total - warmup, 1))
+  # A warmup cut to the run leaves 1 decay step: update steps is at peak, then end.
+  decay = _decay(shape, peak, end_factor, max(steps - warmup, 1))
   return _float32(_warmup(peak, warmup, decay))
 
 

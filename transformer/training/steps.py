@@ -29,12 +29,12 @@ def train_step(
   tx: optax.GradientTransformation,
   schedule: optax.Schedule,
   label_smoothing: float,
-  accum_steps: int = 1,
+  grad_accum_steps: int = 1,
   dynamic_scale: bool = False,
-  scale_period: int = 2000,
+  loss_scale_period: int = 2000,
   loss_chunk_size: int | None = None,
 ) -> tuple[TrainState, dict[str, Array]]:
-  """One optimizer step over `accum_steps` micro-batches; returns the new state and metrics.
+  """One optimizer step over `grad_accum_steps` micro-batches; returns the new state and metrics.
 
   The gradient is that of the summed loss divided by the total weight of the whole batch, so k
   micro-batches give exactly the update of one batch k times larger. With `loss_chunk_size`, the
@@ -61,10 +61,10 @@ def train_step(
     grads = jax.tree_util.tree_map(lambda g: g * (micro['weights'].size / state.loss_scale), grads)
     return grads, sums, new_stats
 
-  if accum_steps == 1:
+  if grad_accum_steps == 1:
     grads, sums, new_stats = micro_step(state.params, stats, batch, dropout_rng)
   else:
-    micros = _micro_batches(batch, accum_steps)
+    micros = _micro_batches(batch, grad_accum_steps)
 
     def body(carry, xs):
       totals, stats = carry
@@ -75,7 +75,7 @@ def train_step(
     shapes = jax.eval_shape(micro_step, state.params, stats, batch_slice(micros), dropout_rng)
     zeros = jax.tree_util.tree_map(jnp.zeros_like, shapes[:2])
     ((grads, sums), new_stats), _ = jax.lax.scan(
-      body, (zeros, stats), (micros, jnp.arange(accum_steps))
+      body, (zeros, stats), (micros, jnp.arange(grad_accum_steps))
     )
 
   denominator = jnp.maximum(sums['denominator'], 1.0)
@@ -107,7 +107,7 @@ def train_step(
     )
   loss_scale, good_steps = state.loss_scale, state.good_steps
   if dynamic_scale:  # float16: halve the scale after a non-finite step; double it after good ones
-    grow = good_steps + 1 >= scale_period
+    grow = good_steps + 1 >= loss_scale_period
     loss_scale = jnp.where(finite, jnp.where(grow, loss_scale * 2, loss_scale), loss_scale / 2)
     loss_scale = jnp.clip(loss_scale, 1.0, 2.0**24)
     good_steps = jnp.where(finite & ~grow, good_steps + 1, 0)
