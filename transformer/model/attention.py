@@ -219,79 +219,112 @@ class MultiHeadAttention(nn.Module):
     Returns:
       [B, T, D], or ([B, T, D], [B, N, T, S]) with return_probs.
     """
-    cfg = self.cfg
     self_attention = inputs_kv is None
     inputs_kv = inputs_q if self_attention else inputs_kv  # [B, S, D]; S = T in self attention
     if cache_mode is not None and cache_mode.phase == 'step' and self_attention:
       if positions is None:
         raise ValueError("CacheMode step needs positions [B, 1]: the slot of each row's token")
-    features = inputs_q.shape[-1]  # D: the output projection maps back to the input width
-    qkv_bias = cfg.use_bias if cfg.qkv_bias is None else cfg.qkv_bias
-
-    # [..., D] -> [..., heads, H]
-    def dense(heads: int, heads_axis: str, name: str) -> nn.DenseGeneral:
-      return nn.DenseGeneral(
-        (heads, cfg.head_size),
-        axis=-1,
-        use_bias=qkv_bias,
-        dtype=cfg.compute_dtype,
-        param_dtype=cfg.params_dtype,
-        kernel_init=nn.with_logical_partitioning(self.kernel_init, ('embed', heads_axis, 'kv')),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (heads_axis, 'kv')),
-        dot_general=matmul.dot_general,
-        name=name,
-      )
-
-    # Pins [B, T, heads, H] to its logical axes (config.mesh.rules map them to mesh axes).
-    constrain = lambda x, heads_axis: sharding.constrain(x, ('batch', 'length', heads_axis, 'kv'))
-    q = constrain(dense(cfg.num_heads, 'heads', 'query')(inputs_q), 'heads')  # [B, T, N, H]
-    k = constrain(dense(cfg.kv_heads, 'kv_heads', 'key')(inputs_kv), 'kv_heads')  # [B, S, K, H]
-    # [B, S, K, H]. GQA: K <= N kv heads, each shared by G = N // K query heads (K = N: MHA).
-    v = constrain(dense(cfg.kv_heads, 'kv_heads', 'value')(inputs_kv), 'kv_heads')
-    q, k, v = (HookPoint(name=f'hook_{n}')(x) for n, x in (('q', q), ('k', k), ('v', v)))
-    if cfg.qk_norm:  # per head, over H, before RoPE (Qwen3)
-      norm = lambda name: Norm(cfg.norm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, 'kv',
-                               name=name)  # fmt: skip
-      q, k = norm('query_norm')(q), norm('key_norm')(k)  # shapes unchanged
-
+    q, k, v = self._project(inputs_q, inputs_kv)  # [B, T, N, H], [B, S, K, H], [B, S, K, H]
     alibi_slopes = None
-    # Relative positions only make sense within one sequence, so cross attention gets neither.
-    if self_attention and cfg.position in ('rope', 'alibi'):
-      if positions is None:
-        positions = jnp.arange(inputs_q.shape[1])[None]  # [1, T]
-      if cfg.position == 'rope':
-        inv_freq, mscale = positions_lib.rope_frequencies(
-          cfg.head_size,
-          theta=cfg.rope_theta,
-          scaling=cfg.rope_scaling,
-          factor=cfg.rope_scaling_factor,
-          original_max_length=cfg.rope_original_max_length or cfg.max_length,
-          low_freq_factor=cfg.rope_low_freq_factor,
-          high_freq_factor=cfg.rope_high_freq_factor,
-        )
-        # Rotating q and k by their positions makes q.k depend on the offset i - j only.
-        q = positions_lib.apply_rope(q, positions, inv_freq, mscale)  # [B, T, N, H]
-        k = positions_lib.apply_rope(k, positions, inv_freq, mscale)  # [B, S, K, H]
-      else:
-        alibi_slopes = positions_lib.alibi_slopes(cfg.num_heads)  # [N]
-
+    if self_attention:  # relative positions mean nothing between two sequences
+      q, k, alibi_slopes, positions = self._positions(q, k, positions)
     if cache_mode is not None:  # decoding: fill the cache, or add one token to it
       # -> [B, L, K, H] (self 'step'), [B, S, K, H] (cross 'step'), or unchanged ('prefill')
       k, v = self._update_cache(cache_mode, k, v, self_attention, mask, positions, return_probs)
-    dropout = cfg.attention_dropout_rate > 0 and not deterministic  # forces the 'xla' path
     if cache_mode is not None and cache_mode.phase == 'step':
       # [B, 1, N, H]: one new token per row against the cache
       out = self._attend_cache(q, k, v, self_attention, mask, positions, alibi_slopes)
-    elif cfg.attention == 'compressed':
+    else:
+      dropout = self.cfg.attention_dropout_rate > 0 and not deterministic  # training only
+      out = self._attend(q, k, v, mask, alibi_slopes, self_attention, cache_mode, dropout,
+                         return_probs)  # fmt: skip
+    out, probs = out if return_probs else (out, None)  # probs: [B, N, T, S] or None
+    out = HookPoint(name='hook_z')(self._constrain(out, 'heads'))  # [B, T, N, H]
+    # The output projection contracts heads and head_dim together: [B, T, N, H] -> [B, T, D].
+    y = self._dense(inputs_q.shape[-1], (-2, -1), ('heads', 'kv', 'embed'), 'out')(out)
+    return (y, probs) if return_probs else y
+
+  def _dense(self, features, axis, axes: tuple[str, ...], name: str) -> nn.DenseGeneral:
+    """A projection of `features` over `axis`, its kernel on the logical `axes`: q, k and v
+    ([..., D] -> [..., heads, H]) or the output ([..., N, H] -> [..., D])."""
+    cfg, out = self.cfg, name == 'out'
+    bias = cfg.use_bias if out or cfg.qkv_bias is None else cfg.qkv_bias
+    bias_axes = axes[2:] if out else axes[1:]  # the projection's output axes
+    return nn.DenseGeneral(
+      features,
+      axis=axis,
+      use_bias=bias,
+      dtype=cfg.compute_dtype,
+      param_dtype=cfg.params_dtype,
+      kernel_init=nn.with_logical_partitioning(self.out_init if out else self.kernel_init, axes),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, bias_axes),
+      dot_general=matmul.dot_general,
+      name=name,
+    )
+
+  @staticmethod
+  def _constrain(x: Array, heads_axis: str) -> Array:
+    """Pins [B, T, heads, H] to its logical axes (config.mesh.rules map them to mesh axes)."""
+    return sharding.constrain(x, ('batch', 'length', heads_axis, 'kv'))
+
+  def _project(self, inputs_q: Array, inputs_kv: Array) -> tuple[Array, Array, Array]:
+    """q [B, T, N, H], k and v [B, S, K, H] (GQA: K <= N kv heads, each shared by G = N // K
+    query heads; K = N is plain multi-head attention), then Qwen3's q/k norm."""
+    cfg, H = self.cfg, self.cfg.head_size
+    q = self._constrain(self._dense((cfg.num_heads, H), -1, ('embed', 'heads', 'kv'), 'query')(
+      inputs_q), 'heads')  # fmt: skip
+    k, v = (
+      self._constrain(
+        self._dense((cfg.kv_heads, H), -1, ('embed', 'kv_heads', 'kv'), name)(inputs_kv), 'kv_heads'
+      )  # fmt: skip
+      for name in ('key', 'value')
+    )
+    q, k, v = (HookPoint(name=f'hook_{n}')(x) for n, x in (('q', q), ('k', k), ('v', v)))
+    if cfg.qk_norm:  # per head, over H, before RoPE
+      norm = lambda name: Norm(cfg.norm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, 'kv',
+                               name=name)  # fmt: skip
+      q, k = norm('query_norm')(q), norm('key_norm')(k)  # shapes unchanged
+    return q, k, v
+
+  def _positions(self, q: Array, k: Array, positions: Array | None):
+    """Self attention's relative positions: RoPE rotates q and k, ALiBi returns its slopes [N]
+    for the logits. Returns (q, k, slopes or None, positions [B or 1, T])."""
+    cfg = self.cfg
+    if cfg.position not in ('rope', 'alibi'):
+      return q, k, None, positions
+    if positions is None:
+      positions = jnp.arange(q.shape[1])[None]  # [1, T]
+    if cfg.position == 'alibi':
+      return q, k, positions_lib.alibi_slopes(cfg.num_heads), positions  # [N]
+    inv_freq, mscale = positions_lib.rope_frequencies(
+      cfg.head_size,
+      theta=cfg.rope_theta,
+      scaling=cfg.rope_scaling,
+      factor=cfg.rope_scaling_factor,
+      original_max_length=cfg.rope_original_max_length or cfg.max_length,
+      low_freq_factor=cfg.rope_low_freq_factor,
+      high_freq_factor=cfg.rope_high_freq_factor,
+    )
+    # Rotating q and k by their positions makes q.k depend on the offset i - j only.
+    q = positions_lib.apply_rope(q, positions, inv_freq, mscale)  # [B, T, N, H]
+    k = positions_lib.apply_rope(k, positions, inv_freq, mscale)  # [B, S, K, H]
+    return q, k, None, positions
+
+  def _attend(self, q, k, v, mask, alibi_slopes, self_attention, cache_mode, dropout,
+              return_probs):  # fmt: skip
+    """The attention itself over a whole sequence: softmax (through `dot_product_attention`),
+    linear or compressed. Returns out [B, T, N, H], or (out, probs) with return_probs."""
+    cfg = self.cfg
+    if cfg.attention == 'compressed':
       if return_probs:
         raise ValueError("return_probs=True needs kind='softmax': compressed attention pools keys")
       if not self_attention:
         raise ValueError("kind='compressed' pools the keys of self attention, not cross attention")
-      out = self._compressed(q, k, v, mask, prefill=cache_mode is not None)  # [B, T, N, H]
-    elif cfg.attention == 'linear':
+      return self._compressed(q, k, v, mask, prefill=cache_mode is not None)  # [B, T, N, H]
+    if cfg.attention == 'linear':
       if return_probs:
         raise ValueError("return_probs=True needs kind='softmax': linear attention has no probs")
-      out = linear.linear_attention(
+      return linear.linear_attention(
         q,
         k,
         v,
@@ -300,39 +333,24 @@ class MultiHeadAttention(nn.Module):
         chunk_size=cfg.attention_chunk_size,
         self_attention=self_attention,
       )  # [B, T, N, H]
-    else:
-      dense_path = dropout or return_probs  # the probabilities exist only there
-      out = dot_product_attention(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=self.scale,
-        implementation='xla' if dense_path else cfg.attention_impl,
-        return_probs=return_probs,
-        alibi_slopes=alibi_slopes,
-        chunk_size=cfg.attention_chunk_size,
-        dropout_rate=cfg.attention_dropout_rate if dropout else 0.0,
-        dropout_rng=self.make_rng('dropout') if dropout else None,
-        hooks=(HookPoint(name='hook_attn_scores'), HookPoint(name='hook_pattern'))
-        if return_probs
-        else None,
-      )  # [B, T, N, H]
-    out, probs = out if return_probs else (out, None)  # probs: [B, N, T, S] or None
-    out = HookPoint(name='hook_z')(constrain(out, 'heads'))  # [B, T, N, H]
-    # The output projection contracts heads and head_dim together: [B, T, N, H] -> [B, T, D].
-    y = nn.DenseGeneral(
-      features,
-      axis=(-2, -1),
-      use_bias=cfg.use_bias,
-      dtype=cfg.compute_dtype,
-      param_dtype=cfg.params_dtype,
-      kernel_init=nn.with_logical_partitioning(self.out_init, ('heads', 'kv', 'embed')),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
-      dot_general=matmul.dot_general,
-      name='out',
-    )(out)  # [B, T, D]
-    return (y, probs) if return_probs else y
+    # The probabilities exist on the dense path only: to return, drop out or hook them.
+    hooks = None
+    if return_probs:
+      hooks = (HookPoint(name='hook_attn_scores'), HookPoint(name='hook_pattern'))
+    return dot_product_attention(
+      q,
+      k,
+      v,
+      mask=mask,
+      scale=self.scale,
+      implementation='xla' if (dropout or return_probs) else cfg.attention_impl,
+      return_probs=return_probs,
+      alibi_slopes=alibi_slopes,
+      chunk_size=cfg.attention_chunk_size,
+      dropout_rate=cfg.attention_dropout_rate if dropout else 0.0,
+      dropout_rng=self.make_rng('dropout') if dropout else None,
+      hooks=hooks,
+    )  # [B, T, N, H]
 
   @property
   def scale(self) -> float | None:
