@@ -47,70 +47,26 @@ def train_step(
   """
   dropout_rng = jax.random.fold_in(rng, state.step)
   stats = getattr(state, 'batch_stats', None)  # running statistics; None without batchnorm
-
-  def micro_step(params, stats, micro, micro_rng):
-    def loss_fn(p):
-      sums, new_stats = loss_and_stats(
-        model, family, p if stats is None else {'params': p, 'batch_stats': stats}, micro,
-        micro_rng, label_smoothing=label_smoothing, loss_chunk_size=loss_chunk_size,
-      )  # fmt: skip
-      # Normalise by a static size so fp16 gradients stay in range; undone below.
-      return sums['loss'] * state.loss_scale / micro['weights'].size, (sums, new_stats)
-
-    grads, (sums, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
-    grads = jax.tree_util.tree_map(lambda g: g * (micro['weights'].size / state.loss_scale), grads)
-    return grads, sums, new_stats
-
-  if grad_accum_steps == 1:
-    grads, sums, new_stats = micro_step(state.params, stats, batch, dropout_rng)
-  else:
-    micros = _micro_batches(batch, grad_accum_steps)
-
-    def body(carry, xs):
-      totals, stats = carry
-      micro, index = xs
-      g, s, stats = micro_step(state.params, stats, micro, jax.random.fold_in(dropout_rng, index))
-      return (jax.tree_util.tree_map(jnp.add, totals, (g, s)), stats), None
-
-    shapes = jax.eval_shape(micro_step, state.params, stats, batch_slice(micros), dropout_rng)
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, shapes[:2])
-    ((grads, sums), new_stats), _ = jax.lax.scan(
-      body, (zeros, stats), (micros, jnp.arange(grad_accum_steps))
-    )
-
+  grads, sums, new_stats = _summed_grads(
+    state, stats, batch, dropout_rng, model=model, family=family,
+    label_smoothing=label_smoothing, grad_accum_steps=grad_accum_steps,
+    loss_chunk_size=loss_chunk_size,
+  )  # fmt: skip
   denominator = jnp.maximum(sums['denominator'], 1.0)
   grads = jax.tree_util.tree_map(lambda g: g / denominator, grads)  # gradient of the mean loss
   grad_norm = optax.global_norm(grads)
   # A non-finite step changes neither the parameters nor the optimizer state; the step counter
   # still advances. The loop's train.nonfinite policy decides what follows (skip, halt, rollback).
   finite = jnp.isfinite(grad_norm) & jnp.isfinite(sums['loss'])
-
-  def update(grads, params, opt_state):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  if update_under_cond():
-    # On CPU a cond: XLA:CPU copies every donated parameter and moment to keep the old values
-    # for a select (3-5% of char_lm's step). On GPU the cond holds every gradient until it ends
-    # (llama_7b over 8 GPUs: 4.4 GiB more per device), so there the select stays.
-    params, opt_state = jax.lax.cond(
-      finite, update, lambda g, p, o: (p, o), grads, state.params, state.opt_state
-    )
-  else:
-    new_params, new_opt_state = update(grads, state.params, state.opt_state)
-    keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
-    params, opt_state = keep(new_params, state.params), keep(new_opt_state, state.opt_state)
+  params, opt_state = _update_if_finite(tx, grads, state, finite)
   changes = {}
   if stats is not None:  # small [D] vectors: a select on every backend
     changes['batch_stats'] = jax.tree_util.tree_map(
       lambda new, old: jnp.where(finite, new, old), new_stats, stats
     )
   loss_scale, good_steps = state.loss_scale, state.good_steps
-  if dynamic_scale:  # float16: halve the scale after a non-finite step; double it after good ones
-    grow = good_steps + 1 >= loss_scale_period
-    loss_scale = jnp.where(finite, jnp.where(grow, loss_scale * 2, loss_scale), loss_scale / 2)
-    loss_scale = jnp.clip(loss_scale, 1.0, 2.0**24)
-    good_steps = jnp.where(finite & ~grow, good_steps + 1, 0)
+  if dynamic_scale:
+    loss_scale, good_steps = _next_loss_scale(loss_scale, good_steps, finite, loss_scale_period)
 
   metrics = {k: v for k, v in sums.items()}
   metrics.update(
@@ -128,6 +84,83 @@ def train_step(
     **changes,
   )
   return new_state, metrics
+
+
+def _summed_grads(
+  state: TrainState,
+  stats: Any,
+  batch: dict[str, Array],
+  dropout_rng: Array,
+  *,
+  model: Any,
+  family: str,
+  label_smoothing: float,
+  grad_accum_steps: int,
+  loss_chunk_size: int | None,
+) -> tuple[Any, dict[str, Array], Any]:
+  """The summed-loss gradient, loss sums and running statistics over the batch's micro-batches."""
+
+  def micro_step(params, stats, micro, micro_rng):
+    def loss_fn(p):
+      sums, new_stats = loss_and_stats(
+        model, family, p if stats is None else {'params': p, 'batch_stats': stats}, micro,
+        micro_rng, label_smoothing=label_smoothing, loss_chunk_size=loss_chunk_size,
+      )  # fmt: skip
+      # Normalise by a static size so fp16 gradients stay in range; undone below.
+      return sums['loss'] * state.loss_scale / micro['weights'].size, (sums, new_stats)
+
+    grads, (sums, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
+    grads = jax.tree_util.tree_map(lambda g: g * (micro['weights'].size / state.loss_scale), grads)
+    return grads, sums, new_stats
+
+  if grad_accum_steps == 1:
+    return micro_step(state.params, stats, batch, dropout_rng)
+  micros = _micro_batches(batch, grad_accum_steps)
+
+  def body(carry, xs):
+    totals, stats = carry
+    micro, index = xs
+    g, s, stats = micro_step(state.params, stats, micro, jax.random.fold_in(dropout_rng, index))
+    return (jax.tree_util.tree_map(jnp.add, totals, (g, s)), stats), None
+
+  shapes = jax.eval_shape(micro_step, state.params, stats, batch_slice(micros), dropout_rng)
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, shapes[:2])
+  ((grads, sums), new_stats), _ = jax.lax.scan(
+    body, (zeros, stats), (micros, jnp.arange(grad_accum_steps))
+  )
+  return grads, sums, new_stats
+
+
+def _update_if_finite(
+  tx: optax.GradientTransformation, grads: Any, state: TrainState, finite: Array
+) -> tuple[Any, Any]:
+  """The optimizer's new parameters and state, or the old ones where the step is not finite."""
+
+  def update(grads, params, opt_state):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  if update_under_cond():
+    # On CPU a cond: XLA:CPU copies every donated parameter and moment to keep the old values
+    # for a select (3-5% of char_lm's step). On GPU the cond holds every gradient until it ends
+    # (llama_7b over 8 GPUs: 4.4 GiB more per device), so there the select stays.
+    return jax.lax.cond(
+      finite, update, lambda g, p, o: (p, o), grads, state.params, state.opt_state
+    )
+  new_params, new_opt_state = update(grads, state.params, state.opt_state)
+  keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
+  return keep(new_params, state.params), keep(new_opt_state, state.opt_state)
+
+
+def _next_loss_scale(
+  loss_scale: Array, good_steps: Array, finite: Array, loss_scale_period: int
+) -> tuple[Array, Array]:
+  """The float16 loss scale: halved after a non-finite step, doubled after a period of good ones."""
+  grow = good_steps + 1 >= loss_scale_period
+  loss_scale = jnp.where(finite, jnp.where(grow, loss_scale * 2, loss_scale), loss_scale / 2)
+  loss_scale = jnp.clip(loss_scale, 1.0, 2.0**24)
+  good_steps = jnp.where(finite & ~grow, good_steps + 1, 0)
+  return loss_scale, good_steps
 
 
 def update_under_cond() -> bool:
