@@ -68,40 +68,44 @@ class Run:
     config.data.max_length = cfg.data.max_length  # the context, set once by from_configdict
     self.config = config
     self.partitioner = sharding.Partitioner.from_config(cfg.mesh, devices)
-    self.task = None
-    if with_data:
-      _check_batch_sizes(cfg.data, self.partitioner)
-      self.task = data.build(
-        cfg.data,
-        family=cfg.model.family,
-        workdir=workdir,
-        seed=cfg.seed,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-      )
-      self.model_cfg = resolve_model_config(cfg, self.task.tokenizer)
-      with config.unlocked():
-        config.model.vocab_size = self.model_cfg.vocab_size
-    else:
-      self.model_cfg = cfg.model
+    self.task, self.model_cfg = self._task_and_model_config(cfg, workdir, with_data)
     self.experiment = dataclasses.replace(cfg, model=self.model_cfg)
     self.model = models.build(self.model_cfg)
     self.family = self.model_cfg.family
     ocfg = optim_config(self.experiment, self.model_cfg)
     self.schedule = optim.make_schedule(ocfg)
     self.tx = optim.make_optimizer(ocfg, self.schedule)  # one warmup warning, not two
-    tcfg = cfg.train
-    accum = tcfg.grad_accum_steps
-    rows = cfg.data.batch_size // jax.process_count()
-    if accum < 1 or rows % accum:
-      raise ValueError(
-        f'train.grad_accum_steps={accum} must be >= 1 and divide the per-process batch of {rows}'
-      )
+    _check_grad_accum_steps(cfg)
+    self._init_state_and_shardings(cfg)
+    self._jit_steps(cfg.train)
+
+  def _task_and_model_config(
+    self, cfg: Config, workdir: str | None, with_data: bool
+  ) -> tuple[Any, ModelConfig]:
+    """The data task (None without data) and the model config sized to its tokenizer."""
+    if not with_data:
+      return None, cfg.model
+    _check_batch_sizes(cfg.data, self.partitioner)
+    task = data.build(
+      cfg.data,
+      family=cfg.model.family,
+      workdir=workdir,
+      seed=cfg.seed,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+    )
+    model_cfg = resolve_model_config(cfg, task.tokenizer)
+    with self.config.unlocked():
+      self.config.model.vocab_size = model_cfg.vocab_size
+    return task, model_cfg
+
+  def _init_state_and_shardings(self, cfg: Config) -> None:
+    """The state's shardings, its abstract shapes and the jitted initialisation that places it."""
     # Shardings from the parameters' logical axes; the state is created directly on them.
     # The seed is an argument, not a constant of the program: another seed reuses the compiled
     # initialisation (from JAX's compile cache in a new process).
     new_state = lambda seed, boxed=False: create_state(
-      self.model, self.model_cfg, self.tx, seed, tcfg.loss_scale, boxed=boxed
+      self.model, self.model_cfg, self.tx, seed, cfg.train.loss_scale, boxed=boxed
     )
     self._seed = np.uint32(cfg.seed)  # in [0, 2**32), checked by Config
     p = self.partitioner
@@ -115,6 +119,10 @@ class Run:
     self.weight_shardings = weights(self.state_shardings)
     # Outside the mesh context: flax would constrain DenseGeneral's flat init shapes.
     self._init_state = jax.jit(new_state, out_shardings=self.state_shardings)
+
+  def _jit_steps(self, tcfg: TrainConfig) -> None:
+    """The jitted train and eval steps, greedy decoding and token scoring, on the mesh."""
+    p = self.partitioner
     batch, rep = p.batch_sharding(), p.replicated
     self.train_step = p.jit(
       functools.partial(
@@ -124,7 +132,7 @@ class Run:
         tx=self.tx,
         schedule=self.schedule,
         label_smoothing=tcfg.label_smoothing,
-        grad_accum_steps=accum,
+        grad_accum_steps=tcfg.grad_accum_steps,
         dynamic_scale=self.model_cfg.dtype == 'float16',
         loss_scale_period=tcfg.loss_scale_period,
         loss_chunk_size=loss_chunk_size(tcfg, self.model_cfg, p.mesh.devices.flat[0]),
@@ -234,6 +242,16 @@ class Run:
       for row_nll, row_w in zip(np.asarray(nll)[: len(ids)], weights[: len(ids)]):
         results.append((float((row_nll * row_w).sum()), int(row_w.sum())))
     return results
+
+
+def _check_grad_accum_steps(cfg: Config) -> None:
+  """train.grad_accum_steps must split each process's batch into equal micro-batches."""
+  accum = cfg.train.grad_accum_steps
+  rows = cfg.data.batch_size // jax.process_count()
+  if accum < 1 or rows % accum:
+    raise ValueError(
+      f'train.grad_accum_steps={accum} must be >= 1 and divide the per-process batch of {rows}'
+    )
 
 
 def _check_batch_sizes(data_cfg: Any, partitioner: sharding.Partitioner) -> None:
