@@ -384,6 +384,18 @@ def build(
     A Task whose batches are per-process: batch_size // process_count rows each.
   """
   cfg = experiment.section(experiment.DataConfig, data_cfg)
+  _check_build_arguments(cfg, family, seed, process_index, process_count)
+  shard = dict(process_index=process_index, process_count=process_count)
+  task = _streamed_task(cfg, family=family, workdir=workdir, seed=seed, **shard)
+  if task is not None:
+    return task
+  return _in_memory_task(cfg, family=family, workdir=workdir, seed=seed, **shard)
+
+
+def _check_build_arguments(
+  cfg: experiment.DataConfig, family: str, seed: int, process_index: int, process_count: int
+) -> None:
+  """Refuses a family, process shard, batch size or seed that `build` cannot serve."""
   if family not in batching.FAMILIES:
     raise ValueError(f'unknown family={family!r}; choose one of {batching.FAMILIES}')
   if not 0 <= process_index < process_count:
@@ -394,6 +406,18 @@ def build(
       raise ValueError(f'{key}={rows} is not a positive multiple of process_count={process_count}')
   if seed < 0:
     raise ValueError(f'seed={seed} must be >= 0')
+
+
+def _streamed_task(
+  cfg: experiment.DataConfig,
+  *,
+  family: str,
+  workdir: str | None,
+  seed: int,
+  process_index: int,
+  process_count: int,
+) -> Task | None:
+  """The task of a corpus or of running text, streamed; None for a task held in memory."""
   shard = dict(process_index=process_index, process_count=process_count)
   streamed = cfg.task in ('corpus', 'tfds') or running_text(cfg, family)
   if cfg.repeat_fraction and streamed:
@@ -416,6 +440,19 @@ def build(
       return _tokenizer(cfg, texts, workdir, process_index)
 
     return text_stream.build(cfg, family=family, tokenizer_for=tokenizer_for, seed=seed, **shard)
+  return None
+
+
+def _in_memory_task(
+  cfg: experiment.DataConfig,
+  *,
+  family: str,
+  workdir: str | None,
+  seed: int,
+  process_index: int,
+  process_count: int,
+) -> Task:
+  """The task of examples held in memory: generated, TFDS, 'text' lines or 'tsv' pairs."""
   target_length = cfg.max_target_length if family == 'encoder_decoder' else cfg.max_length
 
   kind, train_raw, eval_raw, task_info = _raw_data(cfg, family)
@@ -443,18 +480,7 @@ def build(
     eval_raw, num_parts, tokenizer, family, lengths, shard, eval_origin
   )
 
-  if family == 'encoder_decoder':
-    max_lengths = {'inputs': cfg.max_source_length, 'targets': cfg.max_target_length}
-  else:
-    max_lengths = {'': cfg.max_length}
-  batcher = batching.Batcher(
-    family=family,
-    max_lengths=max_lengths,
-    buckets={s: batching.bucket_lengths(n, cfg.buckets) for s, n in max_lengths.items()},
-    vocab_size=tokenizer.vocab_size,
-    mlm_prob=cfg.mlm_prob,
-    scored=_scored(cfg, family),
-  )
+  batcher = _batcher(cfg, family, tokenizer)
   eval_rows = cfg.eval_batch_size // process_count
   info = {
     **task_info,
@@ -483,6 +509,22 @@ def build(
     _seed=seed,
     _pack=bool(cfg.pack),
     _process=process_index,
+  )
+
+
+def _batcher(cfg: experiment.DataConfig, family: str, tokenizer: Tokenizer) -> batching.Batcher:
+  """The Batcher that pads, buckets and masks this task's examples into batches."""
+  if family == 'encoder_decoder':
+    max_lengths = {'inputs': cfg.max_source_length, 'targets': cfg.max_target_length}
+  else:
+    max_lengths = {'': cfg.max_length}
+  return batching.Batcher(
+    family=family,
+    max_lengths=max_lengths,
+    buckets={s: batching.bucket_lengths(n, cfg.buckets) for s, n in max_lengths.items()},
+    vocab_size=tokenizer.vocab_size,
+    mlm_prob=cfg.mlm_prob,
+    scored=_scored(cfg, family),
   )
 
 
