@@ -188,6 +188,15 @@ def _check_types(c: ModelConfig) -> None:
 
 def _validate(c: ModelConfig) -> None:
   """Raises one ValueError that names the first bad value and what would be valid."""
+  _check_choices(c)
+  _check_types(c)
+  _check_sizes(c)
+  _check_ranges(c)
+  _check_combinations(c)
+
+
+def _check_choices(c: ModelConfig) -> None:
+  """Each named option (family, position, norm, attention, dtype, ...) is one of its choices."""
   _choice('family', c.family, FAMILIES)
   _choice('position', c.position, POSITIONS)
   _choice('rope_scaling', c.rope_scaling, ROPE_SCALINGS)
@@ -202,7 +211,10 @@ def _validate(c: ModelConfig) -> None:
   _choice('remat', c.remat, REMAT_POLICIES)
   _choice('dtype', c.dtype, tuple(DTYPES))
   _choice('param_dtype', c.param_dtype, tuple(DTYPES))
-  _check_types(c)
+
+
+def _check_sizes(c: ModelConfig) -> None:
+  """Counts and dimensions are positive integers and the head layout divides evenly."""
   positive = ['vocab_size', 'd_model', 'num_heads', 'num_layers', 'max_length']
   positive += ['attention_chunk_size']
   optional_positive = ['num_kv_heads', 'head_dim', 'rope_original_max_length']
@@ -238,6 +250,10 @@ def _validate(c: ModelConfig) -> None:
     raise ValueError(f'position=rope needs an even head dimension, got head_dim={c.head_size}')
   if c.position == 'sinusoidal' and c.d_model % 2:
     raise ValueError(f'position=sinusoidal needs an even d_model, got d_model={c.d_model}')
+
+
+def _check_ranges(c: ModelConfig) -> None:
+  """Rates, scales, epsilons and the window lie in their valid ranges."""
   if c.rope_scaling_factor < 1.0:
     raise ValueError(f'rope_scaling_factor={c.rope_scaling_factor} must be >= 1.0')
   for name in ('dropout_rate', 'attention_dropout_rate', 'ffn_dropout_rate'):
@@ -254,6 +270,10 @@ def _validate(c: ModelConfig) -> None:
     raise ValueError(f'init_std={c.init_std} must be > 0')
   if c.window is not None and (len(c.window) != 2 or min(c.window) < 0):
     raise ValueError(f'window={c.window} must be a pair (left, right) of non-negative integers')
+
+
+def _check_combinations(c: ModelConfig) -> None:
+  """Knobs that only some families, attention kinds, norms or kernels accept."""
   if c.attention_dropout_rate > 0 and c.attention_impl not in (None, 'xla'):
     raise ValueError(
       f'attention_dropout_rate={c.attention_dropout_rate} needs the materialised probabilities of '
