@@ -302,15 +302,22 @@ def backward(
   q, k, v, q_seg, kv_seg, out, lse, do, *, scale, causal, window, kv_len, blocks, interpret
 ):
   """Returns `(dq, dk, dv)` shaped like `(q, k, v)`; layouts as in `forward`."""
+  # delta_t = sum_h out * dout = sum_j p_tj dp_tj: the softmax backward's row term, once per row.
+  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)  # [B,N,T,1]
+  static = dict(scale=scale, causal=causal, window=window, kv_len=kv_len)
+  args = (q, k, v, q_seg, kv_seg, do, lse, delta)
+  dq = _backward_dq(*args, blocks=blocks, static=static, interpret=interpret)
+  dk, dv = _backward_dkv(*args, blocks=blocks, static=static, interpret=interpret)
+  return dq, dk, dv
+
+
+def _backward_dq(q, k, v, q_seg, kv_seg, do, lse, delta, *, blocks, static, interpret):
+  """dQ [B, N, T, H]: a grid over query blocks, reducing over key blocks."""
   B, N, T, H = q.shape
   K, S = k.shape[1], k.shape[2]
   group = N // K
   has_seg = q_seg is not None
-  # delta_t = sum_h out * dout = sum_j p_tj dp_tj: the softmax backward's row term, once per row.
-  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)  # [B,N,T,1]
-  static = dict(scale=scale, causal=causal, window=window, kv_len=kv_len)
-
-  # dQ: grid over query blocks, reducing over key blocks.
+  causal, window = static['causal'], static['window']
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   nk = S // bk
   k_ranges = functools.partial(
@@ -322,7 +329,7 @@ def backward(
 
   row = pl.BlockSpec((None, None, bq, H), lambda b, n, i, j: (b, n, i, 0))
   stat = pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j: (b, n, i, 0))
-  dq = pl.pallas_call(
+  return pl.pallas_call(
     functools.partial(_dq_kernel, block_q=bq, block_k=bk, num_k_blocks=nk, **static),
     grid=(B, N, T // bq, nk),
     in_specs=[
@@ -345,7 +352,14 @@ def backward(
     name='sparrow_flash_dq_tpu',
   )(q, k, v, q_seg, kv_seg, do, lse, delta)
 
-  # dK/dV: grid over (kv head, key block), reducing over the group's query heads and query blocks.
+
+def _backward_dkv(q, k, v, q_seg, kv_seg, do, lse, delta, *, blocks, static, interpret):
+  """dK, dV [B, K, S, H]: a grid over (kv head, key block), reducing over query heads and blocks."""
+  B, N, T, H = q.shape
+  K, S = k.shape[1], k.shape[2]
+  group = N // K
+  has_seg = q_seg is not None
+  causal, window = static['causal'], static['window']
   bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
   nq = T // bq
   q_ranges = functools.partial(
@@ -359,7 +373,7 @@ def backward(
   q_row = pl.BlockSpec((None, None, bq, H), q_map)
   q_stat = pl.BlockSpec((None, None, bq, 1), q_map)
   kv_row = pl.BlockSpec((None, None, bk, H), lambda b, h, j, g, i: (b, h, j, 0))
-  dk, dv = pl.pallas_call(
+  return pl.pallas_call(
     functools.partial(_dkv_kernel, block_q=bq, block_k=bk, num_q_blocks=nq, group=group, **static),
     grid=(B, K, S // bk, group, nq),
     in_specs=[
@@ -381,4 +395,3 @@ def backward(
     interpret=interpret,
     name='sparrow_flash_dkv_tpu',
   )(q, k, v, q_seg, kv_seg, do, lse, delta)
-  return dq, dk, dv
