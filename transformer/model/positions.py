@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-Array = jax.Array
+from transformer.config import ROPE_SCALINGS
 
-ROPE_SCALINGS = ('none', 'linear', 'ntk', 'yarn', 'llama3')
+Array = jax.Array
 
 
 def sinusoidal(positions: Array, d_model: int) -> Array:
