@@ -15,8 +15,8 @@ from typing import Any
 import ml_collections
 
 from research import measures, report, verdicts
-from transformer.config import ModelConfig
-from transformer.training import faults, optim
+from transformer.config.experiment import Config
+from transformer.training import optim
 from transformer.training.state import optim_config
 
 SWEEPS_DIR = os.path.join('configs', 'sweeps')
@@ -299,9 +299,8 @@ def check_sweep(sweep: Sweep) -> None:
     raise ValueError(f'sweep {sweep.name!r} has train=False and no measure: nothing to run')
   for name in sweep.all_variants:  # every key exists, every model and schedule is valid
     config = resolve_config(sweep, name)
-    model_cfg = ModelConfig.from_config(config.model)
-    optim.make_schedule(optim_config(config, model_cfg))
-    faults.check_config(config.train)
+    experiment = Config.from_configdict(config)  # every knob, the model's included
+    optim.make_schedule(optim_config(config, experiment.model))
   for rule in sweep.rules:
     verdicts.check_rule(rule, sweep.all_variants)
   verdicts.check_preconditions(

@@ -9,8 +9,8 @@ import pytest
 
 from configs import base
 from transformer import data
+from transformer.config.experiment import Config
 from transformer.data import grammar
-from transformer.training import knobs
 
 
 def _cfg(**overrides):
@@ -101,16 +101,16 @@ def _with(**data_knobs):
 def test_a_share_outside_0_1_is_one_error_before_any_data_work(value):
   message = f'data.grammar_holdout={value!r} must be a number in [0, 1)'
   with pytest.raises(ValueError, match='^' + re.escape(message)):
-    knobs.check_config(_with(task='grammar', grammar_holdout=value))
+    Config.from_configdict(_with(task='grammar', grammar_holdout=value))
   if isinstance(value, float) and not math.isnan(value):  # the generator refuses it too
     with pytest.raises(ValueError, match=re.escape(message)):
       grammar.generate(_cfg(grammar_holdout=value))
 
 
 def test_a_holdout_on_another_task_is_one_error():
-  knobs.check_config(_with(task='grammar', grammar_holdout=0.2))
-  knobs.check_config(_with(task='numbers', grammar_holdout=0.0))
+  Config.from_configdict(_with(task='grammar', grammar_holdout=0.2))
+  Config.from_configdict(_with(task='numbers', grammar_holdout=0.0))
   with pytest.raises(
     ValueError, match=r"^data.grammar_holdout=0.2 .* data.task='numbers' has none"
   ):
-    knobs.check_config(_with(task='numbers', grammar_holdout=0.2))
+    Config.from_configdict(_with(task='numbers', grammar_holdout=0.2))

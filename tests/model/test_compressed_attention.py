@@ -184,13 +184,13 @@ def test_config_errors(overrides, message):
 
 def test_a_row_length_the_block_does_not_divide_is_an_error_before_any_work():
   from configs import gpt_tiny
-  from transformer.training import knobs
+  from transformer.config.experiment import Config
 
   config = gpt_tiny.get_config()
   config.model.attention, config.model.compress_block = 'compressed', 8
   config.data.max_length = 60
   with pytest.raises(ValueError, match='compress_block=8 does not divide the row length'):
-    knobs.resolve_lengths(config)
+    Config.from_configdict(config)
 
 
 @pytest.mark.parametrize('block', [16])

@@ -11,9 +11,10 @@ import optax
 import pytest
 
 from transformer.config import ModelConfig
+from transformer.config.experiment import Config
 from transformer.model import models
 from transformer.model.norms import BATCHNORM_MOMENTUM
-from transformer.training import checkpoint, knobs, steps
+from transformer.training import checkpoint, steps
 from transformer.training.state import BatchNormTrainState, TrainState, create_state, weights
 
 VOCAB, D = 40, 24
@@ -210,9 +211,9 @@ def test_batchnorm_with_packing_is_one_error(tiny_config, tmp_path):
   config.model.norm = 'batchnorm'
   assert config.data.pack
   with pytest.raises(ValueError, match=r"data\.pack=True.*norm='batchnorm'"):
-    knobs.check_config(config)
+    Config.from_configdict(config)
   with pytest.raises(ValueError, match=r"data\.pack=True.*norm='batchnorm'"):
     Run(config, str(tmp_path))  # before any data work
   assert not os.listdir(tmp_path)
   config.data.pack = False
-  knobs.check_config(config)
+  Config.from_configdict(config)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from configs import base
-from transformer.training import knobs
+from transformer.config.experiment import Config
 
 # Written out here, not read from the module: a knob and the values it must refuse.
 _REFUSED = {
@@ -70,18 +70,18 @@ def _with(key: str, value):
 
 
 def test_base_config_passes():
-  knobs.check_config(base.get_config())
+  Config.from_configdict(base.get_config())
 
 
 @pytest.mark.parametrize('key, value', [(k, v) for k, vs in _REFUSED.items() for v in vs])
 def test_refused_knob_is_one_error_naming_it(key, value):
   with pytest.raises(ValueError, match='^' + re.escape(f'{key}={value!r} must be')):
-    knobs.check_config(_with(key, value))
+    Config.from_configdict(_with(key, value))
 
 
 @pytest.mark.parametrize('key, value', sorted(_ACCEPTED.items()))
 def test_smallest_working_value_passes(key, value):
-  knobs.check_config(_with(key, value))
+  Config.from_configdict(_with(key, value))
 
 
 def test_fuzz_train_and_data_knobs():
@@ -93,7 +93,7 @@ def test_fuzz_train_and_data_knobs():
   for _ in range(300):
     key, value = keys[rng.integers(len(keys))], values[rng.integers(len(values))]
     try:
-      knobs.check_config(_with(key, value))
+      Config.from_configdict(_with(key, value))
       outcomes['accepted'] += 1
     except ValueError as e:
       assert str(e).startswith(f'{key}='), (key, value, str(e))
@@ -105,21 +105,21 @@ def test_fuzz_train_and_data_knobs():
 def test_the_context_is_set_once_and_a_conflict_is_one_error():
   config = base.get_config()
   config.model.family, config.model.max_length = 'causal_lm', 64
-  assert knobs.resolve_lengths(config).data.max_length == 64  # data follows the model
+  assert Config.from_configdict(config).data.max_length == 64  # data follows the model
   config = base.get_config()
   config.model.family, config.model.max_length, config.data.max_length = 'causal_lm', 256, 64
-  assert knobs.resolve_lengths(config).data.max_length == 64  # shorter rows train below it
+  assert Config.from_configdict(config).data.max_length == 64  # shorter rows train below it
   config.data.max_length = 300
   with pytest.raises(ValueError, match='data.max_length=300 is longer than the context model'):
-    knobs.check_config(config)
+    Config.from_configdict(config)
   config.model.family = 'encoder_decoder'  # which ignores data.max_length
-  knobs.check_config(config)
+  Config.from_configdict(config)
 
 
 def test_induction_telemetry_needs_a_causal_lm():
   config = _with('train.induction_every', 5)
   config.model.family = 'bidirectional_lm'
   with pytest.raises(ValueError, match="induction_every=5 .* needs model.family='causal_lm'"):
-    knobs.check_config(config)
+    Config.from_configdict(config)
   config.model.family = 'causal_lm'
-  knobs.check_config(config)
+  Config.from_configdict(config)

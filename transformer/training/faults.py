@@ -19,12 +19,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from transformer import util
-from transformer.config.experiment import TrainConfig, section
 from transformer.model import models, objectives
 from transformer.training.state import model_inputs
 
@@ -59,12 +57,6 @@ def nonfinite_policy(policy: str, dtype: str) -> str:
   if policy == 'auto':
     return 'skip' if dtype == 'float16' else 'halt'
   return policy
-
-
-def check_config(train_cfg: ml_collections.ConfigDict) -> TrainConfig:
-  """Raises one ValueError for a bad knob of config.train (a sweep's variants, before any run):
-  the checks of `TrainConfig`. Returns it typed."""
-  return section(TrainConfig, train_cfg)
 
 
 # Stop signals ----------------------------------------------------------------------------------
