@@ -160,77 +160,72 @@ def _choice(name: str, value: Any, valid: tuple) -> None:
     raise ValueError(f'{name}={value!r} is not valid; choose one of {shown}')
 
 
-_BOOLS = ('embedding_norm', 'use_bias', 'scale_embeddings', 'share_embeddings', 'tie_output')
-_BOOLS += ('attention_scale', 'scan_layers', 'qk_norm', 'output_head', 'norm_bias')
-_FLOATS = ('rope_theta', 'rope_scaling_factor', 'norm_eps', 'init_std', 'dropout_rate')
-_FLOATS += ('attention_dropout_rate', 'ffn_dropout_rate', 'rope_low_freq_factor')
-_FLOATS += ('rope_high_freq_factor',)
-_INTS = ('type_vocab_size', 'num_classes', 'pad_id')  # pad_id may also be None
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_types(c: ModelConfig) -> None:
-  """Raises one ValueError for a value of the wrong type (before any comparison could fail)."""
-  for name in _BOOLS:
-    value = getattr(c, name)
-    if not isinstance(value, bool):
-      raise ValueError(f'{name}={value!r} must be True or False')
-  for name in _FLOATS:
-    value = getattr(c, name)
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-      raise ValueError(f'{name}={value!r} must be a finite number')
-  for name in _INTS:
-    value = getattr(c, name)
-    if value is None and name == 'pad_id':
-      continue
-    if not isinstance(value, int) or isinstance(value, bool):
-      raise ValueError(f'{name}={value!r} must be an integer')
+# What each single knob must be, in the order they are checked (the first bad value raises):
+# a tuple of choices, or a kind below. 'optional ...' also allows None.
+_RULES: dict[str, Any] = {
+  'family': FAMILIES,
+  'position': POSITIONS,
+  'rope_scaling': ROPE_SCALINGS,
+  'norm': NORMS,
+  'norm_placement': NORM_PLACEMENTS,
+  'activation': ACTIVATIONS,
+  'attention_impl': ATTENTION_IMPLEMENTATIONS,
+  'attention': ATTENTIONS,
+  'linear_feature_map': LINEAR_FEATURE_MAPS,
+  'init': INITS,
+  'init_distribution': INIT_DISTRIBUTIONS,
+  'remat': REMAT_POLICIES,
+  'dtype': tuple(DTYPES),
+  'param_dtype': tuple(DTYPES),
+  **dict.fromkeys(('embedding_norm', 'use_bias', 'scale_embeddings', 'share_embeddings'), 'bool'),
+  **dict.fromkeys(('tie_output', 'attention_scale', 'scan_layers', 'qk_norm'), 'bool'),
+  **dict.fromkeys(('output_head', 'norm_bias'), 'bool'),
+  **dict.fromkeys(('rope_theta', 'rope_scaling_factor', 'norm_eps', 'init_std'), 'finite'),
+  **dict.fromkeys(('dropout_rate', 'attention_dropout_rate', 'ffn_dropout_rate'), 'finite'),
+  **dict.fromkeys(('rope_low_freq_factor', 'rope_high_freq_factor'), 'finite'),
+  **dict.fromkeys(('type_vocab_size', 'num_classes'), 'int'),
+  'pad_id': 'optional int',
+  **dict.fromkeys(('vocab_size', 'd_model', 'num_heads', 'num_layers', 'max_length'), 'positive'),
+  'attention_chunk_size': 'positive',
+  **dict.fromkeys(('num_kv_heads', 'head_dim', 'rope_original_max_length'), 'optional positive'),
+}
+_KINDS = {  # kind: (test, what the message says the value must be)
+  'bool': (lambda v: isinstance(v, bool), 'be True or False'),
+  'finite': (
+    lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v),
+    'be a finite number',
+  ),
+  'int': (_is_int, 'be an integer'),
+  'positive': (lambda v: _is_int(v) and v > 0, 'be a positive integer'),
+}
 
 
 def _validate(c: ModelConfig) -> None:
   """Raises one ValueError that names the first bad value and what would be valid."""
-  _check_choices(c)
-  _check_types(c)
+  for name, rule in _RULES.items():
+    value = getattr(c, name)
+    if isinstance(rule, tuple | list):
+      _choice(name, value, tuple(rule))
+    elif not (rule.startswith('optional') and value is None):
+      test, must = _KINDS[rule.removeprefix('optional ')]
+      if not test(value):
+        raise ValueError(f'{name}={value!r} must {must}')
   _check_sizes(c)
   _check_ranges(c)
   _check_combinations(c)
 
 
-def _check_choices(c: ModelConfig) -> None:
-  """Each named option (family, position, norm, attention, dtype, ...) is one of its choices."""
-  _choice('family', c.family, FAMILIES)
-  _choice('position', c.position, POSITIONS)
-  _choice('rope_scaling', c.rope_scaling, ROPE_SCALINGS)
-  _choice('norm', c.norm, NORMS)
-  _choice('norm_placement', c.norm_placement, NORM_PLACEMENTS)
-  _choice('activation', c.activation, ACTIVATIONS)
-  _choice('attention_impl', c.attention_impl, tuple(ATTENTION_IMPLEMENTATIONS))
-  _choice('attention', c.attention, ATTENTIONS)
-  _choice('linear_feature_map', c.linear_feature_map, LINEAR_FEATURE_MAPS)
-  _choice('init', c.init, INITS)
-  _choice('init_distribution', c.init_distribution, INIT_DISTRIBUTIONS)
-  _choice('remat', c.remat, REMAT_POLICIES)
-  _choice('dtype', c.dtype, tuple(DTYPES))
-  _choice('param_dtype', c.param_dtype, tuple(DTYPES))
-
-
 def _check_sizes(c: ModelConfig) -> None:
-  """Counts and dimensions are positive integers and the head layout divides evenly."""
-  positive = ['vocab_size', 'd_model', 'num_heads', 'num_layers', 'max_length']
-  positive += ['attention_chunk_size']
-  optional_positive = ['num_kv_heads', 'head_dim', 'rope_original_max_length']
-  for name in positive + optional_positive:
-    value = getattr(c, name)
-    if value is None and name in optional_positive:
-      continue
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-      raise ValueError(f'{name}={value!r} must be a positive integer')
-  if c.num_decoder_layers is not None and (
-    not isinstance(c.num_decoder_layers, int)
-    or isinstance(c.num_decoder_layers, bool)
-    or c.num_decoder_layers < 0
+  """Counts that may be 0 or None, and a head layout that divides evenly."""
+  if c.num_decoder_layers is not None and not (
+    _is_int(c.num_decoder_layers) and c.num_decoder_layers >= 0
   ):
     raise ValueError(f'num_decoder_layers={c.num_decoder_layers!r} must be a non-negative integer')
-  if not isinstance(c.d_ff, int) or isinstance(c.d_ff, bool) or c.d_ff < 0:
+  if not _is_int(c.d_ff) or c.d_ff < 0:
     raise ValueError(f'd_ff={c.d_ff!r} must be a non-negative integer (0: attention-only layers)')
   for name in ('type_vocab_size', 'num_classes'):
     if getattr(c, name) < 0:
