@@ -165,7 +165,7 @@ def _is_int(value: Any) -> bool:
 
 
 # What each single knob must be, in the order they are checked (the first bad value raises):
-# a tuple of choices, or a kind below. 'optional ...' also allows None.
+# a tuple of choices (or a function returning them), or a kind below. 'optional ...' also allows None.
 _RULES: dict[str, Any] = {
   'family': FAMILIES,
   'position': POSITIONS,
@@ -173,7 +173,7 @@ _RULES: dict[str, Any] = {
   'norm': NORMS,
   'norm_placement': NORM_PLACEMENTS,
   'activation': ACTIVATIONS,
-  'attention_impl': ATTENTION_IMPLEMENTATIONS,
+  'attention_impl': lambda: ATTENTION_IMPLEMENTATIONS,  # read when checked: it can grow
   'attention': ATTENTIONS,
   'linear_feature_map': LINEAR_FEATURE_MAPS,
   'init': INITS,
@@ -208,6 +208,7 @@ def _validate(c: ModelConfig) -> None:
   """Raises one ValueError that names the first bad value and what would be valid."""
   for name, rule in _RULES.items():
     value = getattr(c, name)
+    rule = rule() if callable(rule) else rule
     if isinstance(rule, tuple | list):
       _choice(name, value, tuple(rule))
     elif not (rule.startswith('optional') and value is None):
