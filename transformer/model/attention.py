@@ -221,23 +221,24 @@ class MultiHeadAttention(nn.Module):
     """
     self_attention = inputs_kv is None
     inputs_kv = inputs_q if self_attention else inputs_kv  # [B, S, D]; S = T in self attention
-    if cache_mode is not None and cache_mode.phase == 'step' and self_attention:
-      if positions is None:
-        raise ValueError("CacheMode step needs positions [B, 1]: the slot of each row's token")
+    step = cache_mode is not None and cache_mode.phase == 'step'
+    if step and self_attention and positions is None:
+      raise ValueError("CacheMode step needs positions [B, 1]: the slot of each row's token")
+    kind = KINDS[self.cfg.attention]
     q, k, v = self._project(inputs_q, inputs_kv)  # [B, T, N, H], [B, S, K, H], [B, S, K, H]
     alibi_slopes = None
     if self_attention:  # relative positions mean nothing between two sequences
       q, k, alibi_slopes, positions = self._positions(q, k, positions)
     if cache_mode is not None:  # decoding: fill the cache, or add one token to it
-      # -> [B, L, K, H] (self 'step'), [B, S, K, H] (cross 'step'), or unchanged ('prefill')
-      k, v = self._update_cache(cache_mode, k, v, self_attention, mask, positions, return_probs)
-    if cache_mode is not None and cache_mode.phase == 'step':
-      # [B, 1, N, H]: one new token per row against the cache
-      out = self._attend_cache(q, k, v, self_attention, mask, positions, alibi_slopes)
+      _check_cache(cache_mode, self_attention, mask, return_probs)
+      k, v = kind.cache(self, cache_mode, k, v, self_attention, mask, positions)
+    if step:  # [B, 1, N, H]: one new token per row against the cache
+      out = kind.step(self, q, k, v, self_attention, mask, positions, alibi_slopes)
     else:
       dropout = self.cfg.attention_dropout_rate > 0 and not deterministic  # training only
-      out = self._attend(q, k, v, mask, alibi_slopes, self_attention, cache_mode, dropout,
-                         return_probs)  # fmt: skip
+      prefill = cache_mode is not None
+      out = kind.attend(self, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout,
+                        return_probs)  # fmt: skip
     out, probs = out if return_probs else (out, None)  # probs: [B, N, T, S] or None
     out = HookPoint(name='hook_z')(self._constrain(out, 'heads'))  # [B, T, N, H]
     # The output projection contracts heads and head_dim together: [B, T, N, H] -> [B, T, D].
@@ -310,151 +311,121 @@ class MultiHeadAttention(nn.Module):
     k = positions_lib.apply_rope(k, positions, inv_freq, mscale)  # [B, S, K, H]
     return q, k, None, positions
 
-  def _attend(self, q, k, v, mask, alibi_slopes, self_attention, cache_mode, dropout,
-              return_probs):  # fmt: skip
-    """The attention itself over a whole sequence: softmax (through `dot_product_attention`),
-    linear or compressed. Returns out [B, T, N, H], or (out, probs) with return_probs."""
-    cfg = self.cfg
-    if cfg.attention == 'compressed':
-      if return_probs:
-        raise ValueError("return_probs=True needs kind='softmax': compressed attention pools keys")
-      if not self_attention:
-        raise ValueError("kind='compressed' pools the keys of self attention, not cross attention")
-      return self._compressed(q, k, v, mask, prefill=cache_mode is not None)  # [B, T, N, H]
-    if cfg.attention == 'linear':
-      if return_probs:
-        raise ValueError("return_probs=True needs kind='softmax': linear attention has no probs")
-      return linear.linear_attention(
-        q,
-        k,
-        v,
-        mask=mask,
-        feature_map=cfg.linear_feature_map,
-        chunk_size=cfg.attention_chunk_size,
-        self_attention=self_attention,
-      )  # [B, T, N, H]
-    # The probabilities exist on the dense path only: to return, drop out or hook them.
-    hooks = None
-    if return_probs:
-      hooks = (HookPoint(name='hook_attn_scores'), HookPoint(name='hook_pattern'))
-    return dot_product_attention(
-      q,
-      k,
-      v,
-      mask=mask,
-      scale=self.scale,
-      implementation='xla' if (dropout or return_probs) else cfg.attention_impl,
-      return_probs=return_probs,
-      alibi_slopes=alibi_slopes,
-      chunk_size=cfg.attention_chunk_size,
-      dropout_rate=cfg.attention_dropout_rate if dropout else 0.0,
-      dropout_rng=self.make_rng('dropout') if dropout else None,
-      hooks=hooks,
-    )  # [B, T, N, H]
-
   @property
   def scale(self) -> float | None:
     """The logits' multiplier: None is 1/sqrt(head_dim); 1.0 is the unscaled ablation."""
     return None if self.cfg.attention_scale else 1.0
 
-  def _compressed(self, q, k, v, mask, prefill: bool):
-    """kind='compressed' over whole blocks. A prompt being prefilled may end inside a block: it
-    is padded at the end (padding segment 0), which no earlier causal query can see."""
-    T, block = q.shape[1], self.cfg.compress_block
-    pad = -T % block if (prefill and mask is not None and mask.causal) else 0
-    if pad:
-      grow = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-      q, k, v = grow(q), grow(k), grow(v)
-      real = jnp.ones((q.shape[0], T), jnp.int32)
-      segments = lambda ids: grow(real if ids is None else ids)
-      mask = MaskSpec(
-        causal=True,
-        q_segment_ids=segments(mask.q_segment_ids),
-        kv_segment_ids=segments(mask.kv_segment_ids),
-      )
-    out = compressed.compressed_attention(q, k, v, block=block, mask=mask, scale=self.scale)
-    return out[:, :T]
 
-  # KV cache ----------------------------------------------------------------------------------
-  def _update_cache(self, mode, k, v, self_attention, mask, positions, return_probs):
-    """Writes k/v [B, T, K, H] into the 'cache' collection; returns the keys/values to attend to.
+# The attention kinds ---------------------------------------------------------------------------
+class Kind(NamedTuple):
+  """One kind of attention (`ModelConfig.attention`): three functions of the calling
+  `MultiHeadAttention` m, which owns the projections, positions and hook points around them.
 
-    prefill: the prompt's own k/v (self attention stores them in slots 0..T-1 of L).
-    step: self attention writes its one token at slot positions[b] and returns the whole cache
-    [B, L, K, H]; cross attention returns the encoder's k/v cached at prefill.
-    """
-    if mode.phase not in ('prefill', 'step'):
-      raise ValueError(f"CacheMode.phase={mode.phase!r} must be 'prefill' or 'step'")
-    if return_probs:
-      raise ValueError('return_probs=True is not available while decoding with a KV cache')
-    if self_attention and (mask is None or not mask.causal):
-      raise ValueError('a KV cache needs causal self attention; pass a MaskSpec with causal=True')
-    if self.cfg.attention == 'linear':
-      return self._update_state(mode, k, v, self_attention, mask)
-    B, T, K, H = k.shape
-    if mode.phase == 'prefill':
-      if self_attention and T > mode.length:
-        raise ValueError(f'a prompt of {T} tokens does not fit a cache of length={mode.length}')
-      # Self attention gets L slots for the tokens still to come; cross attention caches the
-      # encoder's S keys, which never grow (here T is S).
-      L = mode.length if self_attention else T
-      pad = [(0, 0), (0, L - T), (0, 0), (0, 0)]  # right-pad the length axis: T -> L
-      for name, x in (('cached_key', k), ('cached_value', v)):  # [B, L, K, H], 0 past the prompt
-        self.variable('cache', name, jnp.zeros, (B, L, K, H), x.dtype).value = jnp.pad(x, pad)
-      return k, v  # prefill attends over the prompt only, [B, T, K, H]
-    if not self.has_variable('cache', 'cached_key'):
-      raise ValueError("CacheMode 'step' needs the cache that a 'prefill' call filled")
-    cached_k = self.variable('cache', 'cached_key')
-    cached_v = self.variable('cache', 'cached_value')
-    if not self_attention:  # the encoder's keys/values, computed once at prefill
-      return cached_k.value, cached_v.value
-    if T != 1:
-      raise ValueError(f'CacheMode step takes one token per row; got {T}')
-    # Each row writes at its own position, so right-padded prompts of different lengths decode
-    # in one batch without shifting any cache.
-    rows, slots = jnp.arange(B), jnp.broadcast_to(positions, (B, 1))[:, 0]  # [B], [B]
-    cached_k.value = cached_k.value.at[rows, slots].set(k[:, 0])  # [B, L, K, H]
-    cached_v.value = cached_v.value.at[rows, slots].set(v[:, 0])  # [B, L, K, H]
+  attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout, return_probs):
+    a whole sequence, q [B, T, N, H] over k, v [B, S, K, H] -> out [B, T, N, H], or (out, probs
+    [B, N, T, S]) with return_probs. prefill: a prompt being written into a cache.
+  cache(m, mode, k, v, self_attention, mask, positions): decoding; writes this call's keys and
+    values (or a state) into the 'cache' collection and returns what to attend to.
+  step(m, q, k, v, self_attention, mask, positions, alibi_slopes): decoding, one token per row
+    q [B, 1, N, H] against what `cache` returned -> [B, 1, N, H].
+  """
+
+  attend: Callable
+  cache: Callable
+  step: Callable
+
+
+def _softmax_attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout,
+                    return_probs):  # fmt: skip
+  """softmax(q.k * scale) v through `dot_product_attention` and the configured implementation."""
+  del self_attention, prefill  # the mask says what each query sees
+  cfg = m.cfg
+  # The probabilities exist on the dense path only: to return, drop out or hook them.
+  hooks = None
+  if return_probs:
+    hooks = (HookPoint(name='hook_attn_scores'), HookPoint(name='hook_pattern'))
+  return dot_product_attention(
+    q,
+    k,
+    v,
+    mask=mask,
+    scale=m.scale,
+    implementation='xla' if (dropout or return_probs) else cfg.attention_impl,
+    return_probs=return_probs,
+    alibi_slopes=alibi_slopes,
+    chunk_size=cfg.attention_chunk_size,
+    dropout_rate=cfg.attention_dropout_rate if dropout else 0.0,
+    dropout_rng=m.make_rng('dropout') if dropout else None,
+    hooks=hooks,
+  )  # [B, T, N, H]
+
+
+def _check_cache(mode: CacheMode, self_attention: bool, mask, return_probs: bool) -> None:
+  if mode.phase not in ('prefill', 'step'):
+    raise ValueError(f"CacheMode.phase={mode.phase!r} must be 'prefill' or 'step'")
+  if return_probs:
+    raise ValueError('return_probs=True is not available while decoding with a KV cache')
+  if self_attention and (mask is None or not mask.causal):
+    raise ValueError('a KV cache needs causal self attention; pass a MaskSpec with causal=True')
+
+
+def _kv_cache(m, mode, k, v, self_attention, mask, positions):
+  """Writes k/v [B, T, K, H] into the 'cache' collection; returns the keys/values to attend to.
+
+  prefill: the prompt's own k/v (self attention stores them in slots 0..T-1 of L).
+  step: self attention writes its one token at slot positions[b] and returns the whole cache
+  [B, L, K, H]; cross attention returns the encoder's k/v cached at prefill.
+  """
+  del mask
+  B, T, K, H = k.shape
+  if mode.phase == 'prefill':
+    if self_attention and T > mode.length:
+      raise ValueError(f'a prompt of {T} tokens does not fit a cache of length={mode.length}')
+    # Self attention gets L slots for the tokens still to come; cross attention caches the
+    # encoder's S keys, which never grow (here T is S).
+    L = mode.length if self_attention else T
+    pad = [(0, 0), (0, L - T), (0, 0), (0, 0)]  # right-pad the length axis: T -> L
+    for name, x in (('cached_key', k), ('cached_value', v)):  # [B, L, K, H], 0 past the prompt
+      m.variable('cache', name, jnp.zeros, (B, L, K, H), x.dtype).value = jnp.pad(x, pad)
+    return k, v  # prefill attends over the prompt only, [B, T, K, H]
+  if not m.has_variable('cache', 'cached_key'):
+    raise ValueError("CacheMode 'step' needs the cache that a 'prefill' call filled")
+  cached_k = m.variable('cache', 'cached_key')
+  cached_v = m.variable('cache', 'cached_value')
+  if not self_attention:  # the encoder's keys/values, computed once at prefill
     return cached_k.value, cached_v.value
+  if T != 1:
+    raise ValueError(f'CacheMode step takes one token per row; got {T}')
+  # Each row writes at its own position, so right-padded prompts of different lengths decode
+  # in one batch without shifting any cache.
+  rows, slots = jnp.arange(B), jnp.broadcast_to(positions, (B, 1))[:, 0]  # [B], [B]
+  cached_k.value = cached_k.value.at[rows, slots].set(k[:, 0])  # [B, L, K, H]
+  cached_v.value = cached_v.value.at[rows, slots].set(v[:, 0])  # [B, L, K, H]
+  return cached_k.value, cached_v.value
 
-  def _update_state(self, mode, k, v, self_attention, mask):
-    """kind='linear': a state of fixed size instead of a growing cache (leaves [B, K, H, H] and
-    [B, K, 1, H], see `linear_attention.state`). prefill returns k, v [B, T, K, H] to attend to;
-    step returns the state after this token (self) or the encoder's (cross)."""
-    kv_segments = None if mask is None else mask.kv_segment_ids
-    if mode.phase == 'prefill':
-      kv, z = linear.state(k, v, kv_segments, self.cfg.linear_feature_map)
-      self.variable('cache', 'linear_state', jnp.zeros, kv.shape, kv.dtype).value = kv
-      self.variable('cache', 'linear_normalizer', jnp.zeros, z.shape, z.dtype).value = z
-      return k, v
-    if not self.has_variable('cache', 'linear_state'):
-      raise ValueError("CacheMode 'step' needs the state that a 'prefill' call filled")
-    kv, z = self.variable('cache', 'linear_state'), self.variable('cache', 'linear_normalizer')
-    if self_attention:
-      if k.shape[1] != 1:
-        raise ValueError(f'CacheMode step takes one token per row; got {k.shape[1]}')
-      kv_t, z_t = linear.state(k, v, None, self.cfg.linear_feature_map)  # the new token is real
-      kv.value, z.value = kv.value + kv_t, z.value + z_t
-    return kv.value, z.value
 
-  def _attend_cache(self, q, k, v, self_attention, mask, positions, alibi_slopes):
-    """'step' attention of q [B, 1, N, H] over cached k/v [B, L, K, H] (or, for kind='linear',
-    over the state (k, v) = ([B, K, H, H], [B, K, 1, H]))."""
-    if self.cfg.attention == 'linear':
-      return linear.readout(q, k, v, self.cfg.linear_feature_map)
-    if self.cfg.attention == 'compressed':  # self attention: the cache holds every written key
-      q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
-      return compressed.attend_step(q, k, v, q_pos, block=self.cfg.compress_block, scale=self.scale)
-    scale = 1.0 / math.sqrt(self.cfg.head_size) if self.scale is None else self.scale
-    if not self_attention:  # the cross mask is top-left aligned already: [B or 1, S]
-      visible = (MaskSpec() if mask is None else mask).dense(1, k.shape[1])[:, 0, 0]
-      return paths.attend_one_step(q, k, v, visible, scale=scale)
-    q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
-    slots = jnp.arange(k.shape[1])[None]  # [1, L]
-    # Row b's query sits at q_pos[b]; causal, as later slots are not written yet.
-    visible = kernel_masks.visible(
-      q_pos[:, None], slots, None, None, causal=True, window=mask.window
-    )  # [B, L]
-    return paths.attend_one_step(
-      q, k, v, visible, scale=scale, alibi_slopes=alibi_slopes, q_pos=q_pos
-    )
+def _softmax_step(m, q, k, v, self_attention, mask, positions, alibi_slopes):
+  """q [B, 1, N, H] over the cached k/v [B, L, K, H]."""
+  scale = 1.0 / math.sqrt(m.cfg.head_size) if m.scale is None else m.scale
+  if not self_attention:  # the cross mask is top-left aligned already: [B or 1, S]
+    visible = (MaskSpec() if mask is None else mask).dense(1, k.shape[1])[:, 0, 0]
+    return paths.attend_one_step(q, k, v, visible, scale=scale)
+  q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
+  slots = jnp.arange(k.shape[1])[None]  # [1, L]
+  # Row b's query sits at q_pos[b]; causal, as later slots are not written yet.
+  visible = kernel_masks.visible(
+    q_pos[:, None], slots, None, None, causal=True, window=mask.window
+  )  # [B, L]
+  return paths.attend_one_step(
+    q, k, v, visible, scale=scale, alibi_slopes=alibi_slopes, q_pos=q_pos
+  )
+
+
+# name -> Kind. A new kind is three functions and a line here (and its name in
+# config.ATTENTIONS); linear_attention.py and compressed_attention.py are the examples.
+KINDS: dict[str, Kind] = {
+  'softmax': Kind(_softmax_attend, _kv_cache, _softmax_step),
+  'linear': Kind(linear.attend, linear.cache, linear.step),
+  'compressed': Kind(compressed.attend, _kv_cache, compressed.step),
+}

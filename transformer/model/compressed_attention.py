@@ -152,3 +152,34 @@ def attend_step(q: Array, k: Array, v: Array, q_pos: Array, *, block: int, scale
   num = num + jnp.einsum('bkgc,bckh->bkgh', p_summary, vc)
   den = (p_local.sum(-1) + p_summary.sum(-1))[..., None]  # [B, K, G, 1]
   return (num / den).reshape(B, 1, N, H).astype(q.dtype)
+
+
+# As a kind of attention.Kind: the functions MultiHeadAttention m calls (its KV cache is softmax's)
+def attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout, return_probs):
+  """Whole blocks of self attention. A prompt being prefilled may end inside a block: it is
+  padded at the end (padding segment 0), which no earlier causal query can see."""
+  del alibi_slopes, dropout  # config validation refuses ALiBi and dropout here
+  if return_probs:
+    raise ValueError("return_probs=True needs kind='softmax': compressed attention pools keys")
+  if not self_attention:
+    raise ValueError("kind='compressed' pools the keys of self attention, not cross attention")
+  T, block = q.shape[1], m.cfg.compress_block
+  pad = -T % block if (prefill and mask is not None and mask.causal) else 0
+  if pad:
+    grow = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v = grow(q), grow(k), grow(v)
+    real = jnp.ones((q.shape[0], T), jnp.int32)
+    segments = lambda ids: grow(real if ids is None else ids)
+    mask = MaskSpec(
+      causal=True,
+      q_segment_ids=segments(mask.q_segment_ids),
+      kv_segment_ids=segments(mask.kv_segment_ids),
+    )
+  return compressed_attention(q, k, v, block=block, mask=mask, scale=m.scale)[:, :T]
+
+
+def step(m, q, k, v, self_attention, mask, positions, alibi_slopes):
+  """q [B, 1, N, H] over the self attention's cache, which holds every written key."""
+  del self_attention, mask, alibi_slopes
+  q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
+  return attend_step(q, k, v, q_pos, block=m.cfg.compress_block, scale=m.scale)

@@ -232,3 +232,49 @@ def recurrent(q: Array, k: Array, v: Array, *, mask=None, feature_map: str = 'el
   xs = (split(q), split(k), split(v), jnp.moveaxis(seg, 1, 0))
   _, out = jax.lax.scan(step, init, xs)  # [T, B, N, H]
   return jnp.moveaxis(out, 0, 1).astype(q.dtype)  # [B, T, N, H]
+
+
+# As a kind of attention.Kind: the functions MultiHeadAttention m calls ---------------------------
+def attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout, return_probs):
+  """A whole sequence through `linear_attention` (no probabilities, no bias, no dropout)."""
+  del alibi_slopes, prefill, dropout  # config validation refuses ALiBi and dropout here
+  if return_probs:
+    raise ValueError("return_probs=True needs kind='softmax': linear attention has no probs")
+  cfg = m.cfg
+  return linear_attention(
+    q,
+    k,
+    v,
+    mask=mask,
+    feature_map=cfg.linear_feature_map,
+    chunk_size=cfg.attention_chunk_size,
+    self_attention=self_attention,
+  )  # [B, T, N, H]
+
+
+def cache(m, mode, k, v, self_attention, mask, positions):
+  """A state of fixed size instead of a growing cache (leaves [B, K, H, H] and [B, K, 1, H], see
+  `state`). prefill returns k, v [B, T, K, H] to attend to; step returns the state after this
+  token (self) or the encoder's (cross)."""
+  del positions
+  kv_segments = None if mask is None else mask.kv_segment_ids
+  if mode.phase == 'prefill':
+    kv, z = state(k, v, kv_segments, m.cfg.linear_feature_map)
+    m.variable('cache', 'linear_state', jnp.zeros, kv.shape, kv.dtype).value = kv
+    m.variable('cache', 'linear_normalizer', jnp.zeros, z.shape, z.dtype).value = z
+    return k, v
+  if not m.has_variable('cache', 'linear_state'):
+    raise ValueError("CacheMode 'step' needs the state that a 'prefill' call filled")
+  kv, z = m.variable('cache', 'linear_state'), m.variable('cache', 'linear_normalizer')
+  if self_attention:
+    if k.shape[1] != 1:
+      raise ValueError(f'CacheMode step takes one token per row; got {k.shape[1]}')
+    kv_t, z_t = state(k, v, None, m.cfg.linear_feature_map)  # the new token is real
+    kv.value, z.value = kv.value + kv_t, z.value + z_t
+  return kv.value, z.value
+
+
+def step(m, q, kv, z, self_attention, mask, positions, alibi_slopes):
+  """q [B, 1, N, H] against the state (kv, z) = ([B, K, H, H], [B, K, 1, H])."""
+  del self_attention, mask, positions, alibi_slopes
+  return readout(q, kv, z, m.cfg.linear_feature_map)
