@@ -136,6 +136,15 @@ def dot_product_attention(
   """
   mask = MaskSpec() if mask is None else mask
   _check_inputs(q, k, v, mask, alibi_slopes, chunk_size)
+  return _attend(
+    q, k, v, mask, scale, implementation, return_probs, alibi_slopes, chunk_size, dropout_rate,
+    dropout_rng, hooks,
+  )  # fmt: skip
+
+
+def _attend(q, k, v, mask, scale, implementation, return_probs, alibi_slopes, chunk_size,
+            dropout_rate, dropout_rng, hooks):  # fmt: skip
+  """`dot_product_attention` on inputs already checked (MultiHeadAttention's are well formed)."""
   T, S = q.shape[1], k.shape[1]
   if implementation is None:
     implementation = select_implementation(T, S, return_probs=return_probs)
@@ -345,20 +354,11 @@ def _softmax_attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dro
   hooks = None
   if return_probs:
     hooks = (HookPoint(name='hook_attn_scores'), HookPoint(name='hook_pattern'))
-  return dot_product_attention(
-    q,
-    k,
-    v,
-    mask=mask,
-    scale=m.scale,
-    implementation='xla' if (dropout or return_probs) else cfg.attention_impl,
-    return_probs=return_probs,
-    alibi_slopes=alibi_slopes,
-    chunk_size=cfg.attention_chunk_size,
-    dropout_rate=cfg.attention_dropout_rate if dropout else 0.0,
-    dropout_rng=m.make_rng('dropout') if dropout else None,
-    hooks=hooks,
-  )  # [B, T, N, H]
+  implementation = 'xla' if (dropout or return_probs) else cfg.attention_impl
+  rate, rng = (cfg.attention_dropout_rate, m.make_rng('dropout')) if dropout else (0.0, None)
+  mask = MaskSpec() if mask is None else mask
+  return _attend(q, k, v, mask, m.scale, implementation, return_probs, alibi_slopes,
+                 cfg.attention_chunk_size, rate, rng, hooks)  # fmt: skip
 
 
 def _check_cache(mode: CacheMode, self_attention: bool, mask, return_probs: bool) -> None:
