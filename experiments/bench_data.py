@@ -95,10 +95,8 @@ def _loader_speed(paths: list[str], rows: int, length: int, seconds: float = 5.0
   from transformer.data import stream
 
   s = stream.TokenStream(paths)
-  it = stream.StreamIterator(
-    s, family='causal_lm', length=length, global_rows=rows, process=0, process_count=1,
-    separator=2, pack=True, vocab_size=_VOCAB + 16, seed=0,
-  )  # fmt: skip
+  layout = stream.Layout('causal_lm', length, separator=2, pack=True, vocab_size=_VOCAB + 16)
+  it = stream.StreamIterator(s, layout, global_rows=rows, seed=0)
   next(it)
   start, batches = time.perf_counter(), 0
   while time.perf_counter() - start < seconds:
@@ -112,10 +110,8 @@ def _share_reaching_model(paths: list[str], rows: int, length: int) -> float:
   from transformer.data import stream
 
   s = stream.TokenStream(paths)
-  it = stream.StreamIterator(
-    s, family='causal_lm', length=length, global_rows=rows, process=0, process_count=1,
-    separator=2, pack=True, vocab_size=_VOCAB + 16, seed=0,
-  )  # fmt: skip
+  layout = stream.Layout('causal_lm', length, separator=2, pack=True, vocab_size=_VOCAB + 16)
+  it = stream.StreamIterator(s, layout, global_rows=rows, seed=0)
   vocab = int(max(np.max(p) for p in s._maps)) + 1
   wanted = np.zeros(vocab, np.int64)
   for m in s._maps:
@@ -141,7 +137,7 @@ def _share_of_text_task(corpus: str, tokenizer: str, root: str, length: int) -> 
   cfg.update(dict(task='text', train_path=sample, eval_path=sample, tokenizer='sentencepiece'))
   cfg.update(dict(vocab_size=_VOCAB, max_length=length, batch_size=32, eval_batch_size=32))
   task = data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
-  kept = task._train.parts[0].lengths() + 1  # targets: the document as cut, then eos
+  kept = task.source.train.parts[0].lengths() + 1  # targets: the document as cut, then eos
   docs = [line.rstrip('\n') for line in open(sample)]
   total = sum(len(ids) + 1 for ids in task.tokenizer.encode_batch(docs))
   return float(kept.sum() / total)

@@ -37,11 +37,11 @@ def _iterator(
   s, process=0, count=1, rows=4, length=16, family='causal_lm', pack=False, seed=0,
   sampling='sequential',
 ):  # fmt: skip
-  return stream.StreamIterator(
-    s, family=family, length=length, global_rows=rows, process=process, process_count=count,
-    separator=SEP, pack=pack, vocab_size=50, seed=seed, mlm_prob=0.3,
-    special=(0, 1, 2, 3, 4, SEP), sampling=sampling,
+  layout = stream.Layout(
+    family, length, SEP, pack, vocab_size=50, process=process, process_count=count, mlm_prob=0.3,
+    special=(0, 1, 2, 3, 4, SEP),
   )  # fmt: skip
+  return stream.StreamIterator(s, layout, rows, seed, sampling)
 
 
 def test_read_wraps_around_the_shards(tmp_path):
@@ -149,11 +149,10 @@ def test_mlm_masks_only_real_tokens_and_not_the_separator(tmp_path):
 
 def test_eval_batches_cover_the_split_once_then_pad(tmp_path):
   s, tokens = _random_stream(tmp_path, sizes=(100, 31))
-  options = dict(family='causal_lm', length=8, global_rows=4, separator=SEP, pack=False)
-  options |= dict(vocab_size=50, num_batches=0)
-  batches = [
-    stream.eval_batches(s, process=p, process_count=2, **options) for p in range(2)
-  ]  # fmt: skip
+  layouts = [
+    stream.Layout('causal_lm', 8, SEP, False, 50, process=p, process_count=2) for p in [0, 1]
+  ]
+  batches = [stream.eval_batches(s, layout, global_rows=4, num_batches=0) for layout in layouts]
   rows_fit = (len(tokens) - 9) // 8 + 1
   assert len(batches[0]) == len(batches[1]) == -(-rows_fit // 4)
   merged = [np.concatenate([a[k], b[k]]) for a, b in zip(*batches) for k in ['targets', 'weights']]
@@ -257,7 +256,7 @@ def test_tfds_split_is_prepared_and_streamed(tmp_path):
   tok = data.ByteTokenizer()
   want = [t for text in texts if text.strip() for t in [data.EOS_ID, *tok.encode(text)]]
   assert task.info['train_tokens'] == len(want)
-  np.testing.assert_array_equal(task._train.read(0, len(want)), want)
+  np.testing.assert_array_equal(task.source.train.read(0, len(want)), want)
 
 
 def test_mlm_task_masks_with_the_tokenizers_mask_id(tmp_path):
