@@ -126,6 +126,7 @@ def _share_reaching_model(paths: list[str], rows: int, length: int) -> float:
 def _share_of_text_task(corpus: str, tokenizer: str, root: str, length: int) -> float:
   """The same for task='text' (documents cut at max_length) on the first _SAMPLE documents."""
   from transformer import data
+  from transformer.config.experiment import DataConfig, section
 
   sample = os.path.join(root, 'sample.txt')
   with open(corpus) as f, open(sample, 'w') as out:
@@ -134,9 +135,10 @@ def _share_of_text_task(corpus: str, tokenizer: str, root: str, length: int) -> 
   shutil.rmtree(workdir, ignore_errors=True)
   shutil.copytree(tokenizer, os.path.join(workdir, 'tokenizer'))  # the same SentencePiece model
   cfg = data.default_config()
-  cfg.update(dict(task='text', train_path=sample, eval_path=sample, tokenizer='sentencepiece'))
+  cfg.update(dict(task='text', text_format='lines', train_path=sample, eval_path=sample))
+  cfg.tokenizer = 'sentencepiece'
   cfg.update(dict(vocab_size=_VOCAB, max_length=length, batch_size=32, eval_batch_size=32))
-  task = data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
+  task = data.build(section(DataConfig, cfg), family='causal_lm', workdir=workdir, seed=0)
   kept = task.source.train.parts[0].lengths() + 1  # targets: the document as cut, then eos
   docs = [line.rstrip('\n') for line in open(sample)]
   total = sum(len(ids) + 1 for ids in task.tokenizer.encode_batch(docs))
@@ -145,6 +147,7 @@ def _share_of_text_task(corpus: str, tokenizer: str, root: str, length: int) -> 
 
 def main():
   from transformer import data
+  from transformer.config.experiment import DataConfig, section
   from transformer.data import prepare
 
   root = _DIR.value
@@ -185,7 +188,7 @@ def main():
   for prepared in (out, big):
     cfg.prepared_dir = prepared
     start = time.time()
-    data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
     rows.append(
       (f'data.build, {tokens[prepared] / 1e6:.0f}M tokens', f'{time.time() - start:.2f} s', '')
     )

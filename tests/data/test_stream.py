@@ -10,6 +10,7 @@ import pytest
 from test_prepare import llmc_shard
 
 from transformer import data
+from transformer.config.experiment import DataConfig, section
 from transformer.data import sources, stream
 from transformer.training import checkpoint
 
@@ -196,7 +197,9 @@ def _llmc_cfg(tmp_path, **overrides):
 
 
 def test_llmc_shards_build_a_task(tmp_path):
-  task = data.build(_llmc_cfg(tmp_path), family='causal_lm', workdir=None, seed=0)
+  task = data.build(
+    section(DataConfig, _llmc_cfg(tmp_path)), family='causal_lm', workdir=None, seed=0
+  )
   assert task.tokenizer.vocab_size == 50257 and task.info['train_tokens'] == 15000
   batch = next(task.train_iterator())
   assert batch['inputs'].shape == (4, 64) and batch['segments'].max() > 1  # 50256 separates
@@ -213,14 +216,16 @@ def test_llmc_shards_build_a_task(tmp_path):
 )
 def test_llmc_task_errors(tmp_path, change, message):
   with pytest.raises((ValueError, FileNotFoundError), match=message):
-    data.build(_llmc_cfg(tmp_path, **change), family='causal_lm', workdir=None, seed=0)
+    data.build(
+      section(DataConfig, _llmc_cfg(tmp_path, **change)), family='causal_lm', workdir=None, seed=0
+    )
 
 
 def test_llmc_bad_shard_is_one_error(tmp_path):
   cfg = _llmc_cfg(tmp_path)
   llmc_shard(tmp_path / 'fineweb_train_000009.bin', np.zeros(10), magic=20240521)
   with pytest.raises(ValueError, match='magic 20240521 version 1; not a token shard'):
-    data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
 
 
 def test_corpus_is_prepared_on_first_use_into_the_workdir(tmp_path):
@@ -230,7 +235,7 @@ def test_corpus_is_prepared_on_first_use_into_the_workdir(tmp_path):
   cfg.update(dict(task='corpus', train_path=str(tmp_path / 'c.txt'), max_length=32))
   cfg.update(dict(batch_size=4, eval_batch_size=4))
   workdir = str(tmp_path / 'run')
-  task = data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
+  task = data.build(section(DataConfig, cfg), family='causal_lm', workdir=workdir, seed=0)
   assert os.path.exists(os.path.join(workdir, 'corpus', 'dataset.json'))
   assert data.load_tokenizer(os.path.join(workdir, 'tokenizer')).kind == 'byte'
   assert task.info['num_train_documents'] == 600 - 3  # every 200th is held out
@@ -239,9 +244,9 @@ def test_corpus_is_prepared_on_first_use_into_the_workdir(tmp_path):
   with pytest.raises(ValueError, match='vocabulary mismatch'):  # workdir/tokenizer is another
     cfg.update(dict(prepared_dir=str(tmp_path / 'other'), tokenizer='sentencepiece'))
     cfg.update(dict(vocab_size=40))
-    data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
+    data.build(section(DataConfig, cfg), family='causal_lm', workdir=workdir, seed=0)
   with pytest.raises(ValueError, match="family='encoder_decoder' needs pairs"):
-    data.build(cfg, family='encoder_decoder', workdir=workdir, seed=0)
+    data.build(section(DataConfig, cfg), family='encoder_decoder', workdir=workdir, seed=0)
 
 
 def test_tfds_split_is_prepared_and_streamed(tmp_path):
@@ -251,7 +256,7 @@ def test_tfds_split_is_prepared_and_streamed(tmp_path):
   cfg.update(dict(prepared_dir=str(tmp_path / 'out'), max_length=16, batch_size=2))
   cfg.update(dict(eval_batch_size=2))
   with tfds.testing.mock_data(num_examples=30):
-    task = data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    task = data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
     texts = list(sources.tfds_examples('lm1b', 'train', str(tmp_path / 'tfds'), ('text',)))
   tok = data.ByteTokenizer()
   want = [t for text in texts if text.strip() for t in [data.EOS_ID, *tok.encode(text)]]
@@ -265,7 +270,7 @@ def test_mlm_task_masks_with_the_tokenizers_mask_id(tmp_path):
   cfg = data.default_config()
   cfg.update(dict(task='corpus', train_path=str(tmp_path / 'c.txt'), max_length=64, pack=True))
   cfg.update(dict(batch_size=8, eval_batch_size=8, prepared_dir=str(tmp_path / 'out')))
-  task = data.build(cfg, family='bidirectional_lm', workdir=None, seed=0)
+  task = data.build(section(DataConfig, cfg), family='bidirectional_lm', workdir=None, seed=0)
   batch = next(task.train_iterator())
   masked = batch['weights'] > 0
   assert 0.05 < masked.mean() < 0.3  # mlm_prob=0.15

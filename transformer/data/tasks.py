@@ -12,13 +12,14 @@ import itertools
 import math
 import os
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 import ml_collections
 import numpy as np
 
 from transformer import util
 from transformer.config import experiment
+from transformer.config.experiment import DataConfig
 from transformer.data import (
   batching,
   grammar,
@@ -48,7 +49,8 @@ _CHARS_PER_TOKEN = 64  # texts are cut to this many characters per allowed token
 
 def default_config() -> ml_collections.ConfigDict:
   """The data knobs and defaults: `config.data` of the default experiment (`DataConfig` in
-  transformer/config/experiment.py explains each)."""
+  transformer/config/experiment.py explains each), to override and then type for `build` with
+  `experiment.section(DataConfig, cfg)`."""
   config = experiment.default_configdict()
   config.data.max_length = config.model.max_length  # as a run resolves it (follows the model)
   return config.data
@@ -114,20 +116,18 @@ def _halves(example: str | tuple[str, str]) -> tuple[str, str]:
   return ' '.join(words[:half]), ' '.join(words[half:])
 
 
-def running_text(data_cfg: Any, family: str) -> bool:
-  """Whether a model of `family` trained on `data_cfg` (a DataConfig, or its ConfigDict) read one
-  running text (task='text' as a stream): no bos, no document ends."""
-  cfg = experiment.section(experiment.DataConfig, data_cfg)
+def running_text(cfg: DataConfig, family: str) -> bool:
+  """Whether a model of `family` trained on `cfg` read one running text (task='text' as a
+  stream): no bos, no document ends."""
   return cfg.task == 'text' and family != 'encoder_decoder' and cfg.text_format == 'stream'
 
 
-def prompt_prefix(data_cfg: Any, family: str, tokenizer: Tokenizer) -> list[int] | None:
+def prompt_prefix(cfg: DataConfig, family: str, tokenizer: Tokenizer) -> list[int] | None:
   """The ids a prompt starts with, as the training rows did: [] after a running text, the
   document separator (eos) after a corpus; None (the caller's bos) for everything else."""
-  data_cfg = experiment.section(experiment.DataConfig, data_cfg)
-  if running_text(data_cfg, family):
+  if running_text(cfg, family):
     return []
-  if data_cfg.task == 'corpus' and getattr(tokenizer, 'eos_id', None) is not None:
+  if cfg.task == 'corpus' and getattr(tokenizer, 'eos_id', None) is not None:
     return [int(tokenizer.eos_id)]
   return None
 
@@ -353,7 +353,7 @@ def _origins(cfg) -> tuple[str, str]:
 
 
 def build(
-  data_cfg: Any,
+  cfg: DataConfig,
   *,
   family: str,
   workdir: str | None,
@@ -361,10 +361,10 @@ def build(
   process_index: int = 0,
   process_count: int = 1,
 ) -> Task:
-  """Builds the data task described by `data_cfg` (see `default_config`) for one model family.
+  """Builds the data task described by `cfg` (see `default_config`) for one model family.
 
   Args:
-    data_cfg: the DataConfig, or its ConfigDict (typed and checked here).
+    cfg: the typed data knobs: `Config.from_configdict(config).data` of an experiment.
     family: 'encoder_decoder', 'causal_lm' or 'bidirectional_lm' (decides the batch format).
     workdir: where the trained SentencePiece model is cached (workdir/tokenizer); None = no cache.
     seed: drives the training order and MLM masking (the generated data depend only on the task
@@ -375,7 +375,6 @@ def build(
   Returns:
     A Task whose batches are per-process: batch_size // process_count rows each.
   """
-  cfg = experiment.section(experiment.DataConfig, data_cfg)
   _check_build_arguments(cfg, family, seed, process_index, process_count)
   shard = dict(process_index=process_index, process_count=process_count)
   task = _streamed_task(cfg, family=family, workdir=workdir, seed=seed, **shard)
@@ -385,9 +384,14 @@ def build(
 
 
 def _check_build_arguments(
-  cfg: experiment.DataConfig, family: str, seed: int, process_index: int, process_count: int
+  cfg: DataConfig, family: str, seed: int, process_index: int, process_count: int
 ) -> None:
-  """Refuses a family, process shard, batch size or seed that `build` cannot serve."""
+  """Refuses a config, family, process shard, batch size or seed that `build` cannot serve."""
+  if not isinstance(cfg, DataConfig):
+    raise TypeError(
+      f'data.build takes the typed DataConfig, not a {type(cfg).__name__}; pass '
+      'Config.from_configdict(config).data or experiment.section(DataConfig, config.data)'
+    )
   if family not in batching.FAMILIES:
     raise ValueError(f'unknown family={family!r}; choose one of {batching.FAMILIES}')
   if not 0 <= process_index < process_count:
@@ -401,7 +405,7 @@ def _check_build_arguments(
 
 
 def _streamed_task(
-  cfg: experiment.DataConfig,
+  cfg: DataConfig,
   *,
   family: str,
   workdir: str | None,
@@ -474,7 +478,7 @@ def _special_ids(tokenizer: Tokenizer, separator: int) -> tuple[int, ...]:
 
 
 def _in_memory_task(
-  cfg: experiment.DataConfig,
+  cfg: DataConfig,
   *,
   family: str,
   workdir: str | None,
@@ -539,7 +543,7 @@ def _in_memory_task(
   return Task(name, family, tokenizer, info, source, prompt_prefix=[BOS_ID])
 
 
-def _batcher(cfg: experiment.DataConfig, family: str, tokenizer: Tokenizer) -> batching.Batcher:
+def _batcher(cfg: DataConfig, family: str, tokenizer: Tokenizer) -> batching.Batcher:
   """The Batcher that pads, buckets and masks this task's examples into batches."""
   if family == 'encoder_decoder':
     max_lengths = {'inputs': cfg.max_source_length, 'targets': cfg.max_target_length}
