@@ -256,26 +256,15 @@ class Batcher:
 
 class Resumable:
   """Infinite training batches of one process that resume exactly: `set_state(get_state())`
-  continues with the same batches. The state is a JSON dict of the position (`_progress`) and of
-  what it is a position in (`_identity`), which a resumed run must match."""
+  continues with the same batches. A subclass gives its position as a JSON dict (`_progress`),
+  moves to a saved one (`_restore`), and names what the position is in (`_identity`: key -> (how
+  errors name it, this run's value, the value of a state without the key)), which a resumed run
+  must match."""
 
   RESUME = 'resume with the same data config'  # how to fix a mismatch
 
   def __iter__(self) -> Resumable:
     return self
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    raise NotImplementedError
-
-  def _progress(self) -> dict:
-    raise NotImplementedError
-
-  def _identity(self) -> dict[str, tuple[str, object, object]]:
-    """key -> (how errors name it, this run's value, the value of a state without the key)."""
-    raise NotImplementedError
-
-  def _restore(self, state: dict) -> None:
-    raise NotImplementedError
 
   def get_state(self) -> dict:
     return {**self._progress(), **{k: mine for k, (_, mine, _) in self._identity().items()}}

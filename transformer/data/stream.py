@@ -222,7 +222,7 @@ class StreamIterator(batching.Resumable):
 
   def _identity(self) -> dict:
     # States written before data.sampling existed were sequential.
-    tokens = ('a training split of tokens', len(self.stream), None)
+    tokens = ('tokens', len(self.stream), None)  # the training split's size
     return {'tokens': tokens, 'sampling': ('data.sampling', self.sampling, 'sequential')}
 
   def _restore(self, state: dict) -> None:

@@ -1,8 +1,10 @@
-"""`build(data_cfg, ...)` -> a Task: tokenizer, resumable training batches, fixed eval batches.
+"""`build(cfg, ...)` -> a Task: a tokenizer and one token source, which gives resumable training
+batches and fixed eval batches.
 
-Every source is tokenised into memory once (a process keeps only its shard), then shuffled,
-packed or bucketed by the same NumPy code, so all tasks are deterministic and resumable.
-task='corpus' instead streams token shards prepared once (`stream_task`).
+The source is examples tokenised into memory once (generated tasks, 'text' lines, 'tsv', TFDS; a
+process keeps only its shard), shuffled, packed or bucketed by `batching`; or a token stream cut
+into rows by `stream`: a corpus's prepared shards (`stream_task`) or a running text
+(`text_stream`). Both are deterministic and resume exactly.
 """
 
 from __future__ import annotations
