@@ -95,10 +95,8 @@ def _loader_speed(paths: list[str], rows: int, length: int, seconds: float = 5.0
   from transformer.data import stream
 
   s = stream.TokenStream(paths)
-  it = stream.StreamIterator(
-    s, family='causal_lm', length=length, global_rows=rows, process=0, process_count=1,
-    separator=2, pack=True, vocab_size=_VOCAB + 16, seed=0,
-  )  # fmt: skip
+  layout = stream.Layout('causal_lm', length, separator=2, pack=True, vocab_size=_VOCAB + 16)
+  it = stream.StreamIterator(s, layout, global_rows=rows, seed=0)
   next(it)
   start, batches = time.perf_counter(), 0
   while time.perf_counter() - start < seconds:
@@ -112,10 +110,8 @@ def _share_reaching_model(paths: list[str], rows: int, length: int) -> float:
   from transformer.data import stream
 
   s = stream.TokenStream(paths)
-  it = stream.StreamIterator(
-    s, family='causal_lm', length=length, global_rows=rows, process=0, process_count=1,
-    separator=2, pack=True, vocab_size=_VOCAB + 16, seed=0,
-  )  # fmt: skip
+  layout = stream.Layout('causal_lm', length, separator=2, pack=True, vocab_size=_VOCAB + 16)
+  it = stream.StreamIterator(s, layout, global_rows=rows, seed=0)
   vocab = int(max(np.max(p) for p in s._maps)) + 1
   wanted = np.zeros(vocab, np.int64)
   for m in s._maps:
@@ -130,6 +126,7 @@ def _share_reaching_model(paths: list[str], rows: int, length: int) -> float:
 def _share_of_text_task(corpus: str, tokenizer: str, root: str, length: int) -> float:
   """The same for task='text' (documents cut at max_length) on the first _SAMPLE documents."""
   from transformer import data
+  from transformer.config.experiment import DataConfig, section
 
   sample = os.path.join(root, 'sample.txt')
   with open(corpus) as f, open(sample, 'w') as out:
@@ -138,10 +135,11 @@ def _share_of_text_task(corpus: str, tokenizer: str, root: str, length: int) -> 
   shutil.rmtree(workdir, ignore_errors=True)
   shutil.copytree(tokenizer, os.path.join(workdir, 'tokenizer'))  # the same SentencePiece model
   cfg = data.default_config()
-  cfg.update(dict(task='text', train_path=sample, eval_path=sample, tokenizer='sentencepiece'))
+  cfg.update(dict(task='text', text_format='lines', train_path=sample, eval_path=sample))
+  cfg.tokenizer = 'sentencepiece'
   cfg.update(dict(vocab_size=_VOCAB, max_length=length, batch_size=32, eval_batch_size=32))
-  task = data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
-  kept = task._train.parts[0].lengths() + 1  # targets: the document as cut, then eos
+  task = data.build(section(DataConfig, cfg), family='causal_lm', workdir=workdir, seed=0)
+  kept = task.source.train.parts[0].lengths() + 1  # targets: the document as cut, then eos
   docs = [line.rstrip('\n') for line in open(sample)]
   total = sum(len(ids) + 1 for ids in task.tokenizer.encode_batch(docs))
   return float(kept.sum() / total)
@@ -149,6 +147,7 @@ def _share_of_text_task(corpus: str, tokenizer: str, root: str, length: int) -> 
 
 def main():
   from transformer import data
+  from transformer.config.experiment import DataConfig, section
   from transformer.data import prepare
 
   root = _DIR.value
@@ -189,7 +188,7 @@ def main():
   for prepared in (out, big):
     cfg.prepared_dir = prepared
     start = time.time()
-    data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
     rows.append(
       (f'data.build, {tokens[prepared] / 1e6:.0f}M tokens', f'{time.time() - start:.2f} s', '')
     )

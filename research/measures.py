@@ -7,6 +7,7 @@ directory) or 'skipped' (why nothing was measured, e.g. a kernel this backend la
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -15,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from bench.timing import synthetic_batch
@@ -98,11 +98,13 @@ def extrapolation(ctx, factors=(1, 2, 4, 8), examples: int = 32) -> dict[str, fl
   cfg, length = run.model_cfg, ctx.config.data.max_length
   out: dict[str, float] = {}
   for k in factors:
-    data_cfg = ml_collections.ConfigDict(ctx.config.data.to_dict())
-    data_cfg.max_length = k * length
-    data_cfg.num_train_examples = 1  # only the eval split is used
-    data_cfg.num_eval_examples = examples
-    data_cfg.eval_batch_size = min(examples, 16)
+    data_cfg = dataclasses.replace(
+      run.experiment.data,
+      max_length=k * length,
+      num_train_examples=1,  # only the eval split is used
+      num_eval_examples=examples,
+      eval_batch_size=min(examples, 16),
+    )
     task = data.build(data_cfg, family=run.family, workdir=ctx.checkpoint_dir, seed=0)
     scaled = cfg.rope_scaling != 'none' and k > 1
     model_cfg = cfg.replace(

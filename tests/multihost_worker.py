@@ -56,7 +56,7 @@ def reference(steps: int, out: str) -> None:
   config = tiny_gpt(steps)
   run = Run(config, None)
   shards = [
-    data.build(config.data, family='causal_lm', workdir=None, seed=config.seed, **where)
+    data.build(run.experiment.data, family='causal_lm', workdir=None, seed=config.seed, **where)
     for where in ({'process_index': i, 'process_count': 2} for i in range(2))
   ]
   iterators = [task.train_iterator() for task in shards]

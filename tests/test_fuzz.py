@@ -27,6 +27,7 @@ import pytest
 from configs import base
 from transformer import data
 from transformer.config import ModelConfig
+from transformer.config.experiment import DataConfig, section
 from transformer.data import sources
 from transformer.training import checkpoint
 
@@ -281,7 +282,7 @@ def test_fuzz_data_files_through_build(tmp_path, caplog):
     cfg.update(dict(eval_path=str(path), bad_lines=bad_lines, batch_size=2, eval_batch_size=2))
     cfg.update(dict(max_length=32, max_source_length=16, max_target_length=16))
     family = 'causal_lm' if columns == 1 else 'encoder_decoder'
-    task = data.build(cfg, family=family, workdir=None, seed=0)
+    task = data.build(section(DataConfig, cfg), family=family, workdir=None, seed=0)
     batch = next(task.train_iterator())
     assert 0 <= batch['inputs'].min() and batch['inputs'].max() < task.tokenizer.vocab_size
     task.eval_batches()
@@ -333,7 +334,7 @@ def test_fuzz_token_shards_through_build(tmp_path):
     cfg.update(dict(task='corpus', train_path=str(directory / 'train_*.bin'), vocab_size=500))
     cfg.update(dict(eval_path=str(directory / 'val_*.bin'), batch_size=2, eval_batch_size=2))
     cfg.update(dict(max_length=16, pack=True, eval_batches=2))
-    task = data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    task = data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
     for _ in range(3):
       batch = next(task.train_iterator())
       assert batch['targets'].max() < 500 and batch['weights'].all()
@@ -375,7 +376,7 @@ def test_fuzz_jsonl_corpora_through_prepare(tmp_path):
     cfg.eval_path = cfg.train_path  # no held-out documents needed
     cfg.update(dict(batch_size=2, eval_batch_size=2, max_length=16))
     try:
-      task = data.build(cfg, family='causal_lm', workdir=None, seed=0)
+      task = data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
     except ValueError as e:
       assert 'c.jsonl' in str(e), f'the message names no file: {e}'
       assert not (case / 'o').exists(), 'a failed prepare left its directory'

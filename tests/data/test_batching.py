@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from transformer import data
+from transformer.config.experiment import DataConfig, section
 from transformer.data import batching, grammar
 from transformer.data import number_words as numbers
 
@@ -31,7 +32,7 @@ def _cfg(**overrides):
 
 
 def _build(family='encoder_decoder', seed=0, **overrides):
-  return data.build(_cfg(**overrides), family=family, workdir=None, seed=seed)
+  return data.build(section(DataConfig, _cfg(**overrides)), family=family, workdir=None, seed=seed)
 
 
 def _segments(segment_row):
@@ -260,7 +261,7 @@ def test_two_processes_read_disjoint_halves(tmp_path):
   eval_counts = []
   for process in range(2):
     task = data.build(
-      _cfg(**overrides),
+      section(DataConfig, _cfg(**overrides)),
       family='causal_lm',
       workdir=None,
       seed=0,
@@ -278,9 +279,17 @@ def test_two_processes_read_disjoint_halves(tmp_path):
 
 def test_bad_build_arguments():
   with pytest.raises(ValueError, match='batch_size=6 is not a positive multiple'):
-    data.build(_cfg(batch_size=6), family='causal_lm', workdir=None, seed=0, process_count=4)
+    data.build(
+      section(DataConfig, _cfg(batch_size=6)),
+      family='causal_lm',
+      workdir=None,
+      seed=0,
+      process_count=4,
+    )
   with pytest.raises(ValueError, match="family='gpt'"):
     _build('gpt')
+  with pytest.raises(TypeError, match='takes the typed DataConfig, not a ConfigDict'):
+    data.build(_cfg(), family='causal_lm', workdir=None, seed=0)
   with pytest.raises(ValueError, match="task='grammar' gives single documents"):
     _build('encoder_decoder', task='grammar')
   with pytest.raises(ValueError, match="task='wiki'"):
@@ -293,7 +302,7 @@ def test_uneven_eval_shards_get_the_same_number_of_batches():
   real_rows = []
   for process in range(2):
     task = data.build(
-      _cfg(num_eval_examples=9),
+      section(DataConfig, _cfg(num_eval_examples=9)),
       family='encoder_decoder',
       workdir=None,
       seed=0,

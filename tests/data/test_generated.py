@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from transformer import data
+from transformer.config.experiment import DataConfig, section
 from transformer.data import grammar
 from transformer.data import number_words as numbers
 
@@ -141,7 +142,9 @@ def test_grammar_render_parse_roundtrip_and_determinism():
 
 
 def test_grammar_task_info_converts_entropy_to_tokens():
-  task = data.build(_cfg(task='grammar'), family='causal_lm', workdir=None, seed=0)
+  task = data.build(
+    section(DataConfig, _cfg(task='grammar')), family='causal_lm', workdir=None, seed=0
+  )
   info = task.info
   assert info['unigram_entropy_per_word'] > info['entropy_per_word'] + 2.0
   # Independent count on the eval documents: bytes + eos per word (incl. '.' and END).
@@ -214,8 +217,13 @@ def test_repeat_subset_draws_a_fraction_from_a_few_examples_seen_many_times():
 
 
 def test_repeated_data_reaches_a_built_task_and_streamed_tasks_refuse_it():
-  task = data.build(_cfg(task='grammar', repeat_fraction=0.5, repeat_subset=20),
-                    family='causal_lm', workdir=None, seed=0)  # fmt: skip
+  cfg = section(DataConfig, _cfg(task='grammar', repeat_fraction=0.5, repeat_subset=20))
+  task = data.build(cfg, family='causal_lm', workdir=None, seed=0)
   assert task.info['repeat_epochs'] == pytest.approx(0.5 * 3000 / 20)
   with pytest.raises(ValueError, match="repeat_fraction=0.5 repeats examples .* task='tfds'"):
-    data.build(_cfg(task='tfds', repeat_fraction=0.5), family='causal_lm', workdir=None, seed=0)
+    data.build(
+      section(DataConfig, _cfg(task='tfds', repeat_fraction=0.5)),
+      family='causal_lm',
+      workdir=None,
+      seed=0,
+    )

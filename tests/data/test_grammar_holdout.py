@@ -9,7 +9,7 @@ import pytest
 
 from configs import base
 from transformer import data
-from transformer.config.experiment import Config
+from transformer.config.experiment import Config, DataConfig, section
 from transformer.data import grammar
 
 
@@ -87,7 +87,7 @@ def test_off_by_default_and_deterministic():
 
 def test_the_held_out_list_reaches_a_built_task():
   cfg = _cfg(grammar_holdout=0.2, tokenizer='byte', num_train_examples=200, num_eval_examples=16)
-  task = data.build(cfg, family='causal_lm', workdir=None, seed=0)
+  task = data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
   assert task.info['held_out_transitions'] == grammar.generate(cfg)[2]['held_out_transitions']
 
 

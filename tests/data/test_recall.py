@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from transformer import data
+from transformer.config.experiment import DataConfig, section
 from transformer.data import recall
 
 
@@ -77,8 +78,8 @@ def test_values_and_queries_are_uniform():
 
 
 def test_task_builds_deterministic_disjoint_splits_with_byte_tokens():
-  task = data.build(_cfg(), family='causal_lm', workdir=None, seed=0)
-  again = data.build(_cfg(), family='causal_lm', workdir=None, seed=0)
+  task = data.build(section(DataConfig, _cfg()), family='causal_lm', workdir=None, seed=0)
+  again = data.build(section(DataConfig, _cfg()), family='causal_lm', workdir=None, seed=0)
   assert task.info['length'] == 2 * 11 + 37 + 2 * 5
   assert task.info['query_start'] == 2 * 11 + 37
   assert task.info['recall_chance'] == pytest.approx(1 / 26)
@@ -116,7 +117,7 @@ def test_answers_loss_weighs_exactly_the_answers(pack):
   """recall_loss='answers': weight 1 on each queried value and 0 elsewhere (keys, pairs, filler,
   eos, padding), in eval and in training batches, packed or not."""
   cfg = _cfg(recall_loss='answers', pack=pack, max_length=160, batch_size=4)  # 2 fit a row
-  task = data.build(cfg, family='causal_lm', workdir=None, seed=0)
+  task = data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
   batches = [task.eval_batches()[0], next(task.train_iterator())]
   examples_per_row = []
   for batch in batches:
@@ -138,7 +139,9 @@ def test_answers_loss_weighs_exactly_the_answers(pack):
       assert weights.sum() == 5 * examples_per_row[-1]
   assert max(examples_per_row) == (2 if pack else 1)
   # 'all' weighs every real token
-  full = data.build(_cfg(), family='causal_lm', workdir=None, seed=0).eval_batches()[0]
+  full = data.build(
+    section(DataConfig, _cfg()), family='causal_lm', workdir=None, seed=0
+  ).eval_batches()[0]
   np.testing.assert_array_equal(full['weights'], (full['targets'] > 0).astype(np.float32))
 
 
@@ -151,4 +154,9 @@ def test_answers_loss_weighs_exactly_the_answers(pack):
 )
 def test_answers_loss_needs_a_causal_lm_with_byte_tokens(overrides, family, message):
   with pytest.raises(ValueError, match=message):
-    data.build(_cfg(recall_loss='answers', **overrides), family=family, workdir=None, seed=0)
+    data.build(
+      section(DataConfig, _cfg(recall_loss='answers', **overrides)),
+      family=family,
+      workdir=None,
+      seed=0,
+    )

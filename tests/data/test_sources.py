@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from transformer import data
+from transformer.config.experiment import DataConfig, section
 from transformer.data import batching, sources, tasks
 
 EOS = 2
@@ -32,7 +33,7 @@ def test_text_task_with_eval_file(tmp_path):
   train = _write(tmp_path / 'train.txt', [f'größe {i} ünd text' for i in range(30)] + ['', '  '])
   evaluation = _write(tmp_path / 'eval.txt', ['one two three four', 'five six'])
   task = data.build(
-    _cfg(task='text', train_path=train, eval_path=evaluation),
+    section(DataConfig, _cfg(task='text', train_path=train, eval_path=evaluation)),
     family='causal_lm',
     workdir=None,
     seed=0,
@@ -50,7 +51,7 @@ def test_text_task_with_eval_file(tmp_path):
 def test_text_holds_out_the_last_lines_without_eval_path(tmp_path):
   lines = [f'line {i}' for i in range(100)]
   task = data.build(
-    _cfg(task='text', train_path=_write(tmp_path / 't.txt', lines)),
+    section(DataConfig, _cfg(task='text', train_path=_write(tmp_path / 't.txt', lines))),
     family='causal_lm',
     workdir=None,
     seed=0,
@@ -60,7 +61,7 @@ def test_text_holds_out_the_last_lines_without_eval_path(tmp_path):
   assert held == lines[36:]
   with pytest.raises(ValueError, match='too few to hold out'):
     data.build(
-      _cfg(task='text', train_path=_write(tmp_path / 's.txt', lines[:64])),
+      section(DataConfig, _cfg(task='text', train_path=_write(tmp_path / 's.txt', lines[:64]))),
       family='causal_lm',
       workdir=None,
       seed=0,
@@ -72,7 +73,7 @@ def test_tsv_task_and_truncation(tmp_path):
   train = _write(tmp_path / 'train.tsv', [f'{s}\t{t}' for s, t in pairs])
   evaluation = _write(tmp_path / 'eval.tsv', ['a b\tc d'])
   task = data.build(
-    _cfg(task='tsv', train_path=train, eval_path=evaluation),
+    section(DataConfig, _cfg(task='tsv', train_path=train, eval_path=evaluation)),
     family='encoder_decoder',
     workdir=None,
     seed=0,
@@ -91,7 +92,9 @@ def test_tsv_task_and_truncation(tmp_path):
 
 def test_file_errors_name_the_file_and_line(tmp_path):
   def build(path, task='text', family='causal_lm'):
-    return data.build(_cfg(task=task, train_path=path), family=family, workdir=None, seed=0)
+    return data.build(
+      section(DataConfig, _cfg(task=task, train_path=path)), family=family, workdir=None, seed=0
+    )
 
   missing = str(tmp_path / 'missing.txt')
   with pytest.raises(FileNotFoundError, match='missing.txt'):
@@ -124,8 +127,8 @@ def tfds_mock():
 def test_tfds_translation_with_mock_data(tfds_mock, tmp_path):
   cfg = _cfg(task='tfds', tfds_name='wmt14_translate/de-en', tfds_data_dir=str(tmp_path))
   with tfds_mock(num_examples=24):
-    task = data.build(cfg, family='encoder_decoder', workdir=None, seed=0)
-    again = data.build(cfg, family='encoder_decoder', workdir=None, seed=0)
+    task = data.build(section(DataConfig, cfg), family='encoder_decoder', workdir=None, seed=0)
+    again = data.build(section(DataConfig, cfg), family='encoder_decoder', workdir=None, seed=0)
   assert task.name == 'wmt14_translate/de-en'
   assert task.info['num_train_examples'] == 24 and task.info['num_eval_examples'] == 24
   pairs = task.eval_examples(3)
@@ -148,7 +151,9 @@ def test_tfds_lm1b_with_mock_data_and_sentencepiece(tfds_mock, tmp_path):
     vocab_size=40,
   )
   with tfds_mock(num_examples=40):
-    task = data.build(cfg, family='causal_lm', workdir=str(tmp_path / 'run'), seed=0)
+    task = data.build(
+      section(DataConfig, cfg), family='causal_lm', workdir=str(tmp_path / 'run'), seed=0
+    )
   assert task.tokenizer.vocab_size <= 40
   cached = data.load_tokenizer(str(tmp_path / 'run' / 'tokenizer'))
   assert cached.vocab_size == task.tokenizer.vocab_size
@@ -161,14 +166,14 @@ def test_tfds_lm1b_with_mock_data_and_sentencepiece(tfds_mock, tmp_path):
 def test_tfds_unknown_name(tfds_mock):
   cfg = _cfg(task='tfds', tfds_name='no_such_dataset_xyz')
   with pytest.raises(ValueError, match="tfds_name='no_such_dataset_xyz'"):
-    data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
 
 
 def test_tfds_missing_feature(tfds_mock, tmp_path):
   cfg = _cfg(task='tfds', tfds_name='wmt14_translate/de-en', source_lang='fr')
   cfg.tfds_data_dir = str(tmp_path)
   with tfds_mock(num_examples=4), pytest.raises(ValueError, match=r"no feature\(s\) \['fr'\]"):
-    data.build(cfg, family='encoder_decoder', workdir=None, seed=0)
+    data.build(section(DataConfig, cfg), family='encoder_decoder', workdir=None, seed=0)
 
 
 # Hostile files: bad lines, huge lines, token ids outside the vocabulary -------------------------
@@ -180,7 +185,9 @@ def test_bad_lines_error_names_the_file_line_and_the_knob(tmp_path):
   with pytest.raises(ValueError, match="bad_lines='sometimes' is not valid"):
     sources.read_lines(str(bad), 'train_path', bad_lines='sometimes')
   with pytest.raises(ValueError, match="bad_lines='sometimes' is not valid"):
-    data.build(_cfg(task='text', train_path=str(bad), bad_lines='sometimes'), **_LM)
+    data.build(
+      section(DataConfig, _cfg(task='text', train_path=str(bad), bad_lines='sometimes')), **_LM
+    )
 
 
 def test_bad_lines_skip_leaves_them_out_and_counts_them_per_file(tmp_path, caplog):
@@ -215,7 +222,9 @@ def test_a_50_mb_line_is_cut_before_tokenizing(tmp_path):
   tracemalloc.start()
   try:
     start = time.perf_counter()
-    task = data.build(_cfg(task='text', train_path=str(train), eval_path=evaluation), **_LM)
+    task = data.build(
+      section(DataConfig, _cfg(task='text', train_path=str(train), eval_path=evaluation)), **_LM
+    )
     seconds = time.perf_counter() - start
     peak = tracemalloc.get_traced_memory()[1]
   finally:
@@ -248,10 +257,12 @@ def test_out_of_range_token_ids_are_one_clear_error(tmp_path, monkeypatch):
     r"for data\.train_path='.*train\.txt' example 5 \('has a z here'\)"
   )
   with pytest.raises(ValueError, match=message):
-    data.build(_cfg(task='text', train_path=train, eval_path=train), **_LM)
+    data.build(section(DataConfig, _cfg(task='text', train_path=train, eval_path=train)), **_LM)
   lines[5] = 'line 5' + ' pad' * 40 + ' z'  # past max_length: cut away, so harmless
   ok = _write(tmp_path / 'ok.txt', lines)
-  data.build(_cfg(task='text', train_path=ok, eval_path=ok, max_length=16), **_LM)
+  data.build(
+    section(DataConfig, _cfg(task='text', train_path=ok, eval_path=ok, max_length=16)), **_LM
+  )
 
 
 def test_batches_are_checked_for_token_ids_too():
@@ -283,9 +294,13 @@ def test_the_tokenizer_is_written_whole(tmp_path, monkeypatch):
   with monkeypatch.context() as patch:
     patch.setattr(data.ByteTokenizer, 'save', save_then_fail)
     with pytest.raises(OSError, match='No space left'):
-      data.build(_text_cfg(tmp_path), family='causal_lm', seed=0, workdir=str(workdir))
+      data.build(
+        section(DataConfig, _text_cfg(tmp_path)), family='causal_lm', seed=0, workdir=str(workdir)
+      )
   assert os.listdir(workdir) == []  # neither half a tokenizer nor temp directories
-  data.build(_text_cfg(tmp_path), family='causal_lm', seed=0, workdir=str(workdir))
+  data.build(
+    section(DataConfig, _text_cfg(tmp_path)), family='causal_lm', seed=0, workdir=str(workdir)
+  )
   assert os.listdir(workdir) == ['tokenizer']
   assert data.load_tokenizer(str(workdir / 'tokenizer')).kind == 'byte'
 
@@ -299,12 +314,14 @@ def test_a_tokenizer_is_never_replaced(tmp_path):
   assert (cache / 'tokenizer.json').read_bytes() == before and os.listdir(tmp_path) == ['tokenizer']
   (cache / 'tokenizer.json').write_text('{"kind": "byt')
   with pytest.raises(ValueError, match=r"tokenizer' holds no readable tokenizer"):
-    data.build(_text_cfg(tmp_path), family='causal_lm', seed=0, workdir=str(tmp_path))
+    data.build(
+      section(DataConfig, _text_cfg(tmp_path)), family='causal_lm', seed=0, workdir=str(tmp_path)
+    )
 
 
 def test_sentencepiece_is_not_retrained_under_existing_checkpoints(tmp_path):
   (tmp_path / 'run' / 'checkpoints' / '100').mkdir(parents=True)
   cfg = _text_cfg(tmp_path, tokenizer='sentencepiece', vocab_size=40)
   with pytest.raises(ValueError, match='has checkpoints but no tokenizer/'):
-    data.build(cfg, family='causal_lm', seed=0, workdir=str(tmp_path / 'run'))
+    data.build(section(DataConfig, cfg), family='causal_lm', seed=0, workdir=str(tmp_path / 'run'))
   assert sorted(os.listdir(tmp_path / 'run')) == ['checkpoints']

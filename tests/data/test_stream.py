@@ -10,6 +10,7 @@ import pytest
 from test_prepare import llmc_shard
 
 from transformer import data
+from transformer.config.experiment import DataConfig, section
 from transformer.data import sources, stream
 from transformer.training import checkpoint
 
@@ -37,11 +38,11 @@ def _iterator(
   s, process=0, count=1, rows=4, length=16, family='causal_lm', pack=False, seed=0,
   sampling='sequential',
 ):  # fmt: skip
-  return stream.StreamIterator(
-    s, family=family, length=length, global_rows=rows, process=process, process_count=count,
-    separator=SEP, pack=pack, vocab_size=50, seed=seed, mlm_prob=0.3,
-    special=(0, 1, 2, 3, 4, SEP), sampling=sampling,
+  layout = stream.Layout(
+    family, length, SEP, pack, vocab_size=50, process=process, process_count=count, mlm_prob=0.3,
+    special=(0, 1, 2, 3, 4, SEP),
   )  # fmt: skip
+  return stream.StreamIterator(s, layout, rows, seed, sampling)
 
 
 def test_read_wraps_around_the_shards(tmp_path):
@@ -149,11 +150,10 @@ def test_mlm_masks_only_real_tokens_and_not_the_separator(tmp_path):
 
 def test_eval_batches_cover_the_split_once_then_pad(tmp_path):
   s, tokens = _random_stream(tmp_path, sizes=(100, 31))
-  options = dict(family='causal_lm', length=8, global_rows=4, separator=SEP, pack=False)
-  options |= dict(vocab_size=50, num_batches=0)
-  batches = [
-    stream.eval_batches(s, process=p, process_count=2, **options) for p in range(2)
-  ]  # fmt: skip
+  layouts = [
+    stream.Layout('causal_lm', 8, SEP, False, 50, process=p, process_count=2) for p in [0, 1]
+  ]
+  batches = [stream.eval_batches(s, layout, global_rows=4, num_batches=0) for layout in layouts]
   rows_fit = (len(tokens) - 9) // 8 + 1
   assert len(batches[0]) == len(batches[1]) == -(-rows_fit // 4)
   merged = [np.concatenate([a[k], b[k]]) for a, b in zip(*batches) for k in ['targets', 'weights']]
@@ -197,7 +197,9 @@ def _llmc_cfg(tmp_path, **overrides):
 
 
 def test_llmc_shards_build_a_task(tmp_path):
-  task = data.build(_llmc_cfg(tmp_path), family='causal_lm', workdir=None, seed=0)
+  task = data.build(
+    section(DataConfig, _llmc_cfg(tmp_path)), family='causal_lm', workdir=None, seed=0
+  )
   assert task.tokenizer.vocab_size == 50257 and task.info['train_tokens'] == 15000
   batch = next(task.train_iterator())
   assert batch['inputs'].shape == (4, 64) and batch['segments'].max() > 1  # 50256 separates
@@ -214,14 +216,16 @@ def test_llmc_shards_build_a_task(tmp_path):
 )
 def test_llmc_task_errors(tmp_path, change, message):
   with pytest.raises((ValueError, FileNotFoundError), match=message):
-    data.build(_llmc_cfg(tmp_path, **change), family='causal_lm', workdir=None, seed=0)
+    data.build(
+      section(DataConfig, _llmc_cfg(tmp_path, **change)), family='causal_lm', workdir=None, seed=0
+    )
 
 
 def test_llmc_bad_shard_is_one_error(tmp_path):
   cfg = _llmc_cfg(tmp_path)
   llmc_shard(tmp_path / 'fineweb_train_000009.bin', np.zeros(10), magic=20240521)
   with pytest.raises(ValueError, match='magic 20240521 version 1; not a token shard'):
-    data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
 
 
 def test_corpus_is_prepared_on_first_use_into_the_workdir(tmp_path):
@@ -231,7 +235,7 @@ def test_corpus_is_prepared_on_first_use_into_the_workdir(tmp_path):
   cfg.update(dict(task='corpus', train_path=str(tmp_path / 'c.txt'), max_length=32))
   cfg.update(dict(batch_size=4, eval_batch_size=4))
   workdir = str(tmp_path / 'run')
-  task = data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
+  task = data.build(section(DataConfig, cfg), family='causal_lm', workdir=workdir, seed=0)
   assert os.path.exists(os.path.join(workdir, 'corpus', 'dataset.json'))
   assert data.load_tokenizer(os.path.join(workdir, 'tokenizer')).kind == 'byte'
   assert task.info['num_train_documents'] == 600 - 3  # every 200th is held out
@@ -240,9 +244,9 @@ def test_corpus_is_prepared_on_first_use_into_the_workdir(tmp_path):
   with pytest.raises(ValueError, match='vocabulary mismatch'):  # workdir/tokenizer is another
     cfg.update(dict(prepared_dir=str(tmp_path / 'other'), tokenizer='sentencepiece'))
     cfg.update(dict(vocab_size=40))
-    data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
+    data.build(section(DataConfig, cfg), family='causal_lm', workdir=workdir, seed=0)
   with pytest.raises(ValueError, match="family='encoder_decoder' needs pairs"):
-    data.build(cfg, family='encoder_decoder', workdir=workdir, seed=0)
+    data.build(section(DataConfig, cfg), family='encoder_decoder', workdir=workdir, seed=0)
 
 
 def test_tfds_split_is_prepared_and_streamed(tmp_path):
@@ -252,12 +256,12 @@ def test_tfds_split_is_prepared_and_streamed(tmp_path):
   cfg.update(dict(prepared_dir=str(tmp_path / 'out'), max_length=16, batch_size=2))
   cfg.update(dict(eval_batch_size=2))
   with tfds.testing.mock_data(num_examples=30):
-    task = data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    task = data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
     texts = list(sources.tfds_examples('lm1b', 'train', str(tmp_path / 'tfds'), ('text',)))
   tok = data.ByteTokenizer()
   want = [t for text in texts if text.strip() for t in [data.EOS_ID, *tok.encode(text)]]
   assert task.info['train_tokens'] == len(want)
-  np.testing.assert_array_equal(task._train.read(0, len(want)), want)
+  np.testing.assert_array_equal(task.source.train.read(0, len(want)), want)
 
 
 def test_mlm_task_masks_with_the_tokenizers_mask_id(tmp_path):
@@ -266,7 +270,7 @@ def test_mlm_task_masks_with_the_tokenizers_mask_id(tmp_path):
   cfg = data.default_config()
   cfg.update(dict(task='corpus', train_path=str(tmp_path / 'c.txt'), max_length=64, pack=True))
   cfg.update(dict(batch_size=8, eval_batch_size=8, prepared_dir=str(tmp_path / 'out')))
-  task = data.build(cfg, family='bidirectional_lm', workdir=None, seed=0)
+  task = data.build(section(DataConfig, cfg), family='bidirectional_lm', workdir=None, seed=0)
   batch = next(task.train_iterator())
   masked = batch['weights'] > 0
   assert 0.05 < masked.mean() < 0.3  # mlm_prob=0.15

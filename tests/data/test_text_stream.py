@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from transformer import data
+from transformer.config.experiment import DataConfig, section
 from transformer.data import stream
 from transformer.training import checkpoint
 
@@ -40,7 +41,12 @@ def _ids(text):
 
 def _build(cfg, family='causal_lm', process=0, count=1, seed=0):
   return data.build(
-    cfg, family=family, workdir=None, seed=seed, process_index=process, process_count=count
+    section(DataConfig, cfg),
+    family=family,
+    workdir=None,
+    seed=seed,
+    process_index=process,
+    process_count=count,
   )
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from transformer import data
+from transformer.config.experiment import DataConfig, section
 from transformer.data import sources
 
 TRAIN = [f'the {w} number {i} walks to the river' for i, w in enumerate(['red', 'blue'] * 12)]
@@ -80,7 +81,7 @@ def test_download_and_prepare_runs_for_real_and_the_task_reads_it(builders, tmp_
   local.SOURCE = str(source)
   data_dir = tmp_path / 'tfds'
   cfg = _cfg(tfds_name='sparrow_local_text', tfds_data_dir=str(data_dir), tfds_text_key='text')
-  task = data.build(cfg, family='causal_lm', workdir=None, seed=0)
+  task = data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
   prepared = data_dir / 'sparrow_local_text' / '1.0.0'
   assert (prepared / 'dataset_info.json').exists()
   shards = sorted(p.name for p in prepared.glob('*.tfrecord*'))
@@ -97,7 +98,7 @@ def test_download_and_prepare_runs_for_real_and_the_task_reads_it(builders, tmp_
   # Prepared once: a second build reads the shards even with the source files gone.
   for f in source.iterdir():
     f.unlink()
-  again = data.build(cfg, family='causal_lm', workdir=None, seed=0)
+  again = data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
   np.testing.assert_array_equal(next(again.train_iterator())['inputs'], batch['inputs'])
 
 
@@ -119,7 +120,7 @@ def test_a_failed_download_is_one_line_naming_the_dataset_and_the_data_dir(
   data_dir = tmp_path / 'tfds'
   cfg = _cfg(tfds_name='sparrow_remote_text', tfds_data_dir=str(data_dir), tfds_eval_split='train')
   with pytest.raises(sources.DownloadFailed) as caught:
-    data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
   assert calls == ['https://data.sparrow.invalid/tiny.txt.gz']  # TFDS's downloader got there
   message = str(caught.value)
   assert '\n' not in message
@@ -134,5 +135,5 @@ def test_other_prepare_errors_keep_their_type(builders, tmp_path):
   local.SOURCE = str(tmp_path / 'missing')  # no files: TFDS's extraction fails, not the network
   cfg = _cfg(tfds_name='sparrow_local_text', tfds_data_dir=str(tmp_path / 'tfds'))
   with pytest.raises(Exception) as caught:
-    data.build(cfg, family='causal_lm', workdir=None, seed=0)
+    data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
   assert not isinstance(caught.value, sources.DownloadFailed)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from transformer import data
+from transformer.config.experiment import DataConfig, section
 from transformer.data import tasks
 
 
@@ -63,20 +64,20 @@ def test_sentencepiece_is_cached_in_workdir_and_reused(tmp_path, monkeypatch):
   cfg.update(dict(task='text', train_path=str(path), tokenizer='sentencepiece', vocab_size=50))
   cfg.text_format = 'lines'
   workdir = str(tmp_path / 'run')
-  first = data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
+  first = data.build(section(DataConfig, cfg), family='causal_lm', workdir=workdir, seed=0)
   assert os.path.exists(os.path.join(workdir, 'tokenizer', 'spm.model'))
 
   def fail(*args, **kwargs):
     raise AssertionError('retrained although a cached tokenizer exists')
 
   monkeypatch.setattr(tasks, 'train_sentencepiece', fail)
-  second = data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
+  second = data.build(section(DataConfig, cfg), family='causal_lm', workdir=workdir, seed=0)
   assert second.tokenizer.model_proto == first.tokenizer.model_proto
   batch_a, batch_b = next(first.train_iterator()), next(second.train_iterator())
   np.testing.assert_array_equal(batch_a['inputs'], batch_b['inputs'])
   cfg.vocab_size = 80  # a different request must not silently reuse the old model
   with pytest.raises(ValueError, match='vocab_size=80'):
-    data.build(cfg, family='causal_lm', workdir=workdir, seed=0)
+    data.build(section(DataConfig, cfg), family='causal_lm', workdir=workdir, seed=0)
 
 
 def test_load_tokenizer_missing_directory(tmp_path):

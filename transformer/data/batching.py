@@ -254,12 +254,36 @@ class Batcher:
     return batch
 
 
-class TrainIterator:
+class Resumable:
+  """Infinite training batches of one process that resume exactly: `set_state(get_state())`
+  continues with the same batches. A subclass gives its position as a JSON dict (`_progress`),
+  moves to a saved one (`_restore`), and names what the position is in (`_identity`: key -> (how
+  errors name it, this run's value, the value of a state without the key)), which a resumed run
+  must match."""
+
+  RESUME = 'resume with the same data config'  # how to fix a mismatch
+
+  def __iter__(self) -> Resumable:
+    return self
+
+  def get_state(self) -> dict:
+    return {**self._progress(), **{k: mine for k, (_, mine, _) in self._identity().items()}}
+
+  def set_state(self, state: dict) -> None:
+    for key, (name, mine, default) in self._identity().items():
+      theirs = state.get(key, default)
+      if theirs != mine:
+        raise ValueError(
+          f'data state is for {name}={theirs!r} but this run has {mine!r}; {self.RESUME}'
+        )
+    self._restore(state)
+
+
+class TrainIterator(Resumable):
   """Infinite, deterministic, resumable batches of one process's training examples.
 
   Epoch e visits the examples in the order `default_rng([seed, process, e]).permutation(n)`;
-  batches run on across epoch boundaries. The state is (epoch, position in that epoch's order), so
-  `set_state(get_state())` continues with exactly the same batches.
+  batches run on across epoch boundaries. The state is (epoch, position in that epoch's order).
   """
 
   def __init__(
@@ -269,18 +293,13 @@ class TrainIterator:
     self._rows, self._seed, self._pack, self._process = rows, seed, pack, process
     self._epoch, self._position, self._order = 0, 0, None
 
-  def __iter__(self) -> TrainIterator:
-    return self
+  def _progress(self) -> dict:
+    return {'epoch': self._epoch, 'position': self._position}
 
-  def get_state(self) -> dict:
-    return {'epoch': self._epoch, 'position': self._position, 'num_examples': len(self._examples)}
+  def _identity(self) -> dict:
+    return {'num_examples': ('num_examples', len(self._examples), None)}
 
-  def set_state(self, state: dict) -> None:
-    if state['num_examples'] != len(self._examples):
-      raise ValueError(
-        f'data state is for num_examples={state["num_examples"]} but this process has '
-        f'{len(self._examples)} training examples; resume with the same data config'
-      )
+  def _restore(self, state: dict) -> None:
     self._epoch, self._position, self._order = int(state['epoch']), int(state['position']), None
 
   def _wrap(self) -> None:
@@ -342,3 +361,36 @@ def eval_batches(
     batches.append(batcher.mask(batch, (_EVAL_MASK_SEED, b)))
     check_token_ids(batches[-1], batcher.vocab_size, f'eval batch {b}')
   return batches
+
+
+@dataclasses.dataclass(frozen=True)
+class ExampleSource:
+  """The tokens of a task held in memory: tokenised examples, laid out by `batcher`.
+
+  `rows` and `eval_rows` are this process's; every process has `num_eval_batches` eval batches.
+  """
+
+  train: Examples
+  evaluation: Examples
+  documents: list  # this process's raw eval examples: texts or (source, target) pairs
+  batcher: Batcher
+  rows: int
+  eval_rows: int
+  num_eval_batches: int
+  seed: int
+  pack: bool
+  process: int
+
+  def train_iterator(self) -> TrainIterator:
+    return TrainIterator(self.train, self.batcher, self.rows, self.seed, self.pack, self.process)
+
+  def eval_batches(self) -> list[dict[str, np.ndarray]]:
+    return eval_batches(self.evaluation, self.batcher, self.eval_rows, self.num_eval_batches)
+
+  def train_eval_batches(self, count: int) -> list[dict[str, np.ndarray]]:
+    """Up to `count` eval batches of training examples, in order (fewer for a smaller set)."""
+    fit = max(1, len(self.train) // self.eval_rows)  # at least 1: padded rows weigh 0
+    return eval_batches(self.train, self.batcher, self.eval_rows, min(count, fit))
+
+  def eval_documents(self, n: int, tokenizer=None) -> list[str | tuple[str, str]]:
+    return self.documents[:n]

@@ -13,13 +13,16 @@ processes. Evaluation reads rows r*T in order, once.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from transformer.config.experiment import SAMPLINGS
 from transformer.data import batching, masking, shards
-from transformer.data.tokenizers import MASK_ID, PAD_ID
+from transformer.data.tokenizers import MASK_ID, PAD_ID, Tokenizer
 
 _EVAL_MASK_SEED = 7  # eval masks are the same for every run seed, so eval losses compare
+_EXAMPLE_CHUNK = 2**16  # eval tokens read at a time for the decoded examples
 AUTO_EVAL_TOKENS = 2**22  # eval_batches=-1 scores a split of up to this many tokens whole
 AUTO_EVAL_BATCHES = 20  # and the first this many batches of a larger one
 
@@ -69,6 +72,37 @@ class ArrayStream:
     return np.take(self.tokens, np.arange(start, start + count), mode='wrap')
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How one process cuts rows from a token stream and formats them.
+
+  Attributes:
+    family: 'causal_lm' or 'bidirectional_lm' (BERT-masked rows).
+    length: T, the tokens of a row.
+    separator: the document separator; `pack` starts a segment at each.
+    pack: each document gets its own segment (attention stays inside it) and positions.
+    vocab_size: every id is checked to lie below it (MLM draws random tokens below it).
+    process, process_count: this process reads rows [p*B/P, (p+1)*B/P) of a global batch of B.
+    mlm_prob, mask_id, special: MLM: the share of tokens masked, the mask id, ids never masked.
+  """
+
+  family: str
+  length: int
+  separator: int
+  pack: bool
+  vocab_size: int
+  process: int = 0
+  process_count: int = 1
+  mlm_prob: float = 0.15
+  mask_id: int = MASK_ID
+  special: tuple[int, ...] = ()
+
+  @property
+  def span(self) -> int:
+    """Tokens read for one row: a causal LM's targets run one past its inputs."""
+    return self.length + 1 if self.family == 'causal_lm' else self.length
+
+
 def _segments(inputs: np.ndarray, separator: int) -> tuple[np.ndarray, np.ndarray]:
   """Segment ids (1, 2, ... per document) and positions (0 at each document start) of [B, T]
   rows; a document starts at its separator token, and the first token of a row starts one."""
@@ -80,36 +114,27 @@ def _segments(inputs: np.ndarray, separator: int) -> tuple[np.ndarray, np.ndarra
   return segments, (column - last_start).astype(np.int32)
 
 
-def rows(
-  stream: TokenStream | ArrayStream,
-  starts: np.ndarray,
-  length: int,
-  family: str,
-  separator: int,
-  pack: bool,
-  real: np.ndarray | None = None,
-) -> dict[str, np.ndarray]:
-  """One batch of `family` whose row i reads the stream from token starts[i] ([len(starts), T]).
+def rows(stream, starts: np.ndarray, layout: Layout, real=None) -> dict[str, np.ndarray]:
+  """One unmasked batch whose row i reads the stream from token starts[i] ([len(starts), T]).
 
-  Rows where `real` is False (eval: past the end of the split) are all padding, weight 0.
-  `pack` gives each document its own segment (attention stays inside it) and positions.
+  Rows where `real` (bool [len(starts)]) is False, eval rows past the end of the split, are all
+  padding, weight 0.
   """
-  count = len(starts)
-  span = length + 1 if family == 'causal_lm' else length  # tokens read per row
-  windows = np.zeros([count, span], np.int32)  # [B, span]
+  count, length = len(starts), layout.length
+  windows = np.zeros([count, layout.span], np.int32)  # [B, span]
   real = np.ones(count, bool) if real is None else np.asarray(real, bool)
   for i in range(count):
     if real[i]:
-      windows[i] = stream.read(int(starts[i]), span)
+      windows[i] = stream.read(int(starts[i]), layout.span)
   inputs = windows[:, :length]  # [B, T]
-  if pack:
-    segments, positions = _segments(inputs, separator)
+  if layout.pack:
+    segments, positions = _segments(inputs, layout.separator)
   else:
     segments = np.ones_like(inputs)
     positions = np.broadcast_to(np.arange(length, dtype=np.int32), inputs.shape).copy()
   segments[~real], positions[~real] = 0, 0
   weights = np.broadcast_to(real[:, None], inputs.shape).astype(np.float32)
-  if family == 'causal_lm':
+  if layout.family == 'causal_lm':
     return {
       'inputs': inputs,
       'targets': windows[:, 1:],
@@ -140,8 +165,6 @@ def row_starts(
   """
   if sampling == 'sequential':
     return np.arange(first, first + count, dtype=np.int64) * length
-  if sampling != 'random':
-    raise ValueError(f'data.sampling={sampling!r} is not valid; choose one of {SAMPLINGS}')
   out = np.empty(count, np.int64)
   done = 0
   while done < count:
@@ -154,17 +177,12 @@ def row_starts(
   return out
 
 
-def mask_rows(
-  batch: dict,
-  first: int,
-  seed: int,
-  vocab_size: int,
-  special: tuple,
-  prob: float,
-  mask_id: int = MASK_ID,
-):
-  """BERT-masks each real row with its own generator, seeded by its global row number (so masks
-  do not depend on the number of processes); weights are 1 where a token is to be predicted."""
+def mask_rows(batch: dict, first: int, seed: int, layout: Layout) -> dict:
+  """BERT-masks each real row of an MLM batch with its own generator, seeded by its global row
+  number (so masks do not depend on the number of processes); weights are 1 where a token is to
+  be predicted. Any other family's batch is returned as it is."""
+  if layout.family != 'bidirectional_lm':
+    return batch
   for i in range(len(batch['inputs'])):
     if not batch['segments'][i, 0]:
       continue  # a padding row
@@ -172,83 +190,53 @@ def mask_rows(
     inputs, _, weights = masking.mlm_mask(
       rng,
       batch['targets'][i : i + 1],  # [1, T]
-      mask_id=mask_id,
-      vocab_size=vocab_size,
-      special_ids=special,
-      mask_prob=prob,
+      mask_id=layout.mask_id,
+      vocab_size=layout.vocab_size,
+      special_ids=layout.special,
+      mask_prob=layout.mlm_prob,
     )
     batch['inputs'][i], batch['weights'][i] = inputs[0], weights[0]
   return batch
 
 
-class StreamIterator:
-  """Infinite, resumable training batches of one process, read from a TokenStream.
+class StreamIterator(batching.Resumable):
+  """Infinite, resumable training batches of one process, read from a token stream.
 
-  The state is {'row': global rows consumed, 'tokens': the split's size}: the same on every
-  process, so a run resumes exactly also with another number of processes.
+  The state is {'row': global rows consumed, 'tokens': the split's size, 'sampling'}: the same on
+  every process, so a run resumes exactly also with another number of processes.
   """
 
-  def __init__(
-    self,
-    stream,
-    *,
-    family,
-    length,
-    global_rows,
-    process,
-    process_count,
-    separator,
-    pack,
-    vocab_size,
-    seed,
-    mlm_prob=0.15,
-    special=(),
-    mask_id=MASK_ID,
-    sampling='sequential',
-  ):
+  RESUME = 'resume with the same corpus (data.train_path) and data.sampling'
+
+  def __init__(self, stream, layout: Layout, global_rows: int, seed: int, sampling='sequential'):
     if sampling not in SAMPLINGS:
       raise ValueError(f'data.sampling={sampling!r} is not valid; choose one of {SAMPLINGS}')
-    self.sampling = sampling
-    self.stream, self.family, self.length = stream, family, length
-    self.global_rows, self.separator, self.pack = global_rows, separator, pack
-    self.rows = global_rows // process_count
-    self.offset = process * self.rows
-    self.vocab_size, self.seed, self.mlm_prob, self.special = vocab_size, seed, mlm_prob, special
-    self.mask_id = mask_id
+    self.stream, self.layout, self.global_rows = stream, layout, global_rows
+    self.seed, self.sampling = seed, sampling
+    self.rows = global_rows // layout.process_count
+    self.offset = layout.process * self.rows
     self.row = 0
 
-  def __iter__(self) -> StreamIterator:
-    return self
+  def _progress(self) -> dict:
+    return {'row': self.row, 'global': True}  # global: one position for every process
 
-  def get_state(self) -> dict:
-    return {'row': self.row, 'tokens': len(self.stream), 'global': True, 'sampling': self.sampling}
+  def _identity(self) -> dict:
+    # States written before data.sampling existed were sequential.
+    tokens = ('tokens', len(self.stream), None)  # the training split's size
+    return {'tokens': tokens, 'sampling': ('data.sampling', self.sampling, 'sequential')}
 
-  def set_state(self, state: dict) -> None:
-    if state.get('tokens') != len(self.stream):
-      raise ValueError(
-        f'data state is for a training split of {state.get("tokens")} tokens but these shards '
-        f'hold {len(self.stream)}; resume with the same corpus (data.train_path)'
-      )
-    if state.get('sampling', 'sequential') != self.sampling:
-      raise ValueError(
-        f'data state is for data.sampling={state.get("sampling", "sequential")!r} but this run '
-        f'has {self.sampling!r}; resume with the same data.sampling'
-      )
+  def _restore(self, state: dict) -> None:
     self.row = int(state['row'])
 
   def __next__(self) -> dict[str, np.ndarray]:
-    first = self.row + self.offset
-    span = self.length + 1 if self.family == 'causal_lm' else self.length
+    first, layout = self.row + self.offset, self.layout
     starts = row_starts(
-      len(self.stream), span, self.length, first, self.rows, self.global_rows, self.seed,
+      len(self.stream), layout.span, layout.length, first, self.rows, self.global_rows, self.seed,
       self.sampling,
     )  # fmt: skip
-    batch = rows(self.stream, starts, self.length, self.family, self.separator, self.pack)
-    if self.family == 'bidirectional_lm':
-      mask_rows(batch, first, self.seed, self.vocab_size, self.special, self.mlm_prob, self.mask_id)
-    batching.check_token_ids(
-      batch, self.vocab_size, f'training rows {first}..{first + self.rows - 1} of the shards'
-    )
+    batch = mask_rows(rows(self.stream, starts, layout), first, self.seed, layout)
+    where = f'training rows {first}..{first + self.rows - 1} of the shards'
+    batching.check_token_ids(batch, layout.vocab_size, where)
     self.row += self.global_rows
     return batch
 
@@ -269,41 +257,83 @@ def num_eval_batches(tokens: int, length: int, family: str, global_rows: int, wa
 
 
 def eval_batches(
-  stream,
-  *,
-  family,
-  length,
-  global_rows,
-  process,
-  process_count,
-  separator,
-  pack,
-  vocab_size,
-  num_batches,
-  special=(),
-  mlm_prob=0.15,
-  mask_id=MASK_ID,
-  spread=False,
+  stream, layout: Layout, global_rows: int, num_batches: int, spread: bool = False
 ) -> list[dict]:
   """Global eval batches of a split, this process's rows of each (the same count on every
   process): rows r*T in order, once; rows past the end of the split are padding. `num_batches`
   as data.eval_batches (`num_eval_batches`). `spread` takes the rows at evenly spaced windows of
   the whole split instead of its first ones (a sample of the training split)."""
+  length, family = layout.length, layout.family
   limit = eval_rows(len(stream), length, family)
   num_batches = num_eval_batches(len(stream), length, family, global_rows, num_batches)
-  per = global_rows // process_count
+  per = global_rows // layout.process_count
   picked = np.arange(limit, dtype=np.int64)
   if spread and num_batches * global_rows < limit:
     picked = np.linspace(0, limit - 1, num_batches * global_rows).round().astype(np.int64)
   out = []
   for b in range(num_batches):
-    first = b * global_rows + process * per
+    first = b * global_rows + layout.process * per
     index = np.arange(first, first + per)
     real = index < len(picked)
     starts = np.where(real, picked[np.minimum(index, len(picked) - 1)], 0) * length
-    batch = rows(stream, starts, length, family, separator, pack, real=real)
-    if family == 'bidirectional_lm':
-      mask_rows(batch, first, _EVAL_MASK_SEED, vocab_size, special, mlm_prob, mask_id)
-    batching.check_token_ids(batch, vocab_size, f'eval rows {first}..{first + per - 1}')
+    batch = mask_rows(rows(stream, starts, layout, real=real), first, _EVAL_MASK_SEED, layout)
+    batching.check_token_ids(batch, layout.vocab_size, f'eval rows {first}..{first + per - 1}')
     out.append(batch)
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSource:
+  """The tokens of a streamed task: a training and an eval stream, cut into rows by `layout`.
+
+  `documents`: the eval examples are the eval split's documents (a corpus), else its rows (a
+  running text, whose documents are whole files).
+  """
+
+  train: TokenStream | ArrayStream
+  evaluation: TokenStream | ArrayStream
+  layout: Layout
+  batch_size: int  # global rows of a training batch
+  eval_batch_size: int  # global rows of an eval batch
+  num_eval_batches: int  # data.eval_batches
+  seed: int
+  sampling: str
+  documents: bool
+
+  def train_iterator(self) -> StreamIterator:
+    return StreamIterator(self.train, self.layout, self.batch_size, self.seed, self.sampling)
+
+  def eval_batches(self) -> list[dict[str, np.ndarray]]:
+    return eval_batches(self.evaluation, self.layout, self.eval_batch_size, self.num_eval_batches)
+
+  def train_eval_batches(self, count: int) -> list[dict[str, np.ndarray]]:
+    """`count` eval batches of training rows at evenly spaced windows of the training split."""
+    return eval_batches(self.train, self.layout, self.eval_batch_size, count, spread=True)
+
+  def eval_documents(self, n: int, tokenizer: Tokenizer) -> list[str | tuple[str, str]]:
+    """The first n eval documents of this process, decoded; for a running text, n eval rows as
+    (first half, second half). None for token-id shards read without their tokenizer."""
+    if tokenizer.kind == 'ids' or not n:
+      return []
+    if not self.documents:
+      return self._row_halves(n, tokenizer)
+    process, count = self.layout.process, self.layout.process_count
+    separator, tokens, start, total = self.layout.separator, [], 0, len(self.evaluation)
+    while start < total:  # read on until n documents of this process are whole
+      tokens.append(self.evaluation.read(start, min(_EXAMPLE_CHUNK, total - start)))
+      start += len(tokens[-1])
+      if np.count_nonzero(np.concatenate(tokens) == separator) > (n + 1) * count:
+        break
+    tokens = np.concatenate(tokens)
+    docs = np.split(tokens, np.flatnonzero(tokens == separator))
+    docs = [d[1:] for d in docs if len(d) > 1][process::count][:n]
+    return [tokenizer.decode(d.tolist()) for d in docs]
+
+  def _row_halves(self, n: int, tokenizer: Tokenizer) -> list[tuple[str, str]]:
+    length, process = self.layout.length, self.layout.process
+    available = eval_rows(len(self.evaluation), length, self.layout.family)
+    out = []
+    for r in range(process * min(n, available), (process + 1) * min(n, available)):
+      tokens = self.evaluation.read(r % available * length, length).tolist()
+      out.append((tokenizer.decode(tokens[: length // 2]), tokenizer.decode(tokens[length // 2 :])))
+    return out

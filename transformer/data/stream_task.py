@@ -1,4 +1,4 @@
-"""task='corpus': a language-model Task streamed from token shards (see `stream`).
+"""task='corpus': the token streams of a language-model task, read from shards (see `stream`).
 
 `data.train_path` is either a corpus (text, jsonl, Parquet), prepared once into shards under
 `data.prepared_dir` (default <workdir>/corpus), or llm.c token shards, read in place.
@@ -6,11 +6,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
-
-import numpy as np
 
 from transformer.data import corpus, prepare, shards, sources, stream
 from transformer.data.tokenizers import (
@@ -23,7 +20,6 @@ from transformer.data.tokenizers import (
 
 _WAIT_SECONDS = 2.0  # how often a process polls for the corpus that process 0 prepares
 _VOCAB_PROBE = 2**20  # tokens of the first shard checked against the vocabulary at start
-_EXAMPLE_CHUNK = 2**16  # eval tokens read at a time for the decoded examples
 
 
 def prepared_dir(cfg, workdir: str | None) -> str:
@@ -109,102 +105,9 @@ def _same_tokenizer(mine: Tokenizer, theirs: Tokenizer, where: str, what: str) -
     )
 
 
-@dataclasses.dataclass(eq=False)
-class StreamTask:
-  """The Task of task='corpus': the same three methods as `tasks.Task`."""
-
-  name: str
-  family: str
-  tokenizer: Tokenizer
-  info: dict
-  _train: stream.TokenStream = dataclasses.field(repr=False)
-  _eval: stream.TokenStream = dataclasses.field(repr=False)
-  _options: dict = dataclasses.field(repr=False)
-  _eval_options: dict = dataclasses.field(repr=False)
-  _seed: int = 0
-  prompt_prefix: list = dataclasses.field(default_factory=list)  # ids before a prompt
-  _eval_cache: list | None = dataclasses.field(default=None, repr=False)
-  _train_eval_cache: list | None = dataclasses.field(default=None, repr=False)
-
-  def train_iterator(self) -> stream.StreamIterator:
-    return stream.StreamIterator(self._train, seed=self._seed, **self._options)
-
-  def eval_batches(self) -> list[dict[str, np.ndarray]]:
-    if self._eval_cache is None:
-      self._eval_cache = stream.eval_batches(self._eval, **self._eval_options)
-    return self._eval_cache
-
-  def train_eval_batches(self) -> list[dict[str, np.ndarray]]:
-    """As many rows of the training split as `eval_batches` holds, at evenly spaced windows: the
-    training loss measured as the eval loss is, beside it."""
-    if self._train_eval_cache is None:
-      options = dict(self._eval_options, num_batches=len(self.eval_batches()), spread=True)
-      self._train_eval_cache = stream.eval_batches(self._train, **options)
-    return self._train_eval_cache
-
-  def eval_examples(self, n: int) -> list[tuple[str, str]]:
-    """The first n eval documents of this process as (first half, second half) of their words;
-    none for token-id shards read without their tokenizer. A running text (task='text') gives n
-    eval rows instead, each as (its first half, its second half)."""
-    if self.tokenizer.kind == 'ids' or not n:
-      return []
-    if self.name == 'text':
-      return self._text_examples(n)
-    process, count = self._options['process'], self._options['process_count']
-    separator, tokens, start = self._options['separator'], [], 0
-    while start < len(self._eval):  # read on until n documents of this process are whole
-      tokens.append(self._eval.read(start, min(_EXAMPLE_CHUNK, len(self._eval) - start)))
-      start += len(tokens[-1])
-      if np.count_nonzero(np.concatenate(tokens) == separator) > (n + 1) * count:
-        break
-    tokens = np.concatenate(tokens)
-    docs = np.split(tokens, np.flatnonzero(tokens == separator))
-    docs = [d[1:] for d in docs if len(d) > 1][process::count][:n]
-    out = []
-    for doc in docs:
-      words = self.tokenizer.decode(doc.tolist()).split(' ')
-      half = max(1, len(words) // 2)
-      out.append((' '.join(words[:half]), ' '.join(words[half:])))
-    return out
-
-  def _text_examples(self, n: int) -> list[tuple[str, str]]:
-    length, process = self._options['length'], self._options['process']
-    half, available = length // 2, stream.eval_rows(len(self._eval), length, self.family)
-    rows = min(n, available)
-    out = []
-    for r in range(process * rows, (process + 1) * rows):
-      tokens = self._eval.read(r % available * length, length).tolist()
-      out.append((self.tokenizer.decode(tokens[:half]), self.tokenizer.decode(tokens[half:])))
-    return out
-
-
-def stream_task(
-  name, cfg, family, tokenizer, info, train, evaluation, separator, seed, process_index,
-  process_count, prompt_prefix,
-) -> StreamTask:  # fmt: skip
-  """A StreamTask over two token streams, with the batching knobs of `cfg` (config.data)."""
-  options = dict(
-    family=family,
-    length=cfg.max_length,
-    global_rows=cfg.batch_size,
-    process=process_index,
-    process_count=process_count,
-    separator=separator,
-    pack=bool(cfg.pack),
-    vocab_size=tokenizer.vocab_size,
-    mlm_prob=cfg.mlm_prob,
-    mask_id=getattr(tokenizer, 'mask_id', None),
-    special=_special_ids(tokenizer, separator),
-  )
-  eval_options = dict(options, global_rows=cfg.eval_batch_size, num_batches=cfg.eval_batches)
-  options['sampling'] = cfg.sampling
-  return StreamTask(
-    name, family, tokenizer, info, train, evaluation, options, eval_options, seed,
-    list(prompt_prefix),
-  )  # fmt: skip
-
-
-def build(cfg, *, family: str, workdir, seed: int, process_index: int, process_count: int):
+def build(cfg, *, family: str, workdir: str | None, process_index: int) -> tuple:
+  """(tokenizer, info, train stream, eval stream, separator) of the corpus of `cfg`, made ready
+  (`ready`) and checked against the run's tokenizer."""
   if family == 'encoder_decoder':
     raise ValueError(
       "task='corpus' streams documents for language models (causal_lm, bidirectional_lm); "
@@ -225,31 +128,10 @@ def build(cfg, *, family: str, workdir, seed: int, process_index: int, process_c
       f"{tokenizer.vocab_size - 1}); set data.vocab_size or data.tokenizer_path to the shards' "
       'tokenizer'
     )
-  if family == 'bidirectional_lm' and getattr(tokenizer, 'mask_id', None) is None:
-    raise ValueError(f'MLM needs a tokenizer with a mask token; the {tokenizer.kind} one has none')
-  info = {
-    'tokenizer': tokenizer.kind,
-    'vocab_size': tokenizer.vocab_size,
-    'train_shards': len(found['train']),
-    'train_tokens': len(train),
-    'eval_tokens': len(evaluation),
-    'train_rows_per_epoch': len(train) / cfg.max_length,
-    'tokens_kept': 1.0,  # every token is read: nothing is cut
-    'sampling': cfg.sampling,
-  }
+  info = {'train_shards': len(found['train']), 'tokens_kept': 1.0}  # every token is read
   if 'meta' in found:
     info['num_train_documents'] = found['meta']['documents']
-  return stream_task(
-    'corpus', cfg, family, tokenizer, info, train, evaluation, separator, seed, process_index,
-    process_count, prompt_prefix=[separator],
-  )  # fmt: skip
-
-
-def _special_ids(tokenizer: Tokenizer, separator: int) -> tuple[int, ...]:
-  """Ids that MLM never masks: the tokenizer's specials and the document separator."""
-  names = ('pad_id', 'bos_id', 'eos_id', 'mask_id', 'unk_id')
-  found = {getattr(tokenizer, n, None) for n in names} | {separator}
-  return tuple(sorted(i for i in found if i is not None))
+  return tokenizer, info, train, evaluation, separator
 
 
 def _cache_tokenizer(tokenizer: Tokenizer, workdir: str, process_index: int) -> None:

@@ -1,8 +1,10 @@
-"""`build(data_cfg, ...)` -> a Task: tokenizer, resumable training batches, fixed eval batches.
+"""`build(cfg, ...)` -> a Task: a tokenizer and one token source, which gives resumable training
+batches and fixed eval batches.
 
-Every source is tokenised into memory once (a process keeps only its shard), then shuffled,
-packed or bucketed by the same NumPy code, so all tasks are deterministic and resumable.
-task='corpus' instead streams token shards prepared once (`stream_task`).
+The source is examples tokenised into memory once (generated tasks, 'text' lines, 'tsv', TFDS; a
+process keeps only its shard), shuffled, packed or bucketed by `batching`; or a token stream cut
+into rows by `stream`: a corpus's prepared shards (`stream_task`) or a running text
+(`text_stream`). Both are deterministic and resume exactly.
 """
 
 from __future__ import annotations
@@ -12,19 +14,21 @@ import itertools
 import math
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import Protocol
 
 import ml_collections
 import numpy as np
 
 from transformer import util
 from transformer.config import experiment
+from transformer.config.experiment import DataConfig
 from transformer.data import (
   batching,
   grammar,
   number_words,
   recall,
   sources,
+  stream,
   stream_task,
   text_stream,
 )
@@ -47,95 +51,85 @@ _CHARS_PER_TOKEN = 64  # texts are cut to this many characters per allowed token
 
 def default_config() -> ml_collections.ConfigDict:
   """The data knobs and defaults: `config.data` of the default experiment (`DataConfig` in
-  transformer/config/experiment.py explains each)."""
+  transformer/config/experiment.py explains each), to override and then type for `build` with
+  `experiment.section(DataConfig, cfg)`."""
   config = experiment.default_configdict()
   config.data.max_length = config.model.max_length  # as a run resolves it (follows the model)
   return config.data
 
 
+class Source(Protocol):
+  """Where a task's tokens come from: examples held in memory (`batching.ExampleSource`) or a
+  token stream, shards or a running text (`stream.StreamSource`)."""
+
+  def train_iterator(self) -> batching.Resumable: ...
+
+  def eval_batches(self) -> list[dict[str, np.ndarray]]: ...
+
+  def train_eval_batches(self, count: int) -> list[dict[str, np.ndarray]]: ...
+
+  def eval_documents(self, n: int, tokenizer: Tokenizer) -> list[str | tuple[str, str]]: ...
+
+
 @dataclasses.dataclass(eq=False)
 class Task:
-  """A built data task: name, family, tokenizer, info and the three methods below.
-
-  The underscored fields are internal (built by `build`).
-  """
+  """A built data task: its tokenizer and info, and the batches of its token `source`."""
 
   name: str
   family: str
   tokenizer: Tokenizer
   info: dict
-  _train: batching.Examples = dataclasses.field(repr=False)
-  _evaluation: batching.Examples = dataclasses.field(repr=False)
-  _eval_raw: list = dataclasses.field(repr=False)  # this process's raw eval examples
-  _batcher: batching.Batcher = dataclasses.field(repr=False)
-  _rows: int = 0  # training rows per process
-  _eval_rows: int = 0
-  _num_eval_batches: int = 0  # the same on every process
-  _seed: int = 0
-  _pack: bool = False
-  _process: int = 0
-  prompt_prefix: list = dataclasses.field(default_factory=lambda: [BOS_ID])  # ids before a prompt
-  _eval_cache: list | None = dataclasses.field(default=None, repr=False)
-  _train_eval_cache: list | None = dataclasses.field(default=None, repr=False)
+  source: Source = dataclasses.field(repr=False)
+  prompt_prefix: list = dataclasses.field(default_factory=list)  # ids before a prompt
+  _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
-  def train_iterator(self) -> batching.TrainIterator:
+  def train_iterator(self) -> batching.Resumable:
     """A fresh infinite iterator over this process's training batches, from the start."""
-    return batching.TrainIterator(
-      self._train, self._batcher, self._rows, self._seed, self._pack, self._process
-    )
+    return self.source.train_iterator()
 
   def eval_batches(self) -> list[dict[str, np.ndarray]]:
-    """This process's eval batches: unpacked, padded to the max lengths, in dataset order.
-
-    Every process gets the same number of batches; missing rows are padding (weights 0).
-    """
-    if self._eval_cache is None:
-      self._eval_cache = batching.eval_batches(
-        self._evaluation, self._batcher, self._eval_rows, self._num_eval_batches
-      )
-    return self._eval_cache
+    """This process's eval batches, fixed for every seed: padded rows weigh 0, and every process
+    gets the same number."""
+    if 'eval' not in self._cache:
+      self._cache['eval'] = self.source.eval_batches()
+    return self._cache['eval']
 
   def train_eval_batches(self) -> list[dict[str, np.ndarray]]:
-    """Batches of training examples, as many as `eval_batches` (fewer for a smaller training set),
-    formatted as eval batches: the training loss measured as the eval loss is, beside it."""
-    if self._train_eval_cache is None:
-      fit = max(1, len(self._train) // self._eval_rows)  # at least 1: padded rows weigh 0
-      self._train_eval_cache = batching.eval_batches(
-        self._train, self._batcher, self._eval_rows, min(self._num_eval_batches, fit)
-      )
-    return self._train_eval_cache
+    """Training rows formatted as eval batches, as many as `eval_batches` (fewer for a smaller
+    training set): the training loss measured as the eval loss is, beside it."""
+    if 'train' not in self._cache:
+      self._cache['train'] = self.source.train_eval_batches(len(self.eval_batches()))
+    return self._cache['train']
 
   def eval_examples(self, n: int) -> list[tuple[str, str]]:
-    """The first n raw eval examples of this process as (source, reference) strings.
+    """The first n eval examples of this process as (source, reference) strings.
 
-    Translation tasks give (source, target). LM tasks split each document's words in half:
+    Translation pairs stay (source, target); a document is split in half at its middle word:
     (prompt, continuation).
     """
-    out = []
-    for example in self._eval_raw[:n]:
-      if isinstance(example, tuple):
-        out.append(example)
-      else:
-        words = example.split(' ')
-        half = max(1, len(words) // 2)
-        out.append((' '.join(words[:half]), ' '.join(words[half:])))
-    return out
+    return [_halves(x) for x in self.source.eval_documents(n, self.tokenizer)]
 
 
-def running_text(data_cfg: Any, family: str) -> bool:
-  """Whether a model of `family` trained on `data_cfg` (a DataConfig, or its ConfigDict) read one
-  running text (task='text' as a stream): no bos, no document ends."""
-  cfg = experiment.section(experiment.DataConfig, data_cfg)
+def _halves(example: str | tuple[str, str]) -> tuple[str, str]:
+  if isinstance(example, tuple):
+    return example
+  words = example.split(' ')
+  half = max(1, len(words) // 2)
+  return ' '.join(words[:half]), ' '.join(words[half:])
+
+
+def running_text(cfg: DataConfig, family: str) -> bool:
+  """Whether a model of `family` trained on `cfg` read one running text (task='text' as a
+  stream): no bos, no document ends."""
   return cfg.task == 'text' and family != 'encoder_decoder' and cfg.text_format == 'stream'
 
 
-def prompt_prefix(data_cfg: Any, family: str, tokenizer: Tokenizer) -> list[int] | None:
+def prompt_prefix(cfg: DataConfig, family: str, tokenizer: Tokenizer) -> list[int] | None:
   """The ids a prompt starts with, as the training rows did: [] after a running text, the
   document separator (eos) after a corpus; None (the caller's bos) for everything else."""
-  data_cfg = experiment.section(experiment.DataConfig, data_cfg)
-  if running_text(data_cfg, family):
+  if running_text(cfg, family):
     return []
-  if data_cfg.task == 'corpus' and getattr(tokenizer, 'eos_id', None) is not None:
+  if cfg.task == 'corpus' and getattr(tokenizer, 'eos_id', None) is not None:
     return [int(tokenizer.eos_id)]
   return None
 
@@ -361,7 +355,7 @@ def _origins(cfg) -> tuple[str, str]:
 
 
 def build(
-  data_cfg: Any,
+  cfg: DataConfig,
   *,
   family: str,
   workdir: str | None,
@@ -369,10 +363,10 @@ def build(
   process_index: int = 0,
   process_count: int = 1,
 ) -> Task:
-  """Builds the data task described by `data_cfg` (see `default_config`) for one model family.
+  """Builds the data task described by `cfg` (see `default_config`) for one model family.
 
   Args:
-    data_cfg: the DataConfig, or its ConfigDict (typed and checked here).
+    cfg: the typed data knobs: `Config.from_configdict(config).data` of an experiment.
     family: 'encoder_decoder', 'causal_lm' or 'bidirectional_lm' (decides the batch format).
     workdir: where the trained SentencePiece model is cached (workdir/tokenizer); None = no cache.
     seed: drives the training order and MLM masking (the generated data depend only on the task
@@ -383,7 +377,6 @@ def build(
   Returns:
     A Task whose batches are per-process: batch_size // process_count rows each.
   """
-  cfg = experiment.section(experiment.DataConfig, data_cfg)
   _check_build_arguments(cfg, family, seed, process_index, process_count)
   shard = dict(process_index=process_index, process_count=process_count)
   task = _streamed_task(cfg, family=family, workdir=workdir, seed=seed, **shard)
@@ -393,9 +386,14 @@ def build(
 
 
 def _check_build_arguments(
-  cfg: experiment.DataConfig, family: str, seed: int, process_index: int, process_count: int
+  cfg: DataConfig, family: str, seed: int, process_index: int, process_count: int
 ) -> None:
-  """Refuses a family, process shard, batch size or seed that `build` cannot serve."""
+  """Refuses a config, family, process shard, batch size or seed that `build` cannot serve."""
+  if not isinstance(cfg, DataConfig):
+    raise TypeError(
+      f'data.build takes the typed DataConfig, not a {type(cfg).__name__}; pass '
+      'Config.from_configdict(config).data or experiment.section(DataConfig, config.data)'
+    )
   if family not in batching.FAMILIES:
     raise ValueError(f'unknown family={family!r}; choose one of {batching.FAMILIES}')
   if not 0 <= process_index < process_count:
@@ -409,7 +407,7 @@ def _check_build_arguments(
 
 
 def _streamed_task(
-  cfg: experiment.DataConfig,
+  cfg: DataConfig,
   *,
   family: str,
   workdir: str | None,
@@ -418,7 +416,6 @@ def _streamed_task(
   process_count: int,
 ) -> Task | None:
   """The task of a corpus or of running text, streamed; None for a task held in memory."""
-  shard = dict(process_index=process_index, process_count=process_count)
   streamed = cfg.task in ('corpus', 'tfds') or running_text(cfg, family)
   if cfg.repeat_fraction and streamed:
     raise ValueError(
@@ -431,20 +428,59 @@ def _streamed_task(
         "tokenizer='char' reads its vocabulary from the whole text, which task='text' holds in "
         "memory; a corpus (task='corpus') uses 'byte', 'sentencepiece' or data.tokenizer_path"
       )
-    return stream_task.build(cfg, family=family, workdir=workdir, seed=seed, **shard)
-  if running_text(cfg, family):
+    found = stream_task.build(cfg, family=family, workdir=workdir, process_index=process_index)
+  elif running_text(cfg, family):
 
     def tokenizer_for(texts: list[str]) -> Tokenizer:
       if cfg.tokenizer == 'sentencepiece':  # trained on lines: it skips very long sentences
         texts = [line for text in texts for line in text.splitlines()]
       return _tokenizer(cfg, texts, workdir, process_index)
 
-    return text_stream.build(cfg, family=family, tokenizer_for=tokenizer_for, seed=seed, **shard)
-  return None
+    found = text_stream.build(cfg, family=family, tokenizer_for=tokenizer_for)
+  else:
+    return None
+  tokenizer, info, train, evaluation, separator = found
+  if family == 'bidirectional_lm' and getattr(tokenizer, 'mask_id', None) is None:
+    raise ValueError(f'MLM needs a tokenizer with a mask token; the {tokenizer.kind} one has none')
+  info = {
+    'tokenizer': tokenizer.kind,
+    'vocab_size': tokenizer.vocab_size,
+    'train_tokens': len(train),
+    'eval_tokens': len(evaluation),
+    'train_rows_per_epoch': len(train) / cfg.max_length,
+    'sampling': cfg.sampling,
+    **info,
+  }
+  layout = stream.Layout(
+    family=family,
+    length=cfg.max_length,
+    separator=separator,
+    pack=bool(cfg.pack),
+    vocab_size=tokenizer.vocab_size,
+    process=process_index,
+    process_count=process_count,
+    mlm_prob=cfg.mlm_prob,
+    mask_id=getattr(tokenizer, 'mask_id', None),
+    special=_special_ids(tokenizer, separator),
+  )
+  corpus = cfg.task == 'corpus'  # else a running text: its eval examples are rows
+  source = stream.StreamSource(
+    train, evaluation, layout, cfg.batch_size, cfg.eval_batch_size, cfg.eval_batches, seed,
+    cfg.sampling, documents=corpus,
+  )  # fmt: skip
+  prefix = [separator] if corpus else []  # as the training rows start
+  return Task(cfg.task, family, tokenizer, info, source, prompt_prefix=prefix)
+
+
+def _special_ids(tokenizer: Tokenizer, separator: int) -> tuple[int, ...]:
+  """Ids that MLM never masks: the tokenizer's specials and the document separator."""
+  names = ('pad_id', 'bos_id', 'eos_id', 'mask_id', 'unk_id')
+  found = {getattr(tokenizer, n, None) for n in names} | {separator}
+  return tuple(sorted(i for i in found if i is not None))
 
 
 def _in_memory_task(
-  cfg: experiment.DataConfig,
+  cfg: DataConfig,
   *,
   family: str,
   workdir: str | None,
@@ -480,7 +516,6 @@ def _in_memory_task(
     eval_raw, num_parts, tokenizer, family, lengths, shard, eval_origin
   )
 
-  batcher = _batcher(cfg, family, tokenizer)
   eval_rows = cfg.eval_batch_size // process_count
   info = {
     **task_info,
@@ -494,25 +529,23 @@ def _in_memory_task(
   }
   if cfg.task == 'grammar':
     info |= _grammar_token_info(task_info, train_raw, tokenizer)
-  return Task(
-    name=cfg.tfds_name if cfg.task == 'tfds' else cfg.task,
-    family=family,
-    tokenizer=tokenizer,
-    info=info,
-    _train=train,
-    _evaluation=evaluation,
-    _eval_raw=[_cut(x, max_chars(lengths)) for x in eval_raw[process_index::process_count]],
-    _batcher=batcher,
-    _rows=cfg.batch_size // process_count,
-    _eval_rows=eval_rows,
-    _num_eval_batches=math.ceil(math.ceil(num_eval / process_count) / eval_rows),
-    _seed=seed,
-    _pack=bool(cfg.pack),
-    _process=process_index,
+  source = batching.ExampleSource(
+    train=train,
+    evaluation=evaluation,
+    documents=[_cut(x, max_chars(lengths)) for x in eval_raw[process_index::process_count]],
+    batcher=_batcher(cfg, family, tokenizer),
+    rows=cfg.batch_size // process_count,
+    eval_rows=eval_rows,
+    num_eval_batches=math.ceil(math.ceil(num_eval / process_count) / eval_rows),
+    seed=seed,
+    pack=bool(cfg.pack),
+    process=process_index,
   )
+  name = cfg.tfds_name if cfg.task == 'tfds' else cfg.task
+  return Task(name, family, tokenizer, info, source, prompt_prefix=[BOS_ID])
 
 
-def _batcher(cfg: experiment.DataConfig, family: str, tokenizer: Tokenizer) -> batching.Batcher:
+def _batcher(cfg: DataConfig, family: str, tokenizer: Tokenizer) -> batching.Batcher:
   """The Batcher that pads, buckets and masks this task's examples into batches."""
   if family == 'encoder_decoder':
     max_lengths = {'inputs': cfg.max_source_length, 'targets': cfg.max_target_length}

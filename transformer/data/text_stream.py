@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from transformer.config.experiment import DataConfig
-from transformer.data import sources, stream, stream_task
+from transformer.data import sources, stream
 from transformer.data.tokenizers import EOS_ID, Tokenizer
 
 _ENCODE_CHARS = 2**16  # characters encoded at a time (cut at a newline)
@@ -71,17 +71,10 @@ def _pieces(text: str) -> list[str]:
   return out
 
 
-def build(
-  cfg: DataConfig,
-  *,
-  family: str,
-  tokenizer_for,
-  seed: int,
-  process_index: int,
-  process_count: int,
-):
-  """The StreamTask of a running text. `tokenizer_for(texts)` gives the run's tokenizer (built
-  from the texts, or the one cached in the workdir)."""
+def build(cfg: DataConfig, *, family: str, tokenizer_for) -> tuple:
+  """(tokenizer, info, train stream, eval stream, separator) of a running text.
+  `tokenizer_for(texts)` gives the run's tokenizer (built from the texts, or the one cached in
+  the workdir)."""
   train_texts = read_texts(cfg.train_path, 'data.train_path')
   eval_texts = read_texts(cfg.eval_path, 'data.eval_path') if cfg.eval_path else []
   tokenizer = tokenizer_for(train_texts + eval_texts)
@@ -105,19 +98,5 @@ def build(
         f'{cfg.max_length}{" + 1 target" if family == "causal_lm" else ""}); give more text or '
         'a shorter model.max_length'
       )
-  if family == 'bidirectional_lm' and getattr(tokenizer, 'mask_id', None) is None:
-    raise ValueError(f'MLM needs a tokenizer with a mask token; the {tokenizer.kind} one has none')
-  train_stream, eval_stream = stream.ArrayStream(train), stream.ArrayStream(evaluation)
-  info = {
-    'tokenizer': tokenizer.kind,
-    'vocab_size': tokenizer.vocab_size,
-    'text_format': 'stream',
-    'train_tokens': len(train),
-    'eval_tokens': len(evaluation),
-    'train_rows_per_epoch': len(train) / cfg.max_length,
-    'sampling': cfg.sampling,
-  }
-  return stream_task.stream_task(
-    'text', cfg, family, tokenizer, info, train_stream, eval_stream, separator, seed,
-    process_index, process_count, prompt_prefix=[],
-  )  # fmt: skip
+  info = {'text_format': 'stream'}
+  return tokenizer, info, stream.ArrayStream(train), stream.ArrayStream(evaluation), separator

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import data
-from transformer.config import ModelConfig
+from transformer.config import ModelConfig, experiment
 from transformer.model import capture, decode, models
 from transformer.model import hooks as hooks_lib
 
@@ -141,7 +141,7 @@ class Model:
         "least one token (nanoGPT's sample.py starts from '\\n')"
       )
     eos = _or(_special(self.tokenizer, 'eos_id', data.EOS_ID), -1)
-    if self.config is not None and data.running_text(self.config.data, self.cfg.family):
+    if self.config is not None and data.running_text(self._data, self.cfg.family):
       eos = -1  # a running text has no end: generate exactly max_new_tokens
     options = dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_id=eos)
     longest, context = max(map(len, ids)), self.cfg.max_length
@@ -190,12 +190,17 @@ class Model:
       out = more
     return self._decode(out)
 
+  @functools.cached_property
+  def _data(self) -> experiment.DataConfig:
+    """The typed data knobs the model was trained with (self.config is not None)."""
+    return experiment.section(experiment.DataConfig, self.config.data)
+
   def prompt_prefix(self) -> list[int]:
     """The ids before every prompt, as in training: [] after a running text (task='text'),
     the document separator after a corpus, else bos (if the tokenizer has one)."""
     tokenizer = self.tokenizer
     if tokenizer is not None and tokenizer.kind != 'hf' and self.config is not None:
-      found = data.prompt_prefix(self.config.data, self.cfg.family, tokenizer)
+      found = data.prompt_prefix(self._data, self.cfg.family, tokenizer)
       if found is not None:
         return found
     bos = _special(tokenizer, 'bos_id', data.BOS_ID)
@@ -280,7 +285,7 @@ class Model:
     texts = _as_list(texts)
     ids = [self._encode(t) for t in texts]
     eos = _special(self.tokenizer, 'eos_id', data.EOS_ID)
-    if self.config is not None and data.running_text(self.config.data, self.cfg.family):
+    if self.config is not None and data.running_text(self._data, self.cfg.family):
       eos = None  # a running text has no document end
     if self.cfg.family == 'causal_lm':  # without a prefix, the first token is context only
       rows = [self.prompt_prefix() + row + ([] if eos is None else [eos]) for row in ids]
