@@ -12,7 +12,7 @@ import numpy as np
 from research.inspection import inspect_run, plot_attention, plot_head_entropy
 from transformer import data, util
 from transformer.config import ModelConfig
-from transformer.model.capture import capture, entropy_by_layer
+from transformer.model import hooks
 
 
 # Measures ------------------------------------------------------------------------------------
@@ -104,13 +104,14 @@ def inspect_model(model: Any, text: str, out: str, *, top: int = 3, max_plots: i
   piece = getattr(model.tokenizer, 'token', lambda i: None)  # HF tokenizers name [CLS] too
   labels = [model.tokenizer.decode([i]) or piece(i) or f'<{i}>' for i in ids]
   inputs = {'inputs': np.array([ids], np.int32), 'segments': np.ones((1, len(ids)), np.int32)}
-  seen = capture(cfg, params, inputs)
+  resid = lambda n: n == 'blocks.0.hook_resid_pre' or n.endswith('hook_resid_post')
+  _, seen = hooks.run_xla(cfg, params, inputs, lambda n: hooks.patterns_and_scores(n) or resid(n))
   lines = [f'# Inspection of {model.workdir}', '', f'{model!r}', '', f'Input: `{text}`', '']
   lines += [f'Tokens ({len(ids)}): ' + ' '.join(f'`{t}`' for t in labels), '']
   lines += ['## Attention maps (the xla path on the same parameters)', '']
-  lines += ['| module | mean entropy per head (nats) | normalised (0 sharp, 1 uniform) |']
+  lines += ['| attention | mean entropy per head (nats) | normalised (0 sharp, 1 uniform) |']
   lines += ['|---|---|---|']
-  entropies = entropy_by_layer(seen)
+  entropies = hooks.attention_entropy(seen)
   for name, stats in entropies.items():
     shown = ', '.join(f'{x:.2f}' for x in stats['entropy'])
     lines.append(f'| {name} | {shown} | {", ".join(f"{x:.2f}" for x in stats["normalized"])} |')
@@ -118,14 +119,13 @@ def inspect_model(model: Any, text: str, out: str, *, top: int = 3, max_plots: i
   plot_head_entropy(
     {n: s['normalized'] for n, s in entropies.items()}, os.path.join(out, 'entropy.png')
   )
-  for name, probs in list(seen.attention.items())[:max_plots]:
-    file = name.replace('/', '_') + '.png'
-    plot_attention(probs[0], os.path.join(out, file), query_labels=labels, key_labels=labels,
-                   title=name)  # fmt: skip
+  for name in list(entropies)[:max_plots]:
+    file = name.replace('.', '_') + '.png'
+    plot_attention(seen[f'{name}.hook_pattern'][0], os.path.join(out, file), query_labels=labels,
+                   key_labels=labels, title=name)  # fmt: skip
     lines += [f'![{name}]({file})', '']
-  side = 'decoder' if cfg.family == 'causal_lm' else 'encoder'
-  layers = {'embeddings': seen.hidden[f'{side}/embedder'][0]}
-  layers |= {f'layer_{i}': seen.blocks[f'{side}/stack/layer_{i}'][0] for i in range(cfg.num_layers)}
+  # The embeddings (blocks.0.hook_resid_pre), then each layer's output.
+  layers = {name: x[0] for name, x in seen.items() if resid(name)}
   lines += ['## Activations (the residual stream after each layer)', '']
   lines += [
     '| layer | mean | std | max abs | outlier dims (dim: max abs) |',
@@ -140,7 +140,7 @@ def inspect_model(model: Any, text: str, out: str, *, top: int = 3, max_plots: i
   plot_activation_histograms(layers, os.path.join(out, 'activations.png'))
   lines += ['', '![activation histograms](activations.png)', '']
   if cfg.family == 'causal_lm':
-    lens = logit_lens(cfg, params, [layers[f'layer_{i}'] for i in range(cfg.num_layers)])
+    lens = logit_lens(cfg, params, list(layers.values())[1:])
     lines += ['## Logit lens (each layer through the final norm and the head)', '']
     lines += [f'Top {top} next-token guesses after the last token `{labels[-1]}`; then the top '
               'guess at every position.', '']  # fmt: skip
@@ -150,7 +150,7 @@ def inspect_model(model: Any, text: str, out: str, *, top: int = 3, max_plots: i
       best = np.argsort(-logp[-1])[:top]
       last = ', '.join(f'`{decode(t)}` {np.exp(logp[-1, t]):.2f}' for t in best)
       every = ' '.join(f'`{decode(t)}`' for t in logp.argmax(-1))
-      lines.append(f'| layer_{i} | {last} | {every} |')
+      lines.append(f'| blocks.{i}.hook_resid_post | {last} | {every} |')
     lines.append('')
   path = os.path.join(out, 'inspect.md')
   with open(path, 'w') as f:

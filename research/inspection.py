@@ -17,9 +17,8 @@ import numpy as np
 
 from transformer import data, util
 from transformer.config import ModelConfig
-from transformer.model import models
+from transformer.model import hooks, models
 from transformer.model import positions as positions_lib
-from transformer.model.capture import Capture, capture, entropy_by_layer, unscan_params
 from transformer.training.workdir import load_run
 
 
@@ -65,7 +64,7 @@ def intended_init(cfg: ModelConfig, path: tuple[str, ...], shape: tuple[int, ...
 
 def init_statistics(cfg: ModelConfig, seed: int = 0) -> list[dict[str, Any]]:
   """Mean and std of every freshly initialised parameter, beside what the scheme intends."""
-  params = unscan_params(cfg, models.init_params(models.build(cfg), jax.random.PRNGKey(seed)))
+  params = hooks.unscan_params(cfg, models.init_params(models.build(cfg), jax.random.PRNGKey(seed)))
   rows = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     names = tuple(str(getattr(p, 'key', p)) for p in path)
@@ -84,10 +83,12 @@ def init_statistics(cfg: ModelConfig, seed: int = 0) -> list[dict[str, Any]]:
   return rows
 
 
-def activation_statistics(captured: Capture) -> list[dict[str, Any]]:
-  """Mean, std, RMS and largest magnitude of each block's output (the residual stream)."""
+def activation_statistics(cache: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+  """Mean, std, RMS and largest magnitude of each block's output (hook_resid_post) in `cache`."""
   rows = []
-  for name, x in captured.blocks.items():
+  for name, x in cache.items():
+    if not name.endswith('hook_resid_post'):
+      continue
     x = np.asarray(x, np.float64)
     rows.append(
       {
@@ -147,15 +148,14 @@ def plot_head_entropy(entropies: dict[str, np.ndarray], path: str, title: str = 
   """Bars of each head's normalised entropy (0 = one key, 1 = uniform), one group per layer."""
   plt = util.pyplot()
   fig, ax = plt.subplots(figsize=(max(4, 0.35 * sum(len(v) for v in entropies.values())), 3))
-  x, ticks, labels = 0, [], []
-  for name, values in entropies.items():
+  x, ticks = 0, []
+  for values in entropies.values():
     positions = np.arange(x, x + len(values))
     ax.bar(positions, values, width=0.8)
     ticks.append(positions.mean())
-    labels.append(name.replace('/stack/', '/').replace('_attention', ''))
     x += len(values) + 1
   ax.set_xticks(ticks)
-  ax.set_xticklabels(labels, rotation=30, ha='right', fontsize=7)
+  ax.set_xticklabels(list(entropies), rotation=30, ha='right', fontsize=7)
   ax.set_ylim(0, 1.05)
   ax.set_ylabel('entropy / log(keys)')
   ax.set_title(title or 'attention entropy per head (0 = sharp, 1 = uniform)', fontsize=9)
@@ -256,19 +256,20 @@ def inspect_run(workdir: str, text: str | None = None, out: str | None = None, s
     text = run.task.eval_examples(1)[0][0]
   inputs, target_labels, source_labels = _model_inputs(run, state.params, text)
   cfg = run.model_cfg
-  captured = capture(cfg, state.params, inputs)
+  wanted = lambda n: hooks.patterns_and_scores(n) or n.endswith('hook_resid_post')
+  _, cache = hooks.run_xla(cfg, state.params, inputs, wanted)
   lines = [f'# Inspection of {workdir} (step {step})', '', f'Input: `{text}`', '']
   lines += ['## Attention maps (the xla path on the trained parameters)', '']
-  lines += ['| module | mean entropy per head (nats) | normalised (0 sharp, 1 uniform) |']
+  lines += ['| attention | mean entropy per head (nats) | normalised (0 sharp, 1 uniform) |']
   lines += ['|---|---|---|']
-  entropies = entropy_by_layer(captured)
+  entropies = hooks.attention_entropy(cache)
   for name, stats in entropies.items():
     shown = ', '.join(f'{x:.2f}' for x in stats['entropy'])
     normalized = ', '.join(f'{x:.2f}' for x in stats['normalized'])
     lines.append(f'| {name} | {shown} | {normalized} |')
   lines.append('')
-  for name, probs in captured.attention.items():
-    file = name.replace('/', '_') + '.png'
+  for name in entropies:
+    probs, file = cache[f'{name}.hook_pattern'], name.replace('.', '_') + '.png'
     queries = source_labels if name.startswith('encoder') else target_labels
     keys = source_labels if name.startswith('encoder') or 'cross' in name else target_labels
     T, S = len(queries), len(keys)
@@ -280,7 +281,7 @@ def inspect_run(workdir: str, text: str | None = None, out: str | None = None, s
   )
   lines += ['![head entropy](entropy.png)', '', '## Activations (each block output)', '']
   lines += ['| block | mean | std | rms | max abs |', '|---|---|---|---|---|']
-  for r in activation_statistics(captured):
+  for r in activation_statistics(cache):
     lines.append(
       f'| {r["name"]} | {r["mean"]:.3g} | {r["std"]:.3g} | {r["rms"]:.3g} | {r["max_abs"]:.3g} |'
     )

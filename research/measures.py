@@ -22,8 +22,7 @@ from bench.timing import synthetic_batch
 from research import inspection as inspect_lib
 from transformer import data
 from transformer.data import number_words as numbers_lib
-from transformer.model import capture as capture_lib
-from transformer.model import models, objectives
+from transformer.model import hooks, models, objectives
 from transformer.training.run import Run
 from transformer.training.state import model_inputs
 from transformer.training.steps import eval_step
@@ -62,8 +61,9 @@ def head_entropy(ctx, examples: int = 16) -> dict[str, Any]:
   """
   run, params = ctx.load()
   batch = {k: v[:examples] for k, v in run.task.eval_batches()[0].items()}
-  captured = capture_lib.capture(run.model_cfg, params, model_inputs(run.family, batch))
-  by_layer = {n: s['normalized'] for n, s in capture_lib.entropy_by_layer(captured).items()}
+  inputs = model_inputs(run.family, batch)
+  _, cache = hooks.run_xla(run.model_cfg, params, inputs, hooks.patterns_and_scores)
+  by_layer = {n: s['normalized'] for n, s in hooks.attention_entropy(cache).items()}
   inspect_lib.plot_head_entropy(
     by_layer, os.path.join(ctx.run_dir, 'head_entropy.png'), f'{ctx.variant}: normalised entropy'
   )
@@ -254,21 +254,24 @@ def alignment(ctx, examples: int = 64, figures: int = 2) -> dict[str, Any]:
   for b, (src, tgt, _) in enumerate(items):
     inputs[b, : len(src) + 1] = src + [data.EOS_ID]
     decoder_inputs[b, : len(tgt) + 1] = [data.BOS_ID] + tgt
-  captured = capture_lib.capture(
-    run.model_cfg, params, {'inputs': inputs, 'decoder_inputs': decoder_inputs}
+  # Every pattern, though only the cross attention's are read: asking for a pattern puts its
+  # attention on the dense path, and the inspections all read the same numbers.
+  patterns = lambda n: n.endswith('hook_pattern')
+  _, cache = hooks.run_xla(
+    run.model_cfg, params, {'inputs': inputs, 'decoder_inputs': decoder_inputs}, patterns
   )
   out: dict[str, Any] = {}
   chance = np.mean([g.sum(1).mean() / (g.shape[1] + 1) for _, _, g in items])
   layer_scores, head_scores = {}, []
-  for name, probs in captured.attention.items():
-    if not name.endswith('cross_attention'):
+  for name, probs in cache.items():
+    if 'cross_attn' not in name:  # decoder.blocks.{l}.cross_attn.hook_pattern
       continue
     per_head = np.zeros(probs.shape[1])
     for b, (_, _, gold) in enumerate(items):
       T, S = gold.shape
       mass = (probs[b, :, :T, :S] * gold[None]).sum(-1)  # [N, T]
       per_head += mass.mean(-1) / B
-    layer = name.split('/')[-2]
+    layer = f'layer_{name.split(".")[2]}'  # the metric names: align.score_layer_0, ...
     layer_scores[layer] = float(per_head.mean())
     head_scores += list(per_head)
     out[f'align.score_{layer}'] = float(per_head.mean())
@@ -284,7 +287,8 @@ def alignment(ctx, examples: int = 64, figures: int = 2) -> dict[str, Any]:
   names = []
   for b in range(min(figures, B)):
     src, tgt, gold = items[b]
-    probs = captured.attention[f'decoder/stack/{best}/cross_attention']
+    attn = f'decoder.blocks.{best.removeprefix("layer_")}.cross_attn'
+    probs = cache[f'{attn}.hook_pattern']
     maps = probs[b, :, : len(tgt), : len(src) + 1]
     gold_eos = np.concatenate([gold, np.zeros((len(tgt), 1), bool)], axis=1)
     name = f'alignment_{b}.png'
@@ -293,7 +297,7 @@ def alignment(ctx, examples: int = 64, figures: int = 2) -> dict[str, Any]:
       os.path.join(ctx.run_dir, name),
       query_labels=pieces(tgt),
       key_labels=pieces(src) + ['</s>'],
-      title=f'{best} cross attention (red: gold alignment)',
+      title=f'{attn} (red: gold alignment)',
       gold=gold_eos,
       panel_titles=['mean of heads'] + [f'head {n}' for n in range(maps.shape[0])],
     )

@@ -9,7 +9,7 @@ from decode_reference import greedy_uncached_continue
 
 from transformer.config import ModelConfig
 from transformer.model import decode, hooks, models
-from transformer.model.capture import unscan_params
+from transformer.model.hooks import unscan_params
 from transformer.model.norms import BATCHNORM_MOMENTUM, BatchNorm
 
 B, T, D = 3, 7, 24
@@ -270,6 +270,7 @@ def test_hooks_run_on_running_statistics_and_refuse_the_final_norm_scale():
   assert cache['blocks.1.hook_resid_mid'].shape == (1, 5, D)
   pre = cfg.replace(norm_placement='pre')
   assert 'ln_final.hook_scale' not in hooks.hook_names(pre)
+  assert hooks.hook_names(pre)[-1] == 'ln_final.hook_normalized'  # per feature, yet normalised
   with pytest.raises(ValueError, match=r"ln_final\.hook_scale.*norm='batchnorm'"):
     hooks.select(pre, ['ln_final.hook_scale'])
 

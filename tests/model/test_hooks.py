@@ -192,6 +192,8 @@ def test_names_of_every_family():
     'encoder.blocks.0.attn.hook_z' in names and 'decoder.blocks.0.cross_attn.hook_pattern' in names
   )
   assert 'decoder.blocks.0.hook_cross_attn_out' in names and 'decoder.ln_final.hook_scale' in names
+  assert 'decoder.blocks.0.ln_cross.hook_normalized' in names
+  assert names[-1] == 'decoder.ln_final.hook_normalized'
   assert not any(n.startswith('encoder.') and 'cross' in n for n in names)
   model = models.build(enc_dec)
   params = model.init(jax.random.PRNGKey(0), **model.dummy_inputs())['params']
@@ -203,18 +205,16 @@ def test_names_of_every_family():
 
 
 def test_the_final_norm_scale_rebuilds_the_final_hidden_state():
-  from transformer.model.capture import capture
-
   cfg, model, params = _tiny(activation='gelu')
   ids = jnp.asarray(_ids(5, T=6) % 49 + 1)
   last = f'blocks.{cfg.num_layers - 1}.hook_resid_post'
-  _, cache = hooks.run(cfg, params, {'inputs': ids}, names=[last, 'ln_final.hook_scale'])
+  picked = [last, 'ln_final.hook_scale', 'ln_final.hook_normalized']
+  _, cache = hooks.run(cfg, params, {'inputs': ids}, names=picked)
   x = np.asarray(cache[last], np.float64)
   norm = params['decoder']['stack']['final_norm']
   x = x - x.mean(-1, keepdims=True)
   rebuilt = x * np.asarray(cache['ln_final.hook_scale']) * norm['scale'] + norm['bias']
-  want = capture(cfg, params, {'inputs': ids}, with_attention=False).hidden['decoder/stack']
-  np.testing.assert_allclose(rebuilt, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(rebuilt, cache['ln_final.hook_normalized'], rtol=1e-5, atol=1e-5)
 
 
 def test_an_imported_bert_post_ln_matches_pytorchs_attentions_and_hidden_states(tmp_path):

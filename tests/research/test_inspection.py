@@ -12,8 +12,7 @@ import pytest
 
 from research import inspection
 from transformer.config import ModelConfig
-from transformer.model import capture as capture_lib
-from transformer.model import models
+from transformer.model import hooks, models
 from transformer.training import loop
 
 
@@ -27,6 +26,7 @@ def _model(family='causal_lm', **changes):
 
 
 _TOKENS = np.array([[5, 6, 7, 8, 9, 10, 0, 0], [11, 12, 13, 14, 15, 16, 17, 18]], np.int32)
+_PATTERNS = lambda n: n.endswith('hook_pattern')
 
 
 def _softmax(x):
@@ -38,17 +38,22 @@ def _softmax(x):
 @pytest.mark.parametrize('placement', ['pre', 'post'])
 def test_attention_maps_match_numpy_from_the_projections(placement):
   cfg, params = _model(norm_placement=placement)
-  captured = capture_lib.capture(cfg, params, {'inputs': _TOKENS})
-  name = 'decoder/stack/layer_1/self_attention'
-  probs = captured.attention[name]  # [B, N, T, S]
+  # The attention's input: the normalised residual stream (pre-LN) or the stream itself (post-LN).
+  source = 'blocks.1.ln1.hook_normalized' if placement == 'pre' else 'blocks.1.hook_resid_pre'
+  picked = [source, 'blocks.1.attn.hook_pattern', 'blocks.1.attn.hook_attn_scores']
+  _, cache = hooks.run_xla(cfg, params, {'inputs': _TOKENS}, picked)
+  probs = cache['blocks.1.attn.hook_pattern']  # [B, N, T, S]
   assert probs.shape == (2, 4, 8, 8)
-  x = captured.attention_inputs[name].astype(np.float64)  # [B, T, D]
+  x = cache[source].astype(np.float64)  # [B, T, D]
   p = params['decoder']['stack']['layer_1']['self_attention']
   q = np.einsum('btd,dnh->btnh', x, p['query']['kernel']) + p['query']['bias']
   k = np.einsum('btd,dnh->btnh', x, p['key']['kernel']) + p['key']['bias']
   logits = np.einsum('btnh,bsnh->bnts', q, k) / math.sqrt(q.shape[-1])
   real = _TOKENS != 0  # [B, T]
   visible = np.tril(np.ones((8, 8), bool))[None] & real[:, None, :] & real[:, :, None]
+  # The keys each query may see are those whose score is not -inf (what head entropy counts).
+  seen = cache['blocks.1.attn.hook_attn_scores'] != -np.inf
+  np.testing.assert_array_equal(seen, np.broadcast_to(visible[:, None], seen.shape))
   expected = _softmax(np.where(visible[:, None], logits, -1e30))
   expected = np.where(real[:, None, :, None], expected, 0.0)  # padding queries see nothing
   np.testing.assert_allclose(probs, expected, atol=1e-5)
@@ -65,49 +70,51 @@ def test_maps_of_a_chunked_model_are_the_xla_maps_on_the_same_parameters(family)
   inputs = {'inputs': _TOKENS}
   if family == 'encoder_decoder':
     inputs['decoder_inputs'] = _TOKENS[:, :6]
-  chunked = capture_lib.capture(cfg, params, inputs)
-  xla = capture_lib.capture(cfg.replace(attention_impl='xla'), params, inputs)
-  assert chunked.attention.keys() == xla.attention.keys() and chunked.attention
-  for name in xla.attention:
-    np.testing.assert_array_equal(chunked.attention[name], xla.attention[name])
+  chunked_logits, chunked = hooks.run_xla(cfg, params, inputs, _PATTERNS)
+  _, xla = hooks.run_xla(cfg.replace(attention_impl='xla'), params, inputs, _PATTERNS)
+  assert chunked.keys() == xla.keys() and chunked
+  for name in xla:
+    np.testing.assert_array_equal(chunked[name], xla[name])
   # The inspection pass computes what the chunked model computes.
   logits = models.build(cfg).apply({'params': params}, **inputs, deterministic=True)
-  np.testing.assert_allclose(chunked.logits, np.asarray(logits), atol=2e-5)
+  np.testing.assert_allclose(chunked_logits, np.asarray(logits), atol=2e-5)
   if family == 'encoder_decoder':
-    maps = capture_lib.attention_maps(cfg, params, _TOKENS, decoder_inputs=_TOKENS[:, :6])
-    assert maps['decoder/stack/layer_0/cross_attention'].shape == (2, 4, 6, 8)
+    assert chunked['decoder.blocks.0.cross_attn.hook_pattern'].shape == (2, 4, 6, 8)
 
 
 def test_scanned_and_rematerialised_models_give_the_same_maps():
   cfg, params = _model(scan_layers=False)
   scanned_cfg = cfg.replace(scan_layers=True, remat='full')
   scanned = models.init_params(models.build(scanned_cfg), jax.random.PRNGKey(0))
-  unscanned = capture_lib.unscan_params(scanned_cfg, scanned)
+  unscanned = hooks.unscan_params(scanned_cfg, scanned)
   assert jax.tree_util.tree_structure(unscanned) == jax.tree_util.tree_structure(params)
-  a = capture_lib.capture(scanned_cfg, scanned, {'inputs': _TOKENS})
-  b = capture_lib.capture(cfg, unscanned, {'inputs': _TOKENS})
-  for name in b.attention:
-    np.testing.assert_array_equal(a.attention[name], b.attention[name])
+  _, a = hooks.run_xla(scanned_cfg, scanned, {'inputs': _TOKENS}, _PATTERNS)
+  _, b = hooks.run_xla(cfg, unscanned, {'inputs': _TOKENS}, _PATTERNS)
+  assert list(b) == ['blocks.0.attn.hook_pattern', 'blocks.1.attn.hook_pattern']
+  for name in b:
+    np.testing.assert_array_equal(a[name], b[name])
 
 
 def test_head_entropy_bounds():
   cfg, params = _model()
-  captured = capture_lib.capture(cfg, params, {'inputs': _TOKENS})
-  for name, stats in capture_lib.entropy_by_layer(captured).items():
-    S = captured.attention[name].shape[-1]
+  _, cache = hooks.run_xla(cfg, params, {'inputs': _TOKENS}, hooks.patterns_and_scores)
+  entropies = hooks.attention_entropy(cache)
+  assert list(entropies) == ['blocks.0.attn', 'blocks.1.attn']
+  for name, stats in entropies.items():
+    S = cache[f'{name}.hook_pattern'].shape[-1]
     assert np.all(stats['entropy'] >= 0) and np.all(stats['max'] <= math.log(S) + 1e-6)
     assert np.all((stats['normalized'] >= 0) & (stats['normalized'] <= 1 + 1e-6))
   uniform = np.full((1, 1, 4, 8), 1 / 8)
   sharp = np.zeros((1, 1, 4, 8))
   sharp[..., 3] = 1.0
-  assert capture_lib.head_entropy(uniform)['entropy'][0] == pytest.approx(math.log(8))
-  assert capture_lib.head_entropy(uniform)['normalized'][0] == pytest.approx(1.0)
-  assert capture_lib.head_entropy(sharp)['entropy'][0] == pytest.approx(0.0)
+  assert hooks.head_entropy(uniform)['entropy'][0] == pytest.approx(math.log(8))
+  assert hooks.head_entropy(uniform)['normalized'][0] == pytest.approx(1.0)
+  assert hooks.head_entropy(sharp)['entropy'][0] == pytest.approx(0.0)
   # Causal rows see 1..S keys: each is normalised by its own log(keys); the one-key row is left out.
   causal = np.tril(np.ones((8, 8)))
   causal = (causal / causal.sum(-1, keepdims=True))[None, None]
   visible = np.tril(np.ones((8, 8), bool))[None, None]
-  assert capture_lib.head_entropy(causal, visible)['normalized'][0] == pytest.approx(1.0)
+  assert hooks.head_entropy(causal, visible)['normalized'][0] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(
@@ -147,9 +154,9 @@ def test_initial_weights_have_the_intended_std(changes):
 
 def test_activation_statistics_and_head_entropy_logging():
   cfg, params = _model()
-  captured = capture_lib.capture(cfg, params, {'inputs': _TOKENS})
-  rows = inspection.activation_statistics(captured)
-  assert [r['name'] for r in rows] == ['decoder/stack/layer_0', 'decoder/stack/layer_1']
+  _, cache = hooks.run_xla(cfg, params, {'inputs': _TOKENS}, lambda n: 'resid' in n)
+  rows = inspection.activation_statistics(cache)
+  assert [r['name'] for r in rows] == ['blocks.0.hook_resid_post', 'blocks.1.hook_resid_post']
   assert all(r['std'] > 0 and r['max_abs'] >= r['rms'] for r in rows)
 
   class Writer:
@@ -161,17 +168,17 @@ def test_activation_statistics_and_head_entropy_logging():
 
   writer = Writer()
   loop.log_head_entropy(writer, cfg, params, {'inputs': _TOKENS, 'segments': None}, step=7)
-  tag = 'head_entropy/decoder/stack/layer_0/self_attention/head_3'
+  tag = 'head_entropy/blocks.0.attn/head_3'
   assert tag in writer.scalars and writer.scalars[tag][1] == 7
   assert len(writer.scalars) == 2 * (4 + 1)  # 2 layers x (4 heads + their mean)
 
 
 def test_plots_are_written(tmp_path):
   cfg, params = _model()
-  maps = capture_lib.capture(cfg, params, {'inputs': _TOKENS}).attention
+  _, maps = hooks.run_xla(cfg, params, {'inputs': _TOKENS}, _PATTERNS)
   paths = [
     inspection.plot_attention(
-      maps['decoder/stack/layer_0/self_attention'][0], str(tmp_path / 'a.png'),
+      maps['blocks.0.attn.hook_pattern'][0], str(tmp_path / 'a.png'),
                            query_labels=list('abcdefgh'), key_labels=list('abcdefgh')),
     inspection.plot_sinusoidal(32, str(tmp_path / 'sin.png')),
     inspection.plot_rope(16, str(tmp_path / 'rope.png')),
@@ -245,17 +252,14 @@ def test_inspect_a_hugging_face_folder(tmp_path):
     assert section in report
   names = set(os.listdir(out))
   assert {'entropy.png', 'activations.png'} <= names
-  assert {f'decoder_stack_layer_{i}_self_attention.png' for i in range(2)} <= names
+  assert {f'blocks_{i}_attn.png' for i in range(2)} <= names
   # The lens of the last layer is the model's own prediction.
-  from transformer.model.capture import capture
-
   m = load(folder)
   ids = [3, 9, 1, 4]
-  blocks = capture(m.cfg, m.params, {'inputs': np.array([ids])}).blocks
-  lens = dissect.logit_lens(
-    m.cfg, m.params, [blocks[f'decoder/stack/layer_{i}'][0] for i in (0, 1)]
-  )
+  resid_post = lambda n: n.endswith('hook_resid_post')
+  _, blocks = hooks.run_xla(m.cfg, m.params, {'inputs': np.array([ids])}, resid_post)
+  lens = dissect.logit_lens(m.cfg, m.params, [x[0] for x in blocks.values()])
   with torch.no_grad():
     want = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
   np.testing.assert_allclose(lens[-1], want, atol=1e-4)
-  assert report.count('| layer_') == 4  # two activation rows, two lens rows
+  assert report.count('.hook_resid_post |') == 4  # two activation rows, two lens rows

@@ -101,7 +101,7 @@ def test_two_variant_sweep_writes_results_and_curves(finished):
   # Head entropy went to TensorBoard during training (train.head_entropy_every).
   events = os.path.join(workdir, 'scaled', 'seed_0', 'tensorboard')
   data = b''.join(open(os.path.join(events, name), 'rb').read() for name in os.listdir(events))
-  assert b'head_entropy/decoder/stack/layer_0/self_attention/head_1' in data
+  assert b'head_entropy/blocks.0.attn/head_1' in data
   # So did the induction telemetry, also into the run's curve (train.induction_every).
   assert b'telemetry/induction.layer_0.head_1' in data
   probe = results_lib.read_curve(os.path.join(workdir, 'scaled', 'seed_0'))['induction']

@@ -165,7 +165,7 @@ def _is_int(value: Any) -> bool:
 
 
 # What each single knob must be, in the order they are checked (the first bad value raises):
-# a tuple of choices (or a function returning them), or a kind below. 'optional ...' also allows None.
+# a tuple of choices (or a function returning them), or a kind below; 'optional' allows None.
 _RULES: dict[str, Any] = {
   'family': FAMILIES,
   'position': POSITIONS,

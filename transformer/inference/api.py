@@ -20,7 +20,7 @@ import numpy as np
 
 from transformer import data
 from transformer.config import ModelConfig, experiment
-from transformer.model import capture, decode, models
+from transformer.model import decode, models
 from transformer.model import hooks as hooks_lib
 
 Array = jax.Array
@@ -396,13 +396,14 @@ class Model:
       if self.cfg.family != 'bidirectional_lm':
         raise ValueError('token_types are for bidirectional_lm models')
       inputs['token_types'] = _int_array(token_types, 'token_types')
-    seen = capture.capture(self.cfg, self.weights, inputs, with_attention=False)
-    side = 'decoder' if self.cfg.family == 'causal_lm' else 'encoder'
-    final = seen.hidden[f'{side}/stack'].astype(np.float32)
+    blocks = [f'blocks.{i}.hook_resid_post' for i in range(self.cfg.num_layers)]
+    last = 'ln_final.hook_normalized' if self.cfg.norm_placement == 'pre' else blocks[-1]
+    names = ['blocks.0.hook_resid_pre', *blocks, last] if layers else [last]
+    _, seen = hooks_lib.run_xla(self.cfg, self.weights, inputs, names)
+    final = seen[last].astype(np.float32)
     if not layers:
       return final
-    blocks = [seen.blocks[f'{side}/stack/layer_{i}'] for i in range(self.cfg.num_layers)]
-    stacked = [seen.hidden[f'{side}/embedder']] + blocks[:-1] + [final]
+    stacked = [seen[name] for name in names[:-2]] + [final]  # the embeddings, then each layer
     return np.stack(stacked).astype(np.float32)  # [L + 1, B, T, D]
 
   def embed(
@@ -437,15 +438,16 @@ class Model:
     return pooled.astype(np.float32)  # [B, D]
 
   def attention_maps(self, text: str | Any, *, source: str | None = None) -> dict[str, np.ndarray]:
-    """Attention probabilities per layer: {name: float32 [N, T, S]}, through the 'xla' path.
+    """Attention probabilities per layer: {'blocks.0.attn.hook_pattern': float32 [N, T, S], ...},
+    through the 'xla' path (the names of `run_with_cache`).
 
     `text` is a string (tokenised like training input) or int token ids [T]. EncoderDecoder: the
     decoder side gets `text` and the encoder `source`.
     """
     inputs = self._hook_inputs(text, source, 'attention_maps')
-    maps = capture.attention_maps(self.cfg, self.weights, inputs['inputs'],
-                                  decoder_inputs=inputs.get('decoder_inputs'))  # fmt: skip
-    return {name: np.asarray(m)[0] for name, m in maps.items()}
+    patterns = lambda name: name.endswith('hook_pattern')
+    _, maps = hooks_lib.run_xla(self.cfg, self.weights, inputs, patterns)
+    return {name: m[0] for name, m in maps.items()}
 
   def run_with_cache(
     self, text: str | Any, *, names: Any = None, source: str | None = None

@@ -39,7 +39,7 @@ class Norm(nn.Module):
     if self.kind == 'layernorm' and self.use_bias:
       zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
       y = y + self.param('bias', zeros, (features,), self.param_dtype)
-    return y.astype(self.dtype)  # same shape as x, in the compute dtype
+    return HookPoint(name='hook_normalized')(y.astype(self.dtype))  # x's shape, compute dtype
 
 
 # Running statistics: new = MOMENTUM * old + (1 - MOMENTUM) * the batch's. PyTorch's default
@@ -111,4 +111,4 @@ class BatchNorm(nn.Module):
     if self.use_bias:
       zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
       y = y + self.param('bias', zeros, (features,), self.param_dtype)
-    return y.astype(self.dtype)  # same shape as x, in the compute dtype
+    return HookPoint(name='hook_normalized')(y.astype(self.dtype))  # x's shape, compute dtype
