@@ -1,5 +1,5 @@
-"""The weight matmul of every Dense layer (transformer.model.matmul): values and gradients against
-lax.dot_general, at awkward shapes, and the cases it hands back unchanged."""
+"""The weight matmul of every Dense layer (model.primitives.dot_general): values and gradients
+against lax.dot_general, at awkward shapes, and the cases it hands back unchanged."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from transformer.model import matmul
+from transformer.model import primitives
 
 
 @pytest.mark.parametrize(
@@ -29,11 +29,11 @@ def test_values_and_gradients_match_dot_general(lhs, rhs, contract):
   def loss(f):
     return lambda x, w: jnp.sum(f(x, w, numbers) * cotangent)
 
-  got = matmul.dot_general(x, w, numbers)
+  got = primitives.dot_general(x, w, numbers)
   x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
   want = np.tensordot(x64, w64, axes=contract)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-  grads = jax.grad(loss(matmul.dot_general), argnums=(0, 1))(x, w)
+  grads = jax.grad(loss(primitives.dot_general), argnums=(0, 1))(x, w)
   reference = jax.grad(loss(lax.dot_general), argnums=(0, 1))(x, w)
   for g, r in zip(grads, reference):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
@@ -47,10 +47,10 @@ def test_batch_axes_and_mixed_dtypes_go_to_dot_general():
   x = jnp.ones((2, 3, 4), jnp.float32)
   batched = (((2,), (1,)), ((0,), (0,)))
   np.testing.assert_array_equal(
-    matmul.dot_general(x, jnp.ones((2, 4, 5)), batched),
+    primitives.dot_general(x, jnp.ones((2, 4, 5)), batched),
     lax.dot_general(x, jnp.ones((2, 4, 5)), batched),
   )
-  mixed = matmul.dot_general(x, jnp.ones((4, 5), jnp.bfloat16), (((2,), (0,)), ((), ())))
+  mixed = primitives.dot_general(x, jnp.ones((4, 5), jnp.bfloat16), (((2,), (0,)), ((), ())))
   assert (
     mixed.dtype
     == lax.dot_general(x, jnp.ones((4, 5), jnp.bfloat16), (((2,), (0,)), ((), ()))).dtype

@@ -22,11 +22,9 @@ from transformer.kernels import masks as kernel_masks
 from transformer.model import attention_paths as paths
 from transformer.model import compressed_attention as compressed
 from transformer.model import linear_attention as linear
-from transformer.model import matmul
 from transformer.model import positions as positions_lib
-from transformer.model.hookpoint import HookPoint
 from transformer.model.masks import MaskSpec
-from transformer.model.norms import Norm
+from transformer.model.primitives import HookPoint, Norm, dot_general
 
 _DENSE_MAX_ELEMENTS = 1024 * 1024  # auto-select 'xla' while one head's T * S logits fit this
 
@@ -268,7 +266,7 @@ class MultiHeadAttention(nn.Module):
       param_dtype=cfg.params_dtype,
       kernel_init=nn.with_logical_partitioning(self.out_init if out else self.kernel_init, axes),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros, bias_axes),
-      dot_general=matmul.dot_general,
+      dot_general=dot_general,
       name=name,
     )
 

@@ -34,7 +34,7 @@ Pre-LN: hook_resid_mid = hook_resid_pre + hook_attn_out. Post-LN (BERT, the 2017
 the normalised sum after attention, as the block computes it.
 
 Each name is a `HookPoint` declared in the module where its activation is made (layers.py,
-attention.py, norms.py); `run` intercepts those calls, so nothing here computes an activation a
+attention.py, primitives.py); `run` intercepts those calls, so nothing here computes an activation a
 second time. Patterns and scores are computed only for the layers whose pattern or scores are
 asked for, on the 'xla' path there; every other layer runs as configured, so a long text needs
 only the memory of what was asked for.
@@ -57,7 +57,7 @@ import numpy as np
 from transformer.config import ModelConfig
 from transformer.model import models
 from transformer.model.attention import MultiHeadAttention
-from transformer.model.hookpoint import HookPoint
+from transformer.model.primitives import HookPoint
 
 Array = jax.Array
 Hook = Callable[[Array, str], Array]

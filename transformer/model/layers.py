@@ -13,11 +13,9 @@ from flax.core import lift
 
 from transformer import sharding
 from transformer.config import ModelConfig
-from transformer.model import matmul
 from transformer.model import positions as positions_lib
 from transformer.model.attention import CacheMode, MaskSpec, MultiHeadAttention
-from transformer.model.hookpoint import HookPoint
-from transformer.model.norms import BatchNorm, Norm
+from transformer.model.primitives import BatchNorm, HookPoint, Norm, dot_general
 
 Array = jax.Array
 
@@ -189,7 +187,7 @@ class FeedForward(nn.Module):
         param_dtype=cfg.params_dtype,
         kernel_init=nn.with_logical_partitioning(init, axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),  # output axis
-        dot_general=matmul.dot_general,
+        dot_general=dot_general,
         name=name,
       )
 
