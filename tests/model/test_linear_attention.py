@@ -104,6 +104,41 @@ def np_linear_attention(c, q, k, v, dout, vis):
   return out, dq, fold(dkr), fold(dvr)
 
 
+def recurrent(q, k, v, *, mask=None, feature_map='elu'):
+  """The causal recurrence, one position at a time with the library's `state` and `readout`, as
+  decoding runs them.
+
+  Like the chunked scan, a segment change resets the state and padding adds nothing.
+  """
+  mask = MaskSpec(causal=True) if mask is None else mask
+  if not mask.causal:
+    raise ValueError('the recurrent form is causal; pass a MaskSpec with causal=True')
+  linear._check(q, k, v, mask)
+  B, T = q.shape[:2]
+  seg = mask.q_segment_ids
+  seg = jnp.ones((B, T), jnp.int32) if seg is None else seg.astype(jnp.int32)
+
+  def step(carry, x):
+    kv, z, prev = carry
+    q_t, k_t, v_t, s_t = x  # [B, 1, N, H], [B, 1, K, H] x 2, [B]
+    same = (s_t == prev)[:, None, None, None]  # a new segment starts from an empty state
+    kv_t, z_t = linear.state(k_t, v_t, s_t[:, None], feature_map)
+    kv, z = jnp.where(same, kv, 0.0) + kv_t, jnp.where(same, z, 0.0) + z_t
+    out = linear.readout(q_t, kv, z, feature_map) * (s_t != 0)[:, None, None, None]  # [B, 1, N, H]
+    return (kv, z, s_t), out[:, 0]
+
+  K, H = k.shape[2], k.shape[3]
+  init = (
+    jnp.zeros((B, K, H, H), jnp.float32),
+    jnp.zeros((B, K, 1, H), jnp.float32),
+    jnp.zeros((B,), jnp.int32),
+  )
+  split = lambda x: jnp.moveaxis(x, 1, 0)[:, :, None]  # [B, T, ...] -> [T, B, 1, ...]
+  xs = (split(q), split(k), split(v), jnp.moveaxis(seg, 1, 0))
+  _, out = jax.lax.scan(step, init, xs)  # [T, B, N, H]
+  return jnp.moveaxis(out, 0, 1).astype(q.dtype)  # [B, T, N, H]
+
+
 def forms(c: Case):
   """The JAX forms that apply to the case: name -> fn(q, k, v, mask)."""
   f = c.feature_map
@@ -113,7 +148,7 @@ def forms(c: Case):
       linear.linear_attention, feature_map=f, chunk_size=C, self_attention=c.S is None
     )
   if c.causal:
-    out['recurrent'] = functools.partial(linear.recurrent, feature_map=f)
+    out['recurrent'] = functools.partial(recurrent, feature_map=f)
   return out
 
 
@@ -172,7 +207,7 @@ def test_errors():
   with pytest.raises(ValueError, match="feature_map='tanh' is not one of"):
     linear.linear_attention(x, x, x, feature_map='tanh')
   with pytest.raises(ValueError, match='the recurrent form is causal'):
-    linear.recurrent(x, x, x, mask=MaskSpec())
+    recurrent(x, x, x, mask=MaskSpec())
   assert sorted(linear.FEATURE_MAPS) == sorted(config_lib.LINEAR_FEATURE_MAPS)
 
 

@@ -2,9 +2,9 @@
 fold into a state sum_s phi(k_s) v_s^T of size [H, H] and attention costs O(T), not O(T * S).
 
 out_t = phi(q_t)^T sum_s phi(k_s) v_s^T / phi(q_t)^T sum_s phi(k_s), over the keys t may see.
-Three forms give the same numbers: `linear_attention` (global sums, or a chunked scan that carries
-a prefix state), `quadratic` (the masked [T, S] form) and `recurrent` (one token at a time, as
-KV-cache decoding runs it with `state` / `readout`). Tensors are [B, T, N, H] as in attention.py.
+Two forms give the same numbers: `linear_attention` (global sums, or a chunked scan that carries
+a prefix state) and `quadratic` (the masked [T, S] form); KV-cache decoding runs the recurrence,
+one token at a time, with `state` and `readout`. Tensors are [B, T, N, H] as in attention.py.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _scan(fq, fk, v, q_seg, kv_seg, chunk_size, strict):
   return unblock(num), unblock(den)
 
 
-# The other two forms ---------------------------------------------------------------------------
+# The other form, and decoding's state -------------------------------------------------------------
 def quadratic(q: Array, k: Array, v: Array, *, mask=None, feature_map: str = 'elu') -> Array:
   """The parallel form: masked scores phi(q) phi(k)^T [B, K, G, T, S], then normalised rows.
 
@@ -202,36 +202,6 @@ def readout(q: Array, kv: Array, z: Array, feature_map: str) -> Array:
   fq = _group(features(q, feature_map), kv.shape[1])  # [B, T, K, G, H]
   num = jnp.einsum('btkgh,bkhe->btkge', fq, kv)  # [B, T, K, G, H]
   return _divide(num, jnp.einsum('btkgh,bkh->btkg', fq, z[:, :, 0]), q.dtype)
-
-
-def recurrent(q: Array, k: Array, v: Array, *, mask=None, feature_map: str = 'elu') -> Array:
-  """The causal recurrence, one position at a time with `state` and `readout`, as decoding runs.
-
-  Like the chunked scan, a segment change resets the state and padding adds nothing.
-  """
-  mask = MaskSpec(causal=True) if mask is None else mask
-  if not mask.causal:
-    raise ValueError('the recurrent form is causal; pass a MaskSpec with causal=True')
-  _check(q, k, v, mask)
-  B, T = q.shape[:2]
-  seg = mask.q_segment_ids
-  seg = jnp.ones((B, T), jnp.int32) if seg is None else seg.astype(jnp.int32)
-
-  def step(carry, x):
-    kv, z, prev = carry
-    q_t, k_t, v_t, s_t = x  # [B, 1, N, H], [B, 1, K, H] x 2, [B]
-    same = (s_t == prev)[:, None, None, None]  # a new segment starts from an empty state
-    kv_t, z_t = state(k_t, v_t, s_t[:, None], feature_map)
-    kv, z = jnp.where(same, kv, 0.0) + kv_t, jnp.where(same, z, 0.0) + z_t
-    out = readout(q_t, kv, z, feature_map) * (s_t != 0)[:, None, None, None]  # [B, 1, N, H]
-    return (kv, z, s_t), out[:, 0]
-
-  K, H = k.shape[2], k.shape[3]
-  init = (jnp.zeros((B, K, H, H), _F32), jnp.zeros((B, K, 1, H), _F32), jnp.zeros((B,), jnp.int32))
-  split = lambda x: jnp.moveaxis(x, 1, 0)[:, :, None]  # [B, T, ...] -> [T, B, 1, ...]
-  xs = (split(q), split(k), split(v), jnp.moveaxis(seg, 1, 0))
-  _, out = jax.lax.scan(step, init, xs)  # [T, B, N, H]
-  return jnp.moveaxis(out, 0, 1).astype(q.dtype)  # [B, T, N, H]
 
 
 # As a kind of attention.Kind: the functions MultiHeadAttention m calls ---------------------------
