@@ -7,6 +7,11 @@ GPU_SCALE = 4
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 800 * scale
+  rules = [
+    dict(kind='greater', metric='align.score', metric_b='align.chance', a='default', b='default',
+         rel_margin=0.5,
+         text='alignment well above chance'),
+  ]  # fmt: skip
   return dict(
     name='cross_attention_alignment',
     claim='Cross attention learns the source-target alignment: the share of its mass on the gold '
@@ -35,15 +40,5 @@ def get_sweep(scale: int = 1) -> dict:
     variants={'default': {}},
     measure='alignment',
     metrics=['align.score', 'align.best_head', 'align.chance', 'eval.bleu'],
-    rules=[
-      dict(
-        kind='greater',
-        metric='align.score',
-        metric_b='align.chance',
-        a='default',
-        b='default',
-        rel_margin=0.5,
-        text='alignment well above chance',
-      ),
-    ],
+    rules=rules,
   )

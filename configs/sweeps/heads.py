@@ -23,6 +23,15 @@ def _grammar_lm() -> dict:
 
 def get_sweep(scale: int = 1) -> dict:
   numbers_steps, grammar_steps = 400 * scale, 500 * scale
+  rules = [
+    dict(kind='less', metric='eval.loss', a='numbers_h4', b='numbers_h1',
+         text='numbers: one head is worse than four'),
+    dict(kind='less', metric='eval.loss', a='grammar_h4', b='grammar_h1',
+         text='grammar LM: one head is worse than four'),
+    dict(kind='at_least', metric='entropy.layer_spread', variants=['grammar_h4', 'grammar_h8'],
+         value=0.3,
+         text='grammar LM: within a layer, sharp and nearly uniform heads side by side'),
+  ]  # fmt: skip
   return dict(
     name='heads',
     claim='At a fixed d_model, one head trains worse than several, and the heads of a trained '
@@ -76,27 +85,5 @@ def get_sweep(scale: int = 1) -> dict:
       'entropy.max',
     ],
     measure='head_entropy',
-    rules=[
-      dict(
-        kind='less',
-        metric='eval.loss',
-        a='numbers_h4',
-        b='numbers_h1',
-        text='numbers: one head is worse than four',
-      ),
-      dict(
-        kind='less',
-        metric='eval.loss',
-        a='grammar_h4',
-        b='grammar_h1',
-        text='grammar LM: one head is worse than four',
-      ),
-      dict(
-        kind='at_least',
-        metric='entropy.layer_spread',
-        variants=['grammar_h4', 'grammar_h8'],
-        value=0.3,
-        text='grammar LM: within a layer, sharp and nearly uniform heads side by side',
-      ),
-    ],
+    rules=rules,
   )

@@ -8,6 +8,13 @@ GPU_SCALE = 4
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 600 * scale
+  rules = [
+    dict(kind='ordering', metric='train.nll', variants=['ls0.0', 'ls0.1', 'ls0.2'],
+         direction='increasing',
+         text='smoothing raises training cross-entropy'),
+    dict(kind='no_worse', metric='eval.bleu', a='ls0.1', b='ls0.0', tolerance=1.0,
+         text='BLEU kept (within 1 point) or improved'),
+  ]  # fmt: skip
   return dict(
     name='label_smoothing',
     claim='Label smoothing raises the training cross-entropy and keeps or improves BLEU.',
@@ -29,21 +36,5 @@ def get_sweep(scale: int = 1) -> dict:
     },
     variants={f'ls{e}': {'train.label_smoothing': e} for e in (0.0, 0.1, 0.2)},
     metrics=['train.nll', 'eval.loss', 'eval.bleu'],
-    rules=[
-      dict(
-        kind='ordering',
-        metric='train.nll',
-        variants=['ls0.0', 'ls0.1', 'ls0.2'],
-        direction='increasing',
-        text='smoothing raises training cross-entropy',
-      ),
-      dict(
-        kind='no_worse',
-        metric='eval.bleu',
-        a='ls0.1',
-        b='ls0.0',
-        tolerance=1.0,
-        text='BLEU kept (within 1 point) or improved',
-      ),
-    ],
+    rules=rules,
   )

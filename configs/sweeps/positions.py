@@ -8,6 +8,12 @@ GPU_SCALE = 4
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 400 * scale
+  rules = [
+    dict(kind='close', metric='eval.accuracy', a='learned', b='sinusoidal', tolerance=0.02,
+         text='learned ~ sinusoidal'),
+    dict(kind='worst', metric='eval.loss', expect=['none'],
+         text='no positions is worst'),
+  ]  # fmt: skip
   return dict(
     name='positions',
     claim='Learned and sinusoidal positions give nearly identical results; without position '
@@ -31,15 +37,5 @@ def get_sweep(scale: int = 1) -> dict:
     },
     variants={p: {'model.position': p} for p in ('sinusoidal', 'learned', 'rope', 'alibi', 'none')},
     metrics=['eval.loss', 'eval.accuracy', 'eval.bleu'],
-    rules=[
-      dict(
-        kind='close',
-        metric='eval.accuracy',
-        a='learned',
-        b='sinusoidal',
-        tolerance=0.02,
-        text='learned ~ sinusoidal',
-      ),
-      dict(kind='worst', metric='eval.loss', expect=['none'], text='no positions is worst'),
-    ],
+    rules=rules,
   )

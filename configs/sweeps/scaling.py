@@ -8,6 +8,14 @@ GPU_SCALE = 4
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 400 * scale
+  rules = [
+    dict(kind='less', metric='eval.loss', a='scaled', b='unscaled', margin_std=2,
+         text='ends worse without the scale'),
+    dict(kind='greater', metric='train.oscillation', a='unscaled', b='scaled', margin_std=2,
+         text='less stable without the scale: the loss oscillates more within each run'),
+    dict(kind='variance_greater', metric='eval.loss', a='unscaled', b='scaled',
+         text='less stable without the scale: a larger spread of the final loss over seeds'),
+  ]  # fmt: skip
   return dict(
     name='scaling',
     claim='Without the 1/sqrt(d_k) scale (d_k = 64), training is less stable (the loss curve '
@@ -43,29 +51,5 @@ def get_sweep(scale: int = 1) -> dict:
       'train.oscillation_detrended',
       'train.loss_rise',
     ],
-    rules=[
-      dict(
-        kind='less',
-        metric='eval.loss',
-        a='scaled',
-        b='unscaled',
-        margin_std=2,
-        text='ends worse without the scale',
-      ),
-      dict(
-        kind='greater',
-        metric='train.oscillation',
-        a='unscaled',
-        b='scaled',
-        margin_std=2,
-        text='less stable without the scale: the loss oscillates more within each run',
-      ),
-      dict(
-        kind='variance_greater',
-        metric='eval.loss',
-        a='unscaled',
-        b='scaled',
-        text='less stable without the scale: a larger spread of the final loss over seeds',
-      ),
-    ],
+    rules=rules,
   )
