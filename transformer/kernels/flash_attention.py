@@ -166,14 +166,9 @@ class _Config:
     return {'mosaic_gpu': mosaic_gpu, 'gpu': gpu, 'tpu': tpu}[self.backend]
 
   def kernel_kwargs(self) -> dict:
-    return dict(
-      scale=self.scale,
-      causal=self.causal,
-      window=self.window,
-      kv_len=self.kv_len,
-      blocks=self.blocks,
-      interpret=self.interpret,
-    )
+    """The keyword arguments of every backend's `forward` and `backward`."""
+    names = ('scale', 'causal', 'window', 'kv_len', 'blocks', 'interpret')
+    return {name: getattr(self, name) for name in names}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
