@@ -3,6 +3,7 @@ specialise: some attend sharply, some nearly uniformly. On two tasks: the number
 task and the grammar LM."""
 
 from configs import gpt_tiny
+from research.spec import PAPER_SCHEDULE
 
 # About 3 GPU minutes on one H200: 6 runs of 1600 (numbers) and 2000 (grammar) steps.
 GPU_SCALE = 4
@@ -56,11 +57,7 @@ def get_sweep(scale: int = 1) -> dict:
     axes={
       'task': {
         'numbers': {
-          # The paper's rsqrt schedule (peak 0.0051 at step 300), which these results were run
-          # with; configs/default.py itself uses warmup_cosine (see default_recipe.py).
-          'optim.schedule': 'rsqrt',
-          'optim.learning_rate': 1.0,
-          'optim.warmup_steps': 300,
+          **PAPER_SCHEDULE,  # the rsqrt schedule these results were run with
           'model.d_model': 64,
           'model.d_ff': 256,
           'train.steps': numbers_steps,

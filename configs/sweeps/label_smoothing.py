@@ -1,6 +1,8 @@
 """Claim (Table 3 row D): label smoothing raises the training cross-entropy (the model learns to
 be less sure) and keeps or improves BLEU."""
 
+from research.spec import PAPER_SCHEDULE
+
 # --scale of the one-GPU run (an estimate, not measured: one H200, 2400 steps (x4); 3 runs of ~1.5
 # min: ~4 min).
 GPU_SCALE = 4
@@ -23,11 +25,7 @@ def get_sweep(scale: int = 1) -> dict:
     'averaged over the last 10% of logged steps.',
     base='configs/default.py',
     overrides={
-      # The paper's rsqrt schedule (peak 0.0051 at step 300), which these results were run
-      # with; configs/default.py itself uses warmup_cosine (see default_recipe.py).
-      'optim.schedule': 'rsqrt',
-      'optim.learning_rate': 1.0,
-      'optim.warmup_steps': 300,
+      **PAPER_SCHEDULE,  # the rsqrt schedule these results were run with
       'train.steps': steps,
       'train.log_every': 10,
       'train.eval_every': steps,

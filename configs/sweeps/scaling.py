@@ -2,6 +2,8 @@
 oscillates more and training ends worse. Numbers task (digits -> words), the embedded default
 with 2 heads."""
 
+from research.spec import PAPER_SCHEDULE
+
 # ~3 GPU minutes at GPU_SCALE on one H200: 6 runs (3 seeds) of 1600 steps, dispatch-bound.
 GPU_SCALE = 4
 
@@ -31,11 +33,7 @@ def get_sweep(scale: int = 1) -> dict:
     'is shown for spikes.',
     base='configs/default.py',
     overrides={
-      # The paper's rsqrt schedule (peak 0.0051 at step 300), which these results were run
-      # with; configs/default.py itself uses warmup_cosine (see default_recipe.py).
-      'optim.schedule': 'rsqrt',
-      'optim.learning_rate': 1.0,
-      'optim.warmup_steps': 300,
+      **PAPER_SCHEDULE,  # the rsqrt schedule these results were run with
       'model.num_heads': 2,
       'train.steps': steps,
       'train.log_every': 1,  # every step: the oscillation is a property of the curve itself
