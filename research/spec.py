@@ -26,6 +26,10 @@ _FIELDS = (
   'measure_args', 'train', 'eval_variants', 'plots', 'description', 'preconditions',
 )  # fmt: skip
 
+# The paper's rsqrt schedule (peak 0.0051 at step 300), which several sweeps' results were run
+# with; configs/default.py itself uses warmup_cosine (see configs/sweeps/default_recipe.py).
+PAPER_SCHEDULE = {'optim.schedule': 'rsqrt', 'optim.learning_rate': 1.0, 'optim.warmup_steps': 300}
+
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:

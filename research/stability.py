@@ -1,8 +1,8 @@
 """Depth and initialisation: how the residual stream grows through a freshly initialised stack,
 and how often the training loss spikes (the output-init ablation, seed §4.2).
 
-`init_growth` reads the step-0 parameters of a run (the same seed, the same init as its first
-step) through the hook points; `loss_spikes` reads the run's own training curve.
+`residual_growth` reads the step-0 parameters of a run (the same seed, the same init as its
+first step) through the hook points; `spikes` reads the run's own training curve.
 """
 
 from __future__ import annotations

@@ -58,18 +58,7 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   # log(y - E) instead (a power law above an irreducible loss E); floor='free' also fits E.
   'fit_power_law': (
     (),
-    (
-      'variants',
-      'x',
-      'y',
-      'variant',
-      'xs',
-      'metrics',
-      'slope_sign',
-      'slope_between',
-      'min_r2',
-      'floor',
-    ),
+    tuple('variants x y variant xs metrics slope_sign slope_between min_r2 floor'.split()),
   ),
   # mean(a) / mean(b) lies in [low, high].
   'ratio_between': (('metric', 'a', 'b', 'low', 'high'), ('metric_a', 'metric_b')),
@@ -261,7 +250,14 @@ def _describe(variant: str, metric: str, values: list[float]) -> str:
   return f'{variant} {metric} = {fmt(mean, std)}'
 
 
-def _missing(rule: Mapping, pairs: Sequence[tuple[str, str]], table: Table) -> Verdict | None:
+def _missing(rule: Mapping, table: Table) -> Verdict | None:
+  """NOT_RUN when a value the rule compares was never recorded (best, worst and fit_power_law
+  skip the missing ones instead)."""
+  if rule['kind'] in ('best', 'worst', 'fit_power_law'):
+    return None
+  pairs = _compared(rule, table)
+  if 'variants' in rule and rule['kind'] != 'fit_power_law':  # as listed, even when none are left
+    pairs = [(v, rule['metric']) for v in rule['variants']]
   for variant, metric in pairs:
     if _values(table, variant, metric) is None:
       return Verdict(NOT_RUN, f'no recorded {metric} for variant {variant}', dict(rule))
@@ -278,9 +274,6 @@ def _pair(rule: Mapping) -> tuple[tuple[str, str], tuple[str, str]]:
 
 def _less_or_greater(rule: Mapping, table: Table) -> Verdict:
   (a, metric_a), (b, metric_b) = _pair(rule)
-  missing = _missing(rule, [(a, metric_a), (b, metric_b)], table)
-  if missing:
-    return missing
   va, vb = _values(table, a, metric_a), _values(table, b, metric_b)
   (ma, sa), (mb, sb) = mean_std(va), mean_std(vb)
   sign = 1.0 if rule['kind'] == 'less' else -1.0
@@ -310,9 +303,6 @@ def _less_or_greater(rule: Mapping, table: Table) -> Verdict:
 
 def _no_worse(rule: Mapping, table: Table) -> Verdict:
   (a, metric_a), (b, metric_b) = _pair(rule)
-  missing = _missing(rule, [(a, metric_a), (b, metric_b)], table)
-  if missing:
-    return missing
   va, vb = _values(table, a, metric_a), _values(table, b, metric_b)
   ma, mb = mean_std(va)[0], mean_std(vb)[0]
   lower = rule.get('lower_is_better', lower_is_better(metric_a))
@@ -328,9 +318,6 @@ def _no_worse(rule: Mapping, table: Table) -> Verdict:
 
 def _close(rule: Mapping, table: Table) -> Verdict:
   (a, metric_a), (b, metric_b) = _pair(rule)
-  missing = _missing(rule, [(a, metric_a), (b, metric_b)], table)
-  if missing:
-    return missing
   va, vb = _values(table, a, metric_a), _values(table, b, metric_b)
   ma, mb = mean_std(va)[0], mean_std(vb)[0]
   tol = float(rule.get('tolerance', 0.0)) + float(rule.get('rel_tolerance', 0.0)) * max(
@@ -387,9 +374,6 @@ def _steps(rule: Mapping, labels: list[str], values: list[list[float]]) -> Verdi
 
 def _ordering(rule: Mapping, table: Table) -> Verdict:
   metric = rule['metric']
-  missing = _missing(rule, [(v, metric) for v in rule['variants']], table)
-  if missing:
-    return missing
   values = [_values(table, v, metric) for v in rule['variants']]
   verdict = _steps(rule, list(rule['variants']), values)
   return dataclasses.replace(verdict, text=f'{metric} {verdict.text}')
@@ -400,9 +384,6 @@ def _largest_step(rule: Mapping, table: Table) -> Verdict:
 
   A jump (at_least_share) within the seeds' noise (2 pooled stds) is inconclusive."""
   metric, labels = rule['metric'], list(rule['variants'])
-  missing = _missing(rule, [(v, metric) for v in labels], table)
-  if missing:
-    return missing
   stats = [mean_std(_values(table, v, metric)) for v in labels]
   means = np.array([m for m, _ in stats])
   steps = np.diff(means)
@@ -436,9 +417,6 @@ def _largest_step(rule: Mapping, table: Table) -> Verdict:
 
 def _monotone(rule: Mapping, table: Table) -> Verdict:
   variant = rule['variant']
-  missing = _missing(rule, [(variant, m) for m in rule['metrics']], table)
-  if missing:
-    return missing
   values = [_values(table, variant, m) for m in rule['metrics']]
   verdict = _steps(rule, list(rule['metrics']), values)
   return dataclasses.replace(verdict, text=f'{variant}: {verdict.text}')
@@ -446,9 +424,6 @@ def _monotone(rule: Mapping, table: Table) -> Verdict:
 
 def _variance_greater(rule: Mapping, table: Table) -> Verdict:
   a, b, metric = rule['a'], rule['b'], rule['metric']
-  missing = _missing(rule, [(a, metric), (b, metric)], table)
-  if missing:
-    return missing
   va, vb = _values(table, a, metric), _values(table, b, metric)
   if len(va) < 2 or len(vb) < 2:
     text = f'needs >= 2 seeds per variant for a std over seeds (has {len(va)} and {len(vb)})'
@@ -551,9 +526,6 @@ def _fit_power_law(rule: Mapping, table: Table) -> Verdict:
 
 def _ratio_between(rule: Mapping, table: Table) -> Verdict:
   (a, metric_a), (b, metric_b) = _pair(rule)
-  missing = _missing(rule, [(a, metric_a), (b, metric_b)], table)
-  if missing:
-    return missing
   ma = mean_std(_values(table, a, metric_a))[0]
   mb = mean_std(_values(table, b, metric_b))[0]
   ratio = ma / mb if mb else math.inf
@@ -588,9 +560,6 @@ def _best_or_worst(rule: Mapping, table: Table) -> Verdict:
 
 def _threshold(rule: Mapping, table: Table) -> Verdict:
   metric, value = rule['metric'], float(rule['value'])
-  missing = _missing(rule, [(v, metric) for v in rule['variants']], table)
-  if missing:
-    return missing
   above = rule['kind'] == 'at_least'
   if rule.get('every_seed'):  # the worst seed of each variant
     worst = min if above else max
@@ -696,13 +665,13 @@ def _at_chance(rule: Mapping, table: Table) -> str | None:
 def evaluate(rule: Mapping[str, Any], table: Table) -> Verdict:
   """Applies one rule (see `KINDS`) to `table[variant][metric] -> per-seed values`."""
   check_rule(rule)
-  if rule.get('where') is None:
-    verdict = _EVALUATORS[rule['kind']](rule, table)
-  else:
+  kept = rule
+  if rule.get('where') is not None:
     kept, table, skipped = _apply_where(rule, table)
     if skipped is not None:
       return skipped
-    verdict = dataclasses.replace(_EVALUATORS[rule['kind']](kept, table), rule=dict(rule))
+  verdict = _missing(kept, table) or _EVALUATORS[rule['kind']](kept, table)
+  verdict = dataclasses.replace(verdict, rule=dict(rule))
   if verdict.status in (REPRODUCED, NOT_REPRODUCED):
     chance = _at_chance(rule, table)
     if chance is not None:

@@ -8,12 +8,19 @@ import os
 import tempfile
 from typing import Any
 
+import jax
+
 
 def first_line(error: BaseException, limit: int = 300) -> str:
   """The first non-blank line of an error's message (its type name if it has none), cut short."""
   lines = [line for line in str(error).strip().splitlines() if line.strip()]
   text = lines[0] if lines else type(error).__name__
   return text if len(text) <= limit else text[: limit - 3] + '...'
+
+
+def key_name(path: tuple) -> str:
+  """'opt_state/1/mu/w' for a jax key path (dict keys, attributes and indices alike)."""
+  return jax.tree_util.keystr(path, simple=True, separator='/')
 
 
 def jsonable(x: Any) -> Any:

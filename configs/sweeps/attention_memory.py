@@ -33,6 +33,21 @@ def measure(ctx, lengths=_LENGTHS, head_dim: int = 64, repeats: int = 3) -> dict
 def get_sweep(scale: int = 1) -> dict:
   lengths = [n * scale for n in _LENGTHS]
   mib = [f'mib_T{n}' for n in lengths]
+  rules = [
+    dict(kind='fit_power_law', variant='xla', xs=lengths, metrics=mib, slope_between=(1.6, 2.4),
+         text='xla memory is quadratic'),
+    dict(kind='fit_power_law', variant='chunked', xs=lengths, metrics=mib,
+         slope_between=(0.6, 1.4),
+         text='chunked memory is linear'),
+    dict(kind='fit_power_law', variant='pallas', xs=lengths, metrics=mib, slope_between=(0.6, 1.4),
+         text='pallas memory is linear'),
+  ]  # fmt: skip
+  plots = [
+    dict(kind='series', metrics=mib, x=lengths, logx=True, logy=True,
+         title='temp memory of forward + backward', xlabel='sequence length', ylabel='MiB'),
+    dict(kind='series', metrics=[f'ms_T{n}' for n in lengths], x=lengths, logx=True, logy=True,
+         title='time of forward + backward', xlabel='sequence length', ylabel='ms'),
+  ]  # fmt: skip
   return dict(
     name='attention_memory',
     claim="Attention memory is quadratic in the sequence length for 'xla' and linear for "
@@ -48,52 +63,6 @@ def get_sweep(scale: int = 1) -> dict:
     measure='measure',
     measure_args={'lengths': tuple(lengths)},
     metrics=[mib[0], mib[-1], f'ms_T{lengths[-1]}'],
-    rules=[
-      dict(
-        kind='fit_power_law',
-        variant='xla',
-        xs=lengths,
-        metrics=mib,
-        slope_between=(1.6, 2.4),
-        text='xla memory is quadratic',
-      ),
-      dict(
-        kind='fit_power_law',
-        variant='chunked',
-        xs=lengths,
-        metrics=mib,
-        slope_between=(0.6, 1.4),
-        text='chunked memory is linear',
-      ),
-      dict(
-        kind='fit_power_law',
-        variant='pallas',
-        xs=lengths,
-        metrics=mib,
-        slope_between=(0.6, 1.4),
-        text='pallas memory is linear',
-      ),
-    ],
-    plots=[
-      dict(
-        kind='series',
-        metrics=mib,
-        x=lengths,
-        logx=True,
-        logy=True,
-        title='temp memory of forward + backward',
-        xlabel='sequence length',
-        ylabel='MiB',
-      ),
-      dict(
-        kind='series',
-        metrics=[f'ms_T{n}' for n in lengths],
-        x=lengths,
-        logx=True,
-        logy=True,
-        title='time of forward + backward',
-        xlabel='sequence length',
-        ylabel='ms',
-      ),
-    ],
+    rules=rules,
+    plots=plots,
   )

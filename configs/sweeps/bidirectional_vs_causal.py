@@ -8,6 +8,10 @@ GPU_SCALE = 4
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 1000 * scale
+  rules = [
+    dict(kind='greater', metric='gen.valid', a='gpt', b='bert', rel_margin=0.25,
+         text='the causal model generates far better'),
+  ]  # fmt: skip
   return dict(
     name='bidirectional_vs_causal',
     claim='A bidirectional (MLM) encoder reused for left-to-right generation generates far worse '
@@ -30,14 +34,5 @@ def get_sweep(scale: int = 1) -> dict:
     variants={'gpt': {}, 'bert': {'model.family': 'bidirectional_lm'}},
     measure='generation',
     metrics=['gen.valid', 'eval.loss', 'eval.accuracy'],
-    rules=[
-      dict(
-        kind='greater',
-        metric='gen.valid',
-        a='gpt',
-        b='bert',
-        rel_margin=0.25,
-        text='the causal model generates far better',
-      ),
-    ],
+    rules=rules,
   )

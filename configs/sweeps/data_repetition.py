@@ -32,6 +32,24 @@ def get_sweep(scale: int = 1) -> dict:
       'model.num_heads': max(1, w // 16),
     }
   trains = 'rep0 trains'
+  preconditions = [
+    dict(name=trains, kind='at_most', metric='eval.loss', variants=['rep0'], value=3.0,
+         every_seed=True,
+         text='rep0 ends below 3.0 nats at every seed (it learns the chain)'),
+  ]  # fmt: skip
+  rules = [
+    dict(kind='ordering', metric='eval.loss', variants=fractions, direction='increasing',
+         requires=[trains],
+         text='the eval loss rises with the share of repeated examples, step by step'),
+    dict(kind='greater', metric='eval.loss', a='rep50', b='even50', margin_std=2.0,
+         requires=[trains],
+         text='piled-on repetition hurts beyond the unique data it displaces: rep50 ends worse '
+              'than even50, which saw the same unique examples twice each'),
+    dict(kind='largest_step', metric='eval.loss', variants=sizes, expect_at='size32',
+         at_least_share=0.5,
+         text='at a fixed budget of unique data, the first doubling of width gains the most, '
+              'over half of the whole change along the four widths'),
+  ]  # fmt: skip
   return dict(
     name='data_repetition',
     claim='Repeated data hurts beyond its share: the eval loss on fresh data rises with the share '
@@ -61,44 +79,6 @@ def get_sweep(scale: int = 1) -> dict:
     },
     variants=variants,
     metrics=['eval.loss', 'train.loss'],
-    preconditions=[
-      dict(
-        name=trains,
-        kind='at_most',
-        metric='eval.loss',
-        variants=['rep0'],
-        value=3.0,
-        every_seed=True,
-        text='rep0 ends below 3.0 nats at every seed (it learns the chain)',
-      ),
-    ],  # fmt: skip
-    rules=[
-      dict(
-        kind='ordering',
-        metric='eval.loss',
-        variants=fractions,
-        direction='increasing',
-        requires=[trains],
-        text='the eval loss rises with the share of repeated examples, step by step',
-      ),
-      dict(
-        kind='greater',
-        metric='eval.loss',
-        a='rep50',
-        b='even50',
-        margin_std=2.0,
-        requires=[trains],
-        text='piled-on repetition hurts beyond the unique data it displaces: rep50 ends worse '
-        'than even50, which saw the same unique examples twice each',
-      ),
-      dict(
-        kind='largest_step',
-        metric='eval.loss',
-        variants=sizes,
-        expect_at='size32',
-        at_least_share=0.5,
-        text='at a fixed budget of unique data, the first doubling of width gains the most, '
-        'over half of the whole change along the four widths',
-      ),
-    ],  # fmt: skip
+    preconditions=preconditions,  # fmt: skip
+    rules=rules,  # fmt: skip
   )

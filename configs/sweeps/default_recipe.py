@@ -19,6 +19,14 @@ def _recipe(schedule, learning_rate, warmup, end=0.0, clip=0.0, smoothing=0.1) -
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 1000 * scale
+  rules = [
+    dict(kind='at_least', metric='eval.bleu', variants=['cos3e-3_w100'], value=97.0,
+         every_seed=True,
+         text='the chosen recipe reaches BLEU >= 97 at every seed'),
+    dict(kind='at_least', metric='eval.exact_match', variants=['cos3e-3_w100'], value=0.95,
+         every_seed=True,
+         text='and exact match >= 95% at every seed'),
+  ]  # fmt: skip
   return dict(
     name='default_recipe',
     claim='With a linear warmup to 3e-3 and a cosine to 0, the default run reaches BLEU >= 97 and '
@@ -41,22 +49,5 @@ def get_sweep(scale: int = 1) -> dict:
       'cos5e-3_w100': _recipe('warmup_cosine', 0.0051, 100),
     },
     metrics=['eval.bleu', 'eval.exact_match', 'eval.loss'],
-    rules=[
-      dict(
-        kind='at_least',
-        metric='eval.bleu',
-        variants=['cos3e-3_w100'],
-        value=97.0,
-        every_seed=True,
-        text='the chosen recipe reaches BLEU >= 97 at every seed',
-      ),
-      dict(
-        kind='at_least',
-        metric='eval.exact_match',
-        variants=['cos3e-3_w100'],
-        value=0.95,
-        every_seed=True,
-        text='and exact match >= 95% at every seed',
-      ),
-    ],
+    rules=rules,
   )

@@ -11,6 +11,11 @@ def get_sweep(scale: int = 1) -> dict:
   width = 64 if scale == 1 else 256
   examples = 2000 * (1 if scale == 1 else 4)  # still a few thousand: the claim is about small data
   epochs = steps * 64 // examples
+  rules = [
+    dict(kind='greater', metric='trainset.loss', a=f'd{p}', b='d0.0', margin_std=2,
+         text=f'a rate of {p} underfits')
+    for p in (0.5, 0.7)
+  ]  # fmt: skip
   return dict(
     name='dropout',
     claim='On a small dataset, a dropout rate above 0.3 underfits: at 0.5 and 0.7 the model fits '
@@ -40,15 +45,5 @@ def get_sweep(scale: int = 1) -> dict:
     variants={f'd{p}': {'model.dropout_rate': p} for p in _RATES},
     measure='trainset_loss',
     metrics=['trainset.loss', 'eval.loss', 'eval.bleu'],
-    rules=[
-      dict(
-        kind='greater',
-        metric='trainset.loss',
-        a=f'd{p}',
-        b='d0.0',
-        margin_std=2,
-        text=f'a rate of {p} underfits',
-      )
-      for p in (0.5, 0.7)
-    ],
+    rules=rules,
   )

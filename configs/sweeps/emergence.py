@@ -15,6 +15,31 @@ def get_sweep(scale: int = 1) -> dict:
   sizes = [f'd{w}' for w in _WIDTHS]
   largest = sizes[-1]
   learns = f'{largest} learns the task'
+  preconditions = [
+    dict(name=learns, kind='at_least', metric='eval.exact_match', variants=[largest], value=0.9,
+         every_seed=True,
+         text=f'{largest}: exact match >= 0.9 at every seed'),
+  ]  # fmt: skip
+  rules = [
+    dict(kind='largest_step', metric='eval.exact_match', variants=sizes, at_least_share=0.5,
+         min_step=0.3, requires=[learns],
+         text='exact match jumps: one step between neighbouring sizes carries over half of its '
+              'rise, and at least 0.3'),
+    dict(kind='largest_step', metric='eval.loss', variants=sizes, at_most_share=0.5,
+         requires=[learns],
+         text='the per-token negative log-likelihood changes smoothly: no step between '
+              'neighbouring sizes carries half of its change'),
+    dict(kind='ordering', metric='eval.loss', variants=sizes, direction='decreasing',
+         text='the per-token negative log-likelihood falls at every step up in size'),
+  ]  # fmt: skip
+  plots = [
+    dict(kind='scatter', x='params', y='eval.exact_match', logx=True,
+         title='exact match against parameters', xlabel='parameters',
+         ylabel='exact match (512 held-out numbers)'),
+    dict(kind='scatter', x='params', y='eval.loss', logx=True, logy=True,
+         title='per-token NLL of the same answers against parameters', xlabel='parameters',
+         ylabel='eval NLL (nats/token)'),
+  ]  # fmt: skip
   return dict(
     name='emergence',
     claim='Exact match on the numbers task jumps between two neighbouring sizes (over half of '
@@ -44,64 +69,7 @@ def get_sweep(scale: int = 1) -> dict:
       for w in _WIDTHS
     },
     metrics=['eval.exact_match', 'eval.loss', 'eval.accuracy', 'eval.bleu'],
-    preconditions=[
-      dict(
-        name=learns,
-        kind='at_least',
-        metric='eval.exact_match',
-        variants=[largest],
-        value=0.9,
-        every_seed=True,
-        text=f'{largest}: exact match >= 0.9 at every seed',
-      ),
-    ],  # fmt: skip
-    rules=[
-      dict(
-        kind='largest_step',
-        metric='eval.exact_match',
-        variants=sizes,
-        at_least_share=0.5,
-        min_step=0.3,
-        requires=[learns],
-        text='exact match jumps: one step between neighbouring sizes carries over half of '
-        'its rise, and at least 0.3',
-      ),
-      dict(
-        kind='largest_step',
-        metric='eval.loss',
-        variants=sizes,
-        at_most_share=0.5,
-        requires=[learns],
-        text='the per-token negative log-likelihood changes smoothly: no step between '
-        'neighbouring sizes carries half of its change',
-      ),
-      dict(
-        kind='ordering',
-        metric='eval.loss',
-        variants=sizes,
-        direction='decreasing',
-        text='the per-token negative log-likelihood falls at every step up in size',
-      ),
-    ],  # fmt: skip
-    plots=[
-      dict(
-        kind='scatter',
-        x='params',
-        y='eval.exact_match',
-        logx=True,
-        title='exact match against parameters',
-        xlabel='parameters',
-        ylabel='exact match (512 held-out numbers)',
-      ),
-      dict(
-        kind='scatter',
-        x='params',
-        y='eval.loss',
-        logx=True,
-        logy=True,
-        title='per-token NLL of the same answers against parameters',
-        xlabel='parameters',
-        ylabel='eval NLL (nats/token)',
-      ),
-    ],  # fmt: skip
+    preconditions=preconditions,  # fmt: skip
+    rules=rules,  # fmt: skip
+    plots=plots,  # fmt: skip
   )

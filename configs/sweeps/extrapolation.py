@@ -9,6 +9,25 @@ GPU_SCALE = 4
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 400 * scale
+  rules = [
+    dict(kind='greater', metric='extrap.loss_2x', metric_b='extrap.loss_1x', a='learned',
+         b='learned',
+         text='learned positions cannot go past L'),
+    dict(kind='greater', metric='extrap.loss_4x', metric_b='extrap.loss_1x', a='sinusoidal',
+         b='sinusoidal',
+         text='sinusoidal degrades'),
+    dict(kind='best', metric='extrap.loss_8x',
+         among=['sinusoidal', 'learned', 'rope', 'rope_linear', 'rope_ntk', 'rope_yarn'],
+         expect=['rope_linear', 'rope_ntk', 'rope_yarn'],
+         text='RoPE with scaling holds best'),
+  ]  # fmt: skip
+  plots = [
+    dict(kind='series',
+         metrics=['extrap.loss_1x', 'extrap.loss_2x', 'extrap.loss_4x', 'extrap.loss_8x'],
+         x=[_LENGTH, 2 * _LENGTH, 4 * _LENGTH, 8 * _LENGTH], logx=True,
+         title='held-out loss against evaluation length', xlabel='tokens per row (trained: L)',
+         ylabel='loss (nats/token)'),
+  ]  # fmt: skip
   return dict(
     name='extrapolation',
     claim='Trained at length L: learned positions cannot go past L, sinusoidal degrades with '
@@ -52,40 +71,6 @@ def get_sweep(scale: int = 1) -> dict:
     measure='extrapolation',
     measure_args={'factors': (1, 2, 4, 8), 'examples': 32},
     metrics=['extrap.loss_1x', 'extrap.loss_2x', 'extrap.loss_4x', 'extrap.loss_8x'],
-    rules=[
-      dict(
-        kind='greater',
-        metric='extrap.loss_2x',
-        metric_b='extrap.loss_1x',
-        a='learned',
-        b='learned',
-        text='learned positions cannot go past L',
-      ),
-      dict(
-        kind='greater',
-        metric='extrap.loss_4x',
-        metric_b='extrap.loss_1x',
-        a='sinusoidal',
-        b='sinusoidal',
-        text='sinusoidal degrades',
-      ),
-      dict(
-        kind='best',
-        metric='extrap.loss_8x',
-        among=['sinusoidal', 'learned', 'rope', 'rope_linear', 'rope_ntk', 'rope_yarn'],
-        expect=['rope_linear', 'rope_ntk', 'rope_yarn'],
-        text='RoPE with scaling holds best',
-      ),
-    ],
-    plots=[
-      dict(
-        kind='series',
-        metrics=['extrap.loss_1x', 'extrap.loss_2x', 'extrap.loss_4x', 'extrap.loss_8x'],
-        x=[_LENGTH, 2 * _LENGTH, 4 * _LENGTH, 8 * _LENGTH],
-        logx=True,
-        title='held-out loss against evaluation length',
-        xlabel='tokens per row (trained: L)',
-        ylabel='loss (nats/token)',
-      ),
-    ],
+    rules=rules,
+    plots=plots,
   )

@@ -3,6 +3,7 @@ specialise: some attend sharply, some nearly uniformly. On two tasks: the number
 task and the grammar LM."""
 
 from configs import gpt_tiny
+from research.spec import PAPER_SCHEDULE
 
 # About 3 GPU minutes on one H200: 6 runs of 1600 (numbers) and 2000 (grammar) steps.
 GPU_SCALE = 4
@@ -23,6 +24,15 @@ def _grammar_lm() -> dict:
 
 def get_sweep(scale: int = 1) -> dict:
   numbers_steps, grammar_steps = 400 * scale, 500 * scale
+  rules = [
+    dict(kind='less', metric='eval.loss', a='numbers_h4', b='numbers_h1',
+         text='numbers: one head is worse than four'),
+    dict(kind='less', metric='eval.loss', a='grammar_h4', b='grammar_h1',
+         text='grammar LM: one head is worse than four'),
+    dict(kind='at_least', metric='entropy.layer_spread', variants=['grammar_h4', 'grammar_h8'],
+         value=0.3,
+         text='grammar LM: within a layer, sharp and nearly uniform heads side by side'),
+  ]  # fmt: skip
   return dict(
     name='heads',
     claim='At a fixed d_model, one head trains worse than several, and the heads of a trained '
@@ -47,11 +57,7 @@ def get_sweep(scale: int = 1) -> dict:
     axes={
       'task': {
         'numbers': {
-          # The paper's rsqrt schedule (peak 0.0051 at step 300), which these results were run
-          # with; configs/default.py itself uses warmup_cosine (see default_recipe.py).
-          'optim.schedule': 'rsqrt',
-          'optim.learning_rate': 1.0,
-          'optim.warmup_steps': 300,
+          **PAPER_SCHEDULE,  # the rsqrt schedule these results were run with
           'model.d_model': 64,
           'model.d_ff': 256,
           'train.steps': numbers_steps,
@@ -76,27 +82,5 @@ def get_sweep(scale: int = 1) -> dict:
       'entropy.max',
     ],
     measure='head_entropy',
-    rules=[
-      dict(
-        kind='less',
-        metric='eval.loss',
-        a='numbers_h4',
-        b='numbers_h1',
-        text='numbers: one head is worse than four',
-      ),
-      dict(
-        kind='less',
-        metric='eval.loss',
-        a='grammar_h4',
-        b='grammar_h1',
-        text='grammar LM: one head is worse than four',
-      ),
-      dict(
-        kind='at_least',
-        metric='entropy.layer_spread',
-        variants=['grammar_h4', 'grammar_h8'],
-        value=0.3,
-        text='grammar LM: within a layer, sharp and nearly uniform heads side by side',
-      ),
-    ],
+    rules=rules,
   )

@@ -37,6 +37,12 @@ def get_sweep(scale: int = 1) -> dict:
     rel_tolerance=0.02, text=text,
   )  # fmt: skip
   w_small, w_large = (f'w{w}' for w in _WINDOWS)
+  plots = [
+    dict(kind='series', metrics=mib, x=lengths, logx=True, logy=True,
+         title='compiled temp memory of a training step (batch 1)', xlabel='tokens', ylabel='MiB'),
+    dict(kind='series', metrics=ms, x=lengths, logx=True, logy=True,
+         title='training step time on CPU (batch 1)', xlabel='tokens', ylabel='ms'),
+  ]  # fmt: skip
   return dict(
     name='long_context',
     claim='A local window and hierarchical compression match full attention on grammar; '
@@ -81,26 +87,5 @@ def get_sweep(scale: int = 1) -> dict:
       power('compressed', mib, 1.2, 1.8, 'compressed attention memory grows about as n^1.5'),
       power('full', mib, 1.6, 2.4, 'full (xla) attention memory grows quadratically'),
     ],
-    plots=[
-      dict(
-        kind='series',
-        metrics=mib,
-        x=lengths,
-        logx=True,
-        logy=True,
-        title='compiled temp memory of a training step (batch 1)',
-        xlabel='tokens',
-        ylabel='MiB',
-      ),
-      dict(
-        kind='series',
-        metrics=ms,
-        x=lengths,
-        logx=True,
-        logy=True,
-        title='training step time on CPU (batch 1)',
-        xlabel='tokens',
-        ylabel='ms',
-      ),
-    ],
+    plots=plots,
   )

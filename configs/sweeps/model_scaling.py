@@ -23,6 +23,12 @@ def loss_above_floor(ctx, floor: float) -> dict:
 def get_sweep(scale: int = 1) -> dict:
   steps = 400 * scale
   fit = dict(kind='fit_power_law', x='params_non_embedding', y='eval.loss', slope_sign=-1)
+  plots = [
+    dict(kind='scatter', x='params_non_embedding', y='eval.loss_above_floor', logx=True, logy=True,
+         fit=True,
+         title=f'eval loss above the entropy floor {_FLOOR} against parameters (log-log)',
+         xlabel='non-embedding parameters', ylabel=f'eval loss - {_FLOOR} (nats/token)'),
+  ]  # fmt: skip
   return dict(
     name='model_scaling',
     claim='At a fixed token budget, the loss above the entropy floor E falls as a power law of '
@@ -58,17 +64,5 @@ def get_sweep(scale: int = 1) -> dict:
       ),
       dict(**fit, floor='free', min_r2=0.9, text='L - E falls as a power of N, E fitted'),
     ],
-    plots=[
-      dict(
-        kind='scatter',
-        x='params_non_embedding',
-        y='eval.loss_above_floor',
-        logx=True,
-        logy=True,
-        fit=True,
-        title=f'eval loss above the entropy floor {_FLOOR} against parameters (log-log)',
-        xlabel='non-embedding parameters',
-        ylabel=f'eval loss - {_FLOOR} (nats/token)',
-      ),
-    ],
+    plots=plots,
   )

@@ -8,6 +8,16 @@ GPU_SCALE = 8
 def get_sweep(scale: int = 1) -> dict:
   steps = 250 * scale
   width = 32 if scale == 1 else 128  # narrow, so that 24 layers stay CPU-sized at scale 1
+  rules = [
+    rule
+    for depth in ('12L', '24L')
+    for rule in (
+      dict(kind='less', metric='eval.loss', a=f'{depth}_pre_no_warmup',
+           b=f'{depth}_post_no_warmup', text=f'{depth}: without warmup, pre-LN ends better'),
+      dict(kind='less', metric='eval.loss', a=f'{depth}_post_warmup', b=f'{depth}_post_no_warmup',
+           text=f'{depth}: post-LN needs warmup'),
+    )
+  ]  # fmt: skip
   return dict(
     name='norm_placement',
     claim='At depth, pre-LN trains well without warmup while post-LN needs it: without warmup '
@@ -47,24 +57,5 @@ def get_sweep(scale: int = 1) -> dict:
       },
     },
     metrics=['eval.loss', 'train.loss_rise'],
-    rules=[
-      rule
-      for depth in ('12L', '24L')
-      for rule in (
-        dict(
-          kind='less',
-          metric='eval.loss',
-          a=f'{depth}_pre_no_warmup',
-          b=f'{depth}_post_no_warmup',
-          text=f'{depth}: without warmup, pre-LN ends better',
-        ),
-        dict(
-          kind='less',
-          metric='eval.loss',
-          a=f'{depth}_post_warmup',
-          b=f'{depth}_post_no_warmup',
-          text=f'{depth}: post-LN needs warmup',
-        ),
-      )
-    ],
+    rules=rules,
   )

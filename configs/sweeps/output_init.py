@@ -43,6 +43,11 @@ def get_sweep(scale: int = 1) -> dict:
            text=f'{depth}: the scaled init spikes less than the large one (the largest rise '
            'of the training loss above its running minimum)'),
     ]  # fmt: skip
+  preconditions = [
+    dict(name=f'{d}_scaled trains', kind='at_most', metric='eval.loss', variants=[f'{d}_scaled'],
+         value=3.0, every_seed=True, text=f'{d}_scaled: ends below 3.0 nats at every seed')
+    for d in ('12L', '24L')
+  ]  # fmt: skip
   return dict(
     name='output_init',
     claim='A smaller initial range for the residual-branch output projections (attention output '
@@ -97,17 +102,6 @@ def get_sweep(scale: int = 1) -> dict:
       'train.spikes',
       'train.max_jump',
     ],
-    preconditions=[
-      dict(
-        name=f'{d}_scaled trains',
-        kind='at_most',
-        metric='eval.loss',
-        variants=[f'{d}_scaled'],
-        value=3.0,
-        every_seed=True,
-        text=f'{d}_scaled: ends below 3.0 nats at every seed',
-      )
-      for d in ('12L', '24L')
-    ],  # fmt: skip
+    preconditions=preconditions,
     rules=rules,
   )

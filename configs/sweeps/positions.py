@@ -1,6 +1,8 @@
 """Claim (Table 3 row E): learned positions do about as well as sinusoidal ones; some position
 information is needed. Sinusoidal, learned, RoPE, ALiBi and none on the numbers task."""
 
+from research.spec import PAPER_SCHEDULE
+
 # --scale of the one-GPU run (an estimate, not measured: one H200, 1600 steps (x4); 15 runs (5
 # variants x 3 seeds) of ~1 min: ~5 min at --parallel=4).
 GPU_SCALE = 4
@@ -8,6 +10,12 @@ GPU_SCALE = 4
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 400 * scale
+  rules = [
+    dict(kind='close', metric='eval.accuracy', a='learned', b='sinusoidal', tolerance=0.02,
+         text='learned ~ sinusoidal'),
+    dict(kind='worst', metric='eval.loss', expect=['none'],
+         text='no positions is worst'),
+  ]  # fmt: skip
   return dict(
     name='positions',
     claim='Learned and sinusoidal positions give nearly identical results; without position '
@@ -16,11 +24,7 @@ def get_sweep(scale: int = 1) -> dict:
     'in self attention only; cross attention has no positions in any variant.',
     base='configs/default.py',
     overrides={
-      # The paper's rsqrt schedule (peak 0.0051 at step 300), which these results were run
-      # with; configs/default.py itself uses warmup_cosine (see default_recipe.py).
-      'optim.schedule': 'rsqrt',
-      'optim.learning_rate': 1.0,
-      'optim.warmup_steps': 300,
+      **PAPER_SCHEDULE,  # the rsqrt schedule these results were run with
       'model.d_model': 64,
       'model.d_ff': 256,
       'train.steps': steps,
@@ -31,15 +35,5 @@ def get_sweep(scale: int = 1) -> dict:
     },
     variants={p: {'model.position': p} for p in ('sinusoidal', 'learned', 'rope', 'alibi', 'none')},
     metrics=['eval.loss', 'eval.accuracy', 'eval.bleu'],
-    rules=[
-      dict(
-        kind='close',
-        metric='eval.accuracy',
-        a='learned',
-        b='sinusoidal',
-        tolerance=0.02,
-        text='learned ~ sinusoidal',
-      ),
-      dict(kind='worst', metric='eval.loss', expect=['none'], text='no positions is worst'),
-    ],
+    rules=rules,
   )

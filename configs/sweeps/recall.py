@@ -73,6 +73,12 @@ def get_sweep(scale: int = 1) -> dict:
          margin_std=2.0, rel_margin=0.1, text=f'{_PAIRS[-1]} pairs: full attention recalls more '
          'than linear attention', **chance, **needs(_PAIRS[-1])),
   ]  # fmt: skip
+  plots = [
+    dict(kind='lines', metric='recall.accuracy', x=list(_PAIRS),
+         lines={arm: [f'p{n}_{arm}' for n in _PAIRS] for arm in attention},
+         title='recall against the number of key-value pairs (mean and std over seeds)',
+         xlabel='key-value pairs', ylabel='value accuracy (chance 1/26)'),
+  ]  # fmt: skip
   return dict(
     name='recall',
     claim='As the key-value pairs of MQAR grow at a fixed width, full attention keeps '
@@ -128,15 +134,5 @@ def get_sweep(scale: int = 1) -> dict:
     metrics=['eval.loss', 'recall.accuracy', 'recall.key_accuracy'],
     preconditions=preconditions,
     rules=rules,
-    plots=[
-      dict(
-        kind='lines',
-        metric='recall.accuracy',
-        x=list(_PAIRS),
-        lines={arm: [f'p{n}_{arm}' for n in _PAIRS] for arm in attention},
-        title='recall against the number of key-value pairs (mean and std over seeds)',
-        xlabel='key-value pairs',
-        ylabel='value accuracy (chance 1/26)',
-      ),
-    ],  # fmt: skip
+    plots=plots,  # fmt: skip
   )

@@ -6,6 +6,16 @@ GPU_SCALE = 8
 
 
 def get_sweep(scale: int = 1) -> dict:
+  rules = [
+    dict(kind='less', metric='temp_mib', a='full', b='none',
+         text='remat saves memory'),
+    dict(kind='ratio_between', metric='step_ms', a='full', b='none', low=1.2, high=1.3,
+         text='full remat costs 20-30% more time'),
+  ]  # fmt: skip
+  plots = [
+    dict(kind='scatter', x='temp_mib', y='step_ms', title='step time against compiled memory',
+         xlabel='temp memory (MiB)', ylabel='step time (ms)'),
+  ]  # fmt: skip
   return dict(
     name='remat',
     claim='Full remat lowers the compiled memory of a training step and costs 20-30% more step '
@@ -29,26 +39,6 @@ def get_sweep(scale: int = 1) -> dict:
     variants={p: {'model.remat': p} for p in ('none', 'full', 'save_matmuls')},
     measure='step_time_memory',
     metrics=['step_ms', 'temp_mib'],
-    rules=[
-      dict(kind='less', metric='temp_mib', a='full', b='none', text='remat saves memory'),
-      dict(
-        kind='ratio_between',
-        metric='step_ms',
-        a='full',
-        b='none',
-        low=1.2,
-        high=1.3,
-        text='full remat costs 20-30% more time',
-      ),
-    ],
-    plots=[
-      dict(
-        kind='scatter',
-        x='temp_mib',
-        y='step_ms',
-        title='step time against compiled memory',
-        xlabel='temp memory (MiB)',
-        ylabel='step time (ms)',
-      ),
-    ],
+    rules=rules,
+    plots=plots,
   )

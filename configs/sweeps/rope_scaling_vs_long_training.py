@@ -22,6 +22,14 @@ def get_sweep(scale: int = 1) -> dict:
   short95 = round(0.95 * steps)  # the rest of the budget is the fine-tune at 4L
   finetuned = ('short95_ft_linear', 'short95_ft_yarn')
   scaled = ['short_linear', 'short_yarn', *finetuned]
+  rules = [
+    dict(kind='best', metric='loss@4x', expect=scaled,
+         text='at 4L the best model is one trained at L and scaled'),
+    dict(kind='less', metric='loss@4x', a='short95_ft_yarn', b='long', margin_std=2,
+         text='trained at L, YaRN + fine-tune clearly beats training at 4L'),
+    dict(kind='less', metric='loss@4x', a='short95_ft_linear', b='long', margin_std=2,
+         text='trained at L, linear (PI) + fine-tune clearly beats training at 4L'),
+  ]  # fmt: skip
   return dict(
     name='rope_scaling_vs_long_training',
     claim='At one token budget, RoPE trained at L and scaled to 4L (linear or YaRN, with or '
@@ -70,28 +78,5 @@ def get_sweep(scale: int = 1) -> dict:
     measure='measure',
     measure_args={'length': _LENGTH, 'factor': _FACTOR, 'finetune': finetuned},
     metrics=['loss@1x', 'loss@4x'],
-    rules=[
-      dict(
-        kind='best',
-        metric='loss@4x',
-        expect=scaled,
-        text='at 4L the best model is one trained at L and scaled',
-      ),
-      dict(
-        kind='less',
-        metric='loss@4x',
-        a='short95_ft_yarn',
-        b='long',
-        margin_std=2,
-        text='trained at L, YaRN + fine-tune clearly beats training at 4L',
-      ),
-      dict(
-        kind='less',
-        metric='loss@4x',
-        a='short95_ft_linear',
-        b='long',
-        margin_std=2,
-        text='trained at L, linear (PI) + fine-tune clearly beats training at 4L',
-      ),
-    ],  # fmt: skip
+    rules=rules,  # fmt: skip
   )

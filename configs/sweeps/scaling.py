@@ -2,12 +2,22 @@
 oscillates more and training ends worse. Numbers task (digits -> words), the embedded default
 with 2 heads."""
 
+from research.spec import PAPER_SCHEDULE
+
 # ~3 GPU minutes at GPU_SCALE on one H200: 6 runs (3 seeds) of 1600 steps, dispatch-bound.
 GPU_SCALE = 4
 
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 400 * scale
+  rules = [
+    dict(kind='less', metric='eval.loss', a='scaled', b='unscaled', margin_std=2,
+         text='ends worse without the scale'),
+    dict(kind='greater', metric='train.oscillation', a='unscaled', b='scaled', margin_std=2,
+         text='less stable without the scale: the loss oscillates more within each run'),
+    dict(kind='variance_greater', metric='eval.loss', a='unscaled', b='scaled',
+         text='less stable without the scale: a larger spread of the final loss over seeds'),
+  ]  # fmt: skip
   return dict(
     name='scaling',
     claim='Without the 1/sqrt(d_k) scale (d_k = 64), training is less stable (the loss curve '
@@ -23,11 +33,7 @@ def get_sweep(scale: int = 1) -> dict:
     'is shown for spikes.',
     base='configs/default.py',
     overrides={
-      # The paper's rsqrt schedule (peak 0.0051 at step 300), which these results were run
-      # with; configs/default.py itself uses warmup_cosine (see default_recipe.py).
-      'optim.schedule': 'rsqrt',
-      'optim.learning_rate': 1.0,
-      'optim.warmup_steps': 300,
+      **PAPER_SCHEDULE,  # the rsqrt schedule these results were run with
       'model.num_heads': 2,
       'train.steps': steps,
       'train.log_every': 1,  # every step: the oscillation is a property of the curve itself
@@ -43,29 +49,5 @@ def get_sweep(scale: int = 1) -> dict:
       'train.oscillation_detrended',
       'train.loss_rise',
     ],
-    rules=[
-      dict(
-        kind='less',
-        metric='eval.loss',
-        a='scaled',
-        b='unscaled',
-        margin_std=2,
-        text='ends worse without the scale',
-      ),
-      dict(
-        kind='greater',
-        metric='train.oscillation',
-        a='unscaled',
-        b='scaled',
-        margin_std=2,
-        text='less stable without the scale: the loss oscillates more within each run',
-      ),
-      dict(
-        kind='variance_greater',
-        metric='eval.loss',
-        a='unscaled',
-        b='scaled',
-        text='less stable without the scale: a larger spread of the final loss over seeds',
-      ),
-    ],
+    rules=rules,
   )

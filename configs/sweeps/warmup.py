@@ -15,23 +15,11 @@ def get_sweep(scale: int = 1) -> dict:
   for lr in _LRS:  # a rule per learning rate; each runs only if both arms learn at first
     a, b = f'{lr}_no_warmup', f'{lr}_warmup'
     rules += [
-      dict(
-        kind='greater',
-        metric='train.spikes',
-        a=a,
-        b=b,
-        where=_LEARNED_EARLY,
-        text=f'at {lr}, the loss spikes more without warmup',
-      ),
-      dict(
-        kind='less',
-        metric='eval.loss',
-        a=b,
-        b=a,
-        where=_LEARNED_EARLY,
-        text=f'at {lr}, warmup ends better',
-      ),
-    ]
+      dict(kind='greater', metric='train.spikes', a=a, b=b, where=_LEARNED_EARLY,
+           text=f'at {lr}, the loss spikes more without warmup'),
+      dict(kind='less', metric='eval.loss', a=b, b=a, where=_LEARNED_EARLY,
+           text=f'at {lr}, warmup ends better'),
+    ]  # fmt: skip
   return dict(
     name='warmup',
     claim='Post-LN without warmup (a large constant learning rate) spikes or diverges; with a '

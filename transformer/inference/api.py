@@ -227,18 +227,9 @@ class Model:
       max_length = self.config.train.get('max_decode_length', 64)
     if _is_int(max_length):
       self._check_length(max_length, 'max_length')
-    out = decode.translate(
-      self.module,
-      self.weights,
-      _pad(ids),
-      max_length=max_length,
-      beam_size=beam_size,
-      alpha=alpha,
-      temperature=temperature,
-      top_k=top_k,
-      top_p=top_p,
-      rng=_rng(seed, temperature),
-    )
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, rng=_rng(seed, temperature))
+    search = dict(max_length=max_length, beam_size=beam_size, alpha=alpha)
+    out = decode.translate(self.module, self.weights, _pad(ids), **search, **sampling)
     return self._decode(out)
 
   def fill_mask(self, texts: str | list[str], top_k: int = 1) -> list[dict]:
@@ -316,13 +307,10 @@ class Model:
     for i, n in enumerate(lengths):
       per_token = logp[i, np.arange(n), targets[i, :n]]
       nll = float(-per_token.sum())
+      tokens = [self.tokenizer.decode([int(t)]) or '</s>' for t in targets[i, :n]]
+      perplexity = float(np.exp(nll / n))
       results.append(
-        {
-          'tokens': [self.tokenizer.decode([int(t)]) or '</s>' for t in targets[i, :n]],
-          'log_probs': per_token.tolist(),
-          'nll': nll,
-          'perplexity': float(np.exp(nll / n)),
-        }
+        {'tokens': tokens, 'log_probs': per_token.tolist(), 'nll': nll, 'perplexity': perplexity}
       )
     return results
 
@@ -527,11 +515,8 @@ class Model:
     cfg = self.cfg
     limit = cfg.max_length if cfg.position == 'learned' else LENGTH_FACTOR * cfg.max_length
     if length > limit:
-      why = (
-        'learned positions stop there'
-        if cfg.position == 'learned'
-        else (f'{LENGTH_FACTOR} x max_length={cfg.max_length}')
-      )
+      why = f'{LENGTH_FACTOR} x max_length={cfg.max_length}'
+      why = 'learned positions stop there' if cfg.position == 'learned' else why
       raise ValueError(f'{what} is {length} positions; at most {limit} ({why}): shorten it')
 
   def _check_knobs(self, beam_size: Any, seed: Any) -> None:

@@ -24,12 +24,7 @@ _ARCHITECTURES = {
   'Qwen3ForCausalLM': 'qwen3',
   'MistralForCausalLM': 'mistral',
 }
-_CAUSAL_LM = {
-  'llama': 'LlamaForCausalLM',
-  'qwen2': 'Qwen2ForCausalLM',
-  'qwen3': 'Qwen3ForCausalLM',
-  'mistral': 'MistralForCausalLM',
-}
+_CAUSAL_LM = {arch: name for name, arch in _ARCHITECTURES.items() if name.endswith('ForCausalLM')}
 # Config keys both ways: (sparrow model key, config.json key, Hugging Face's default for it).
 _CONFIG_KEYS = {
   'gpt2': (

@@ -6,14 +6,10 @@ Nothing is ever unpickled: only safetensors files are read.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
-import functools
 import json
 import os
 import re
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so bf16 safetensors load)
 import numpy as np
+from flax import traverse_util
 
+from transformer import util
 from transformer.config import ModelConfig
 from transformer.inference.hf_config import LLAMA_FAMILY, check_arch
 from transformer.model import models
@@ -83,6 +81,23 @@ def _linear(hf_prefix: str, path: Path) -> list[_Rule]:
   ]
 
 
+def _split_heads(name: str, path: Path, heads: int, H: int) -> _Rule:
+  """torch Linear weight [heads*H, D] (out, in) <-> a q/k/v kernel [D, heads, H]."""
+  return _one(
+    name, path, lambda w: w.T.reshape(-1, heads, H), lambda k: k.reshape(k.shape[0], heads * H).T
+  )
+
+
+def _merge_heads(name: str, path: Path, heads: int, H: int) -> _Rule:
+  """torch Linear weight [D, heads*H] (out, in) <-> the output kernel [heads, H, D]."""
+  return _one(name, path, lambda w: w.T.reshape(heads, H, -1), lambda o: o.reshape(heads * H, -1).T)
+
+
+def _head_bias(name: str, path: Path, heads: int, H: int) -> _Rule:
+  """A q/k/v bias [heads*H] <-> [heads, H]."""
+  return _one(name, path, lambda b: b.reshape(heads, H), lambda b: b.reshape(heads * H))
+
+
 def _gpt2_rules(cfg: ModelConfig) -> list[_Rule]:
   """GPT2LMHeadModel names (body prefix cut) <-> CausalLM. Conv1D weights are [in, out]."""
   N, H = cfg.num_heads, cfg.head_size
@@ -142,25 +157,14 @@ def _bert_rules(cfg: ModelConfig) -> list[_Rule]:
     h, s = f'encoder.layer.{i}', ('encoder', 'stack', f'layer_{i}')
     for name in ('query', 'key', 'value'):
       rules += [
-        _one(  # [N*H, D] (out, in) <-> [D, N, H]
-          f'{h}.attention.self.{name}.weight',
-          s + ('self_attention', name, 'kernel'),
-          lambda w: w.T.reshape(-1, N, H),
-          lambda k: k.reshape(k.shape[0], N * H).T,
+        _split_heads(
+          f'{h}.attention.self.{name}.weight', s + ('self_attention', name, 'kernel'), N, H
         ),
-        _one(
-          f'{h}.attention.self.{name}.bias',
-          s + ('self_attention', name, 'bias'),
-          lambda b: b.reshape(N, H),
-          lambda b: b.reshape(N * H),
-        ),
+        _head_bias(f'{h}.attention.self.{name}.bias', s + ('self_attention', name, 'bias'), N, H),
       ]
     rules += [
-      _one(  # [D, N*H] (out, in) <-> [N, H, D]
-        f'{h}.attention.output.dense.weight',
-        s + ('self_attention', 'out', 'kernel'),
-        lambda w: w.T.reshape(N, H, -1),
-        lambda o: o.reshape(N * H, -1).T,
+      _merge_heads(
+        f'{h}.attention.output.dense.weight', s + ('self_attention', 'out', 'kernel'), N, H
       ),
       _one(f'{h}.attention.output.dense.bias', s + ('self_attention', 'out', 'bias')),
       *_norm(f'{h}.attention.output.LayerNorm', s + ('self_attention_norm',)),
@@ -199,30 +203,11 @@ def _llama_rules(cfg: ModelConfig) -> list[_Rule]:
     rules.append(_one(f'{h}.input_layernorm.weight', s + ('self_attention_norm', 'scale')))
     for name, proj, heads in (('query', 'q', N), ('key', 'k', K), ('value', 'v', K)):
       rules.append(
-        _one(
-          f'{h}.self_attn.{proj}_proj.weight',
-          a + (name, 'kernel'),
-          lambda w, n=heads: w.T.reshape(-1, n, H),
-          lambda k, n=heads: k.reshape(k.shape[0], n * H).T,
-        )
+        _split_heads(f'{h}.self_attn.{proj}_proj.weight', a + (name, 'kernel'), heads, H)
       )
       if qkv_bias:
-        rules.append(
-          _one(
-            f'{h}.self_attn.{proj}_proj.bias',
-            a + (name, 'bias'),
-            lambda b, n=heads: b.reshape(n, H),
-            lambda b, n=heads: b.reshape(n * H),
-          )
-        )
-    rules.append(
-      _one(
-        f'{h}.self_attn.o_proj.weight',
-        a + ('out', 'kernel'),
-        lambda w: w.T.reshape(N, H, -1),
-        lambda o: o.reshape(N * H, -1).T,
-      )
-    )
+        rules.append(_head_bias(f'{h}.self_attn.{proj}_proj.bias', a + (name, 'bias'), heads, H))
+    rules.append(_merge_heads(f'{h}.self_attn.o_proj.weight', a + ('out', 'kernel'), N, H))
     if cfg.use_bias:
       rules.append(_one(f'{h}.self_attn.o_proj.bias', a + ('out', 'bias')))
     if cfg.qk_norm:
@@ -241,27 +226,9 @@ def _rules(arch: str, cfg: ModelConfig) -> list[_Rule]:
   return _bert_rules(cfg) if arch == 'bert' else _llama_rules(cfg)
 
 
-def _flat(tree: Any) -> dict[Path, Any]:
-  """{('decoder', 'stack', ...): leaf} of a nested dict of parameters."""
-  out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    out[tuple(str(getattr(k, 'key', k)) for k in path)] = leaf
-  return out
-
-
-def _nest(flat: dict[Path, Any]) -> dict:
-  out: dict = {}
-  for path, leaf in flat.items():
-    node = out
-    for key in path[:-1]:
-      node = node.setdefault(key, {})
-    node[path[-1]] = leaf
-  return out
-
-
 def _targets(cfg: ModelConfig) -> dict[Path, jax.ShapeDtypeStruct]:
   """Every sparrow parameter of `cfg` as a ShapeDtypeStruct (layers unscanned)."""
-  return _flat(models.param_shapes(cfg.replace(scan_layers=False)))
+  return traverse_util.flatten_dict(models.param_shapes(cfg.replace(scan_layers=False)))
 
 
 # Reading safetensors, tensor by tensor -----------------------------------------------------------
@@ -365,20 +332,6 @@ def open_weights(directory: str, path: str | None = None) -> tuple[Tensors, str]
   )
 
 
-@functools.cache
-def _libc():
-  name = ctypes.util.find_library('c') if sys.platform.startswith('linux') else None
-  return ctypes.CDLL(name) if name else None
-
-
-def _release_freed_memory() -> None:
-  """Hands freed heap blocks back to the OS. glibc keeps blocks of up to 32 MB (most tensors) in
-  its heap after they are freed, which would add ~40% to a conversion's peak; no-op elsewhere."""
-  libc = _libc()
-  if libc is not None and hasattr(libc, 'malloc_trim'):
-    libc.malloc_trim(0)
-
-
 # The two directions -------------------------------------------------------------------------------
 def params_from_hf(
   arch: str,
@@ -401,7 +354,7 @@ def params_from_hf(
   names = _strip_prefix(arch, source.names(), where)  # short name -> name in the file
   prefixed = any(n != names[n] for n in names)  # name missing tensors as the file would
   shown_name = lambda short: _full(arch, cfg, short) if prefixed else short
-  targets = _flat(shapes) if shapes is not None else _targets(cfg)
+  targets = traverse_util.flatten_dict(shapes) if shapes is not None else _targets(cfg)
   rules = _rules(arch, cfg)
   used = {n for rule in rules for aliases in rule.hf for n in aliases if n in names}
   ignored = _IGNORED[arch] + (() if cfg.num_classes else (_POOLER,))
@@ -449,17 +402,19 @@ def params_from_hf(
         raise AssertionError(f'sparrow parameter {"/".join(path)} is mapped twice')
       flat[path] = jnp.asarray(value, dtype)  # on the device; the file's copy is freed now
     del arrays, first, value
-    _release_freed_memory()
+    # glibc keeps freed blocks of up to 32 MB (most tensors) in its heap, which would add ~40% to
+    # a conversion's peak: hand them back to the OS after each rule.
+    util.release_host_memory()
   missing = sorted(set(targets) - set(flat))
   if missing:
     raise AssertionError(f'no rule fills sparrow parameter {"/".join(missing[0])}')
-  return _nest(flat)
+  return traverse_util.unflatten_dict(flat)
 
 
 def params_to_hf(arch: str, cfg: ModelConfig, params: Any) -> dict[str, np.ndarray]:
   """Hugging Face tensors (canonical task-model names, the parameters' dtype) from sparrow ones."""
   check_arch(arch)
-  flat = _flat(params)
+  flat = traverse_util.flatten_dict(params)
   if cfg.scan_layers:  # ('stack', 'layers', ...) [L, ...] -> ('stack', 'layer_i', ...)
     flat = _unscan(flat, cfg.num_layers)
   tensors = {}

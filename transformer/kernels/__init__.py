@@ -7,10 +7,6 @@ Elsewhere backend=None needs interpret=True, which runs the Triton kernel in the
 All of them mask by one rule, `masks.visible`.
 """
 
-from transformer.kernels.flash_attention import (
-  BlockSizes,
-  flash_attention,
-  flash_attention_reference,
-)
+from transformer.kernels.flash_attention import BlockSizes, flash_attention
 
-__all__ = ['BlockSizes', 'flash_attention', 'flash_attention_reference']
+__all__ = ['BlockSizes', 'flash_attention']

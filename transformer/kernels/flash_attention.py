@@ -1,4 +1,4 @@
-"""Public flash attention: block sizes, input checks, padding, the custom_vjp and a reference.
+"""Public flash attention: block sizes, input checks, padding and the custom_vjp.
 
 Kernels live in `mosaic_gpu.py` (Hopper), `gpu.py` (Triton, older GPUs) and `tpu.py`
 (Mosaic TPU), beside this file; callers see `[B, T, N, H]`.
@@ -12,9 +12,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from transformer.kernels import gpu, masks, mosaic_gpu, target, tpu
+from transformer.kernels import gpu, mosaic_gpu, target, tpu
 
 Array = jax.Array
 _MIN_GPU_BLOCK = 16  # Triton's smallest tile for tl.dot
@@ -167,14 +166,9 @@ class _Config:
     return {'mosaic_gpu': mosaic_gpu, 'gpu': gpu, 'tpu': tpu}[self.backend]
 
   def kernel_kwargs(self) -> dict:
-    return dict(
-      scale=self.scale,
-      causal=self.causal,
-      window=self.window,
-      kv_len=self.kv_len,
-      blocks=self.blocks,
-      interpret=self.interpret,
-    )
+    """The keyword arguments of every backend's `forward` and `backward`."""
+    names = ('scale', 'causal', 'window', 'kv_len', 'blocks', 'interpret')
+    return {name: getattr(self, name) for name in names}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -372,37 +366,3 @@ def flash_attention(
     q_seg, kv_seg = q_seg[:, :, None], kv_seg[:, None, :]  # [B, T_pad, 1], [B, 1, S_pad]
   out = _attention(qt, kt, vt, q_seg, kv_seg, cfg)  # [B, N, T_pad, H]
   return out.transpose(0, 2, 1, 3)[:, :T]  # [B, T, N, H]
-
-
-def flash_attention_reference(
-  q: Array,
-  k: Array,
-  v: Array,
-  *,
-  causal: bool = False,
-  q_segment_ids: Array | None = None,
-  kv_segment_ids: Array | None = None,
-  window: tuple[int, int] | None = None,
-  scale: float | None = None,
-) -> Array:
-  """Dense attention with a float32 softmax and the same masks; for tests. Shapes as above."""
-  _check_shapes(q, k, v, q_segment_ids, kv_segment_ids, window)
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
-  qg = q.reshape(B, T, K, N // K, H).astype(jnp.float32)  # [B, T, K, G, H]
-  logits = jnp.einsum('btkgh,bskh->bkgts', qg, k.astype(jnp.float32)) * scale  # [B, K, G, T, S]
-  qs = ks = None
-  if q_segment_ids is not None:
-    qs, ks = q_segment_ids[:, :, None], kv_segment_ids[:, None, :]  # [B, T, 1], [B, 1, S]
-  ok = masks.visible(
-    np.arange(T)[:, None], np.arange(S)[None, :], qs, ks, causal=causal, window=window
-  )
-  ok = jnp.ones((B, T, S), bool) if ok is None else jnp.broadcast_to(ok, (B, T, S))
-  ok = ok[:, None, None]  # [B, 1, 1, T, S]
-  logits = jnp.where(ok, logits, -jnp.inf)
-  m = jnp.max(logits, axis=-1, keepdims=True)
-  p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-  p = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)  # fully masked rows: all zeros
-  out = jnp.einsum('bkgts,bskh->btkgh', p, v.astype(jnp.float32))  # [B, T, K, G, H]
-  return out.reshape(B, T, N, H).astype(q.dtype)

@@ -68,6 +68,13 @@ def query_block_range(
   return lo, hi
 
 
+def block_ranges(ranges, block_q, block_k, num_blocks, causal, window):
+  """`key_block_range` or `query_block_range` of one kernel's tiles, as a function of the block."""
+  count = 'num_k_blocks' if ranges is key_block_range else 'num_q_blocks'
+  fixed = dict(block_q=block_q, block_k=block_k, causal=causal, window=window)
+  return functools.partial(ranges, **fixed, **{count: num_blocks})
+
+
 def _visible(q_pos, k_pos, q_seg, kv_seg, **mask):
   """`masks.visible` on a `[bq, bk]` tile, from positions `[bq]`, `[bk]` and segment ids alike."""
   if q_seg is not None:
@@ -82,45 +89,23 @@ def _dot(a, b, trans_b=False):
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(
-  q_ref,
-  k_ref,
-  v_ref,
-  q_seg_ref,
-  kv_seg_ref,
-  o_ref,
-  lse_ref,
-  *,
-  scale,
-  causal,
-  window,
-  kv_len,
-  block_q,
-  block_k,
-):
+def _forward_kernel(*refs, scale, mask_kw, k_blocks, bq, bk):
+  q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
   # One program per (batch, query head, query block); its refs are that slice: q [bq, H], and all
   # S keys [S, H] of the kv head this query head reads (see the BlockSpecs in `forward`).
+  # mask_kw: causal, window and kv_len for `masks.visible`; k_blocks: `key_block_range` of a block.
   q_block = pl.program_id(2)
   q = q_ref[...]  # [bq, H]
-  q_pos = q_block * block_q + jnp.arange(block_q)  # [bq]
+  q_pos = q_block * bq + jnp.arange(bq)  # [bq]
   q_seg = None if q_seg_ref is None else q_seg_ref[...]  # [bq]
-  num_k_blocks = k_ref.shape[0] // block_k
 
   def body(kb, carry):
     acc, m, l_sum = carry  # [bq, H], [bq], [bq]
-    ks = pl.ds(kb * block_k, block_k)
+    ks = pl.ds(kb * bk, bk)
     k, v = k_ref[ks, :], v_ref[ks, :]  # [bk, H]
     s = _dot(q, k, trans_b=True) * scale  # [bq, bk]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[ks]  # [bk]
-    mask = _visible(
-      q_pos,
-      kb * block_k + jnp.arange(block_k),
-      q_seg,
-      kv_seg,
-      causal=causal,
-      window=window,
-      kv_len=kv_len,
-    )  # [bq, bk] or None
+    mask = _visible(q_pos, kb * bk + jnp.arange(bk), q_seg, kv_seg, **mask_kw)  # [bq, bk] or None
     if mask is not None:
       s = jnp.where(mask, s, MASK_VALUE)
     # Online softmax: keep a running max m and rescale the sums so far when it grows.
@@ -132,19 +117,12 @@ def _forward_kernel(
     acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)  # [bq, H]
     return acc, m_new, l_sum * alpha + jnp.sum(p, axis=1)
 
-  lo, hi = key_block_range(
-    q_block,
-    block_q=block_q,
-    block_k=block_k,
-    num_k_blocks=num_k_blocks,
-    causal=causal,
-    window=window,
-  )
+  lo, hi = k_blocks(q_block)
   # (acc [bq, H], running max [bq], denominator [bq]); the max starts finite, see MASK_VALUE.
   init = (
     jnp.zeros(q.shape, jnp.float32),
-    jnp.full((block_q,), MASK_VALUE, jnp.float32),
-    jnp.zeros((block_q,), jnp.float32),
+    jnp.full((bq,), MASK_VALUE, jnp.float32),
+    jnp.zeros((bq,), jnp.float32),
   )
   # Only the key blocks that a causal/window mask can leave visible: the rest are never read.
   acc, m, l_sum = lax.fori_loop(lo, hi, body, init)
@@ -156,129 +134,59 @@ def _forward_kernel(
   lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), MASK_VALUE)
 
 
-def _probs(q, k, lse, q_pos, k_pos, q_seg, kv_seg, *, scale, causal, window, kv_len):
+def _probs(q, k, lse, q_pos, k_pos, q_seg, kv_seg, *, scale, mask_kw):
   """Recompute the softmax block `[bq, bk]` from the saved logsumexp."""
   s = _dot(q, k, trans_b=True) * scale  # [bq, bk]
   p = jnp.exp(s - lse[:, None])  # already normalised: lse = log of the row's softmax sum
-  mask = _visible(q_pos, k_pos, q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len)
+  mask = _visible(q_pos, k_pos, q_seg, kv_seg, **mask_kw)
   return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def _dq_kernel(
-  q_ref,
-  k_ref,
-  v_ref,
-  q_seg_ref,
-  kv_seg_ref,
-  do_ref,
-  lse_ref,
-  delta_ref,
-  dq_ref,
-  *,
-  scale,
-  causal,
-  window,
-  kv_len,
-  block_q,
-  block_k,
-):
+def _dq_kernel(*refs, scale, mask_kw, k_blocks, bq, bk):
+  q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delta_ref, dq_ref = refs
   q_block = pl.program_id(2)
   q, do = q_ref[...], do_ref[...]  # [bq, H]
   lse, delta = lse_ref[...], delta_ref[...]  # [bq]
-  q_pos = q_block * block_q + jnp.arange(block_q)
+  q_pos = q_block * bq + jnp.arange(bq)
   q_seg = None if q_seg_ref is None else q_seg_ref[...]
 
   def body(kb, dq):
-    ks = pl.ds(kb * block_k, block_k)
+    ks = pl.ds(kb * bk, bk)
     k, v = k_ref[ks, :], v_ref[ks, :]  # [bk, H]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[ks]
-    p = _probs(
-      q,
-      k,
-      lse,
-      q_pos,
-      kb * block_k + jnp.arange(block_k),
-      q_seg,
-      kv_seg,
-      scale=scale,
-      causal=causal,
-      window=window,
-      kv_len=kv_len,
-    )  # [bq, bk]
+    k_pos = kb * bk + jnp.arange(bk)
+    p = _probs(q, k, lse, q_pos, k_pos, q_seg, kv_seg, scale=scale, mask_kw=mask_kw)  # [bq, bk]
     dp = _dot(do, v, trans_b=True)  # [bq, bk]
     # Softmax backward: ds = p * (dp - sum_j p dp), with that row sum precomputed as delta.
     ds = p * (dp - delta[:, None])  # [bq, bk]
     return dq + _dot(ds.astype(k.dtype), k)  # [bq, H]
 
-  lo, hi = key_block_range(
-    q_block,
-    block_q=block_q,
-    block_k=block_k,
-    num_k_blocks=k_ref.shape[0] // block_k,
-    causal=causal,
-    window=window,
-  )
+  lo, hi = k_blocks(q_block)
   dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))  # [bq, H]
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)  # d(s)/d(q) carries the logit scale
 
 
-def _dkv_kernel(
-  q_ref,
-  k_ref,
-  v_ref,
-  q_seg_ref,
-  kv_seg_ref,
-  do_ref,
-  lse_ref,
-  delta_ref,
-  dk_ref,
-  dv_ref,
-  *,
-  scale,
-  causal,
-  window,
-  kv_len,
-  block_q,
-  block_k,
-  group,
-):
+def _dkv_kernel(*refs, scale, mask_kw, q_blocks, bq, bk, group):
+  q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
   # One program per (batch, kv head, key block): it owns dk/dv of those keys, so no two programs
   # write the same output and no atomics are needed; it loops over the query blocks instead.
   k_block = pl.program_id(2)
   k, v = k_ref[...], v_ref[...]  # [bk, H]
-  k_pos = k_block * block_k + jnp.arange(block_k)  # [bk]
+  k_pos = k_block * bk + jnp.arange(bk)  # [bk]
   kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
-  lo, hi = query_block_range(
-    k_block,
-    block_q=block_q,
-    block_k=block_k,
-    num_q_blocks=q_ref.shape[0] // block_q,
-    causal=causal,
-    window=window,
-  )
+  lo, hi = q_blocks(k_block)
   dk = jnp.zeros(k.shape, jnp.float32)
   dv = jnp.zeros(v.shape, jnp.float32)
   for g in range(group):  # the query heads that share this kv head (GQA), unrolled
 
     def body(qb, carry, g=g):
       dk, dv = carry
-      qs = pl.ds(qb * block_q, block_q)
+      qs = pl.ds(qb * bq, bq)
       q, do = q_ref[qs, g, :], do_ref[qs, g, :]  # [bq, H]
       lse, delta = lse_ref[g, qs], delta_ref[g, qs]  # [bq]
       q_seg = None if q_seg_ref is None else q_seg_ref[qs]
-      p = _probs(
-        q,
-        k,
-        lse,
-        qb * block_q + jnp.arange(block_q),
-        k_pos,
-        q_seg,
-        kv_seg,
-        scale=scale,
-        causal=causal,
-        window=window,
-        kv_len=kv_len,
-      )  # [bq, bk]
+      q_pos = qb * bq + jnp.arange(bq)
+      p = _probs(q, k, lse, q_pos, k_pos, q_seg, kv_seg, scale=scale, mask_kw=mask_kw)
       dv = dv + _dot(p.T.astype(do.dtype), do)  # [bk, H]
       ds = p * (_dot(do, v, trans_b=True) - delta[:, None])  # [bq, bk]
       dk = dk + _dot(ds.T.astype(q.dtype), q)  # [bk, H]
@@ -300,33 +208,26 @@ def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, in
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   bq, bk, group = blocks.block_q, blocks.block_k, N // K
+  mask_kw = dict(causal=causal, window=window, kv_len=kv_len)
+  k_blocks = block_ranges(key_block_range, bq, bk, S // bk, causal, window)
   kernel = functools.partial(
-    _forward_kernel,
-    scale=scale,
-    causal=causal,
-    window=window,
-    kv_len=kv_len,
-    block_q=bq,
-    block_k=bk,
+    _forward_kernel, scale=scale, mask_kw=mask_kw, k_blocks=k_blocks, bq=bq, bk=bk
   )
   has_seg = q_seg is not None
   # Grid (B, N, T / bq); a None block dim is squeezed out, so the kernel sees [bq, H] and [S, H].
+  row = pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0))
+  kv_all = pl.BlockSpec((None, S, None, H), lambda b, n, i: (b, 0, lax.div(n, group), 0))  # GQA
   return pl.pallas_call(
     kernel,
     grid=(B, N, T // bq),
     in_specs=[
-      pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
-      pl.BlockSpec(
-        (None, S, None, H), lambda b, n, i: (b, 0, lax.div(n, group), 0)
-      ),  # GQA: shared head
-      pl.BlockSpec((None, S, None, H), lambda b, n, i: (b, 0, lax.div(n, group), 0)),
+      row,
+      kv_all,
+      kv_all,
       pl.BlockSpec((None, bq), lambda b, n, i: (b, i)) if has_seg else None,
       pl.BlockSpec((None, S), lambda b, n, i: (b, 0)) if has_seg else None,
     ],
-    out_specs=[
-      pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
-      pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i)),
-    ],
+    out_specs=[row, pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))],
     out_shape=[
       jax.ShapeDtypeStruct(q.shape, q.dtype),
       jax.ShapeDtypeStruct((B, N, T), jnp.float32),
@@ -347,16 +248,17 @@ def backward(
   has_seg = q_seg is not None
   # delta_t = sum_h out * dout = sum_j p_tj dp_tj: the softmax backward's row term, once per row.
   delta = jnp.einsum('btnh,btnh->bnt', out.astype(jnp.float32), do.astype(jnp.float32))  # [B,N,T]
-  static = dict(scale=scale, causal=causal, window=window, kv_len=kv_len)
+  static = dict(scale=scale, mask_kw=dict(causal=causal, window=window, kv_len=kv_len))
   params = _params(H, blocks.num_warps, blocks.num_stages)
 
   # dQ: one program per (batch, query head, query block), looping over key blocks.
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
+  k_blocks = block_ranges(key_block_range, bq, bk, S // bk, causal, window)
   row = pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0))
   kv_all = pl.BlockSpec((None, S, None, H), lambda b, n, i: (b, 0, lax.div(n, group), 0))
   stat = pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))
   dq = pl.pallas_call(
-    functools.partial(_dq_kernel, block_q=bq, block_k=bk, **static),
+    functools.partial(_dq_kernel, k_blocks=k_blocks, bq=bq, bk=bk, **static),
     grid=(B, N, T // bq),
     in_specs=[
       row,
@@ -378,11 +280,12 @@ def backward(
   # dK/dV: one program per (batch, kv head, key block), looping over the G query heads of the
   # group and their query blocks; queries arrive as [T, G, H].
   bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
+  q_blocks = block_ranges(query_block_range, bq, bk, T // bq, causal, window)
   q_group = pl.BlockSpec((None, T, group, H), lambda b, h, j: (b, 0, h, 0))  # all heads of a group
   stat_group = pl.BlockSpec((None, group, T), lambda b, h, j: (b, h, 0))
   kv_row = pl.BlockSpec((None, bk, None, H), lambda b, h, j: (b, j, h, 0))
   dk, dv = pl.pallas_call(
-    functools.partial(_dkv_kernel, block_q=bq, block_k=bk, group=group, **static),
+    functools.partial(_dkv_kernel, q_blocks=q_blocks, bq=bq, bk=bk, group=group, **static),
     grid=(B, K, S // bk),
     in_specs=[
       q_group,

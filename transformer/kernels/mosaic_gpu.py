@@ -161,14 +161,8 @@ def _softmax_step(carry, s, mask, v_s, dtype, interpret):
 
 def _key_range(q_block, *, block_q, block_k, num_k_blocks, causal, window, kv_len):
   """Key blocks `[lo, hi)` a query block visits: causal, window and unpadded-length bounds."""
-  lo, hi = key_block_range(
-    q_block,
-    block_q=block_q,
-    block_k=block_k,
-    num_k_blocks=num_k_blocks,
-    causal=causal,
-    window=window,
-  )
+  ranges = dict(block_q=block_q, block_k=block_k, num_k_blocks=num_k_blocks)
+  lo, hi = key_block_range(q_block, **ranges, causal=causal, window=window)
   if kv_len is not None:
     hi = jnp.minimum(hi, -(-kv_len // block_k))  # blocks wholly in the padded tail
   return jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
@@ -256,7 +250,12 @@ def _barriers(n, arrivals=1):
   return plgpu.Barrier(num_arrivals=arrivals, num_barriers=n)
 
 
-def _launch(body, operands, out_type, scratch, grid, grid_names, interpret, name, wgs):
+def _launch(kernel, operands, out_type, scratch, grid, grid_names, interpret, name, wgs):
+  """Runs `kernel(*operand and output refs, scratch refs as one tuple)` on `grid`."""
+
+  def body(*refs):
+    return kernel(*refs[: -len(scratch)], tuple(refs[-len(scratch) :]))
+
   return plgpu.kernel(
     body,
     out_type=out_type,
@@ -396,17 +395,9 @@ def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, in
   )
   operands = (q, k, v, q_seg, kv_seg) if has_seg else (q, k, v)
   out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, T), jnp.float32))
-  return _launch(
-    lambda *refs: kernel(*refs[: -len(scratch)], tuple(refs[-len(scratch) :])),
-    operands,
-    out_type,
-    scratch,
-    (B, N, T // (W * bq)),
-    ('batch', 'heads', 'q_tiles'),
-    interpret,
-    'sparrow_mgpu_forward',
-    W,
-  )
+  grid, grid_names = (B, N, T // (W * bq)), ('batch', 'heads', 'q_tiles')
+  name = 'sparrow_mgpu_forward'
+  return _launch(kernel, operands, out_type, scratch, grid, grid_names, interpret, name, W)
 
 
 # --- dQ: like the forward, 2 x bq query rows per CTA, keys and values stream through the ring. ---
@@ -564,19 +555,6 @@ def backward(
   ids = (q_seg, kv_seg) if has_seg else ()
   operands = (q, k, v, *ids, do, lse, delta)
 
-  def launch(kernel_fn, out_type, scratch, grid, grid_names, name, W):
-    return _launch(
-      lambda *refs: kernel_fn(*refs[: -len(scratch)], tuple(refs[-len(scratch) :])),
-      operands,
-      out_type,
-      scratch,
-      grid,
-      grid_names,
-      interpret,
-      name,
-      W,
-    )
-
   bq, bk, W = blocks.block_q_dq, blocks.block_k_dq, compute_wgs('dq', H)
   dq_scratch = (
     _smem((W, bq, H), q.dtype, True),  # q, then dq
@@ -591,17 +569,13 @@ def backward(
     (_barriers(depth), _barriers(depth), _barriers(depth) if has_seg else None),
     _barriers(depth, arrivals=W),
   )
-  dq = launch(
-    functools.partial(
-      _dq_kernel, cfg=cfg, bq=bq, bk=bk, depth=depth, group=group, has_seg=has_seg, wgs=W
-    ),
-    jax.ShapeDtypeStruct(q.shape, q.dtype),
-    dq_scratch,
-    (B, N, T // (W * bq)),
-    ('batch', 'heads', 'q_tiles'),
-    'sparrow_mgpu_dq',
-    W,
+  kernel = functools.partial(
+    _dq_kernel, cfg=cfg, bq=bq, bk=bk, depth=depth, group=group, has_seg=has_seg, wgs=W
   )
+  grid, grid_names = (B, N, T // (W * bq)), ('batch', 'heads', 'q_tiles')
+  out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  name = 'sparrow_mgpu_dq'
+  dq = _launch(kernel, operands, out_type, dq_scratch, grid, grid_names, interpret, name, W)
 
   bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
   dkv_scratch = (
@@ -617,15 +591,11 @@ def backward(
     tuple(_barriers(depth) for _ in range(4)) + ((_barriers(depth),) if has_seg else (None,)),
     _barriers(depth),
   )
-  dk, dv = launch(
-    functools.partial(
-      _dkv_kernel, cfg=cfg, bq=bq, bk=bk, depth=depth, group=group, has_seg=has_seg
-    ),
-    (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-    dkv_scratch,
-    (B, K, S // bk),
-    ('batch', 'heads', 'k_tiles'),
-    'sparrow_mgpu_dkv',
-    1,
+  kernel = functools.partial(
+    _dkv_kernel, cfg=cfg, bq=bq, bk=bk, depth=depth, group=group, has_seg=has_seg
   )
+  grid, grid_names = (B, K, S // bk), ('batch', 'heads', 'k_tiles')
+  out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+  name = 'sparrow_mgpu_dkv'
+  dk, dv = _launch(kernel, operands, out_type, dkv_scratch, grid, grid_names, interpret, name, 1)
   return dq, dk, dv

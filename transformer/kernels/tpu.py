@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from transformer.kernels import masks
-from transformer.kernels.gpu import key_block_range, query_block_range
+from transformer.kernels.gpu import block_ranges, key_block_range, query_block_range
 
 MASK_VALUE = -1e30  # finite, so a fully masked row never computes inf - inf
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -41,32 +41,12 @@ def _visible(i, j, bq, bk, q_seg, kv_seg, **mask):
   return masks.visible(q_pos, k_pos, q_seg, kv_seg, **mask)  # q_seg [bq, 1], kv_seg [1, bk]
 
 
-def _forward_kernel(
-  q_ref,
-  k_ref,
-  v_ref,
-  q_seg_ref,
-  kv_seg_ref,
-  o_ref,
-  lse_ref,
-  acc_ref,
-  m_ref,
-  l_ref,
-  *,
-  scale,
-  causal,
-  window,
-  kv_len,
-  block_q,
-  block_k,
-  num_k_blocks,
-):
+def _forward_kernel(*refs, scale, mask_kw, k_blocks, bq, bk, num_k_blocks):
+  q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref = refs
   # Grid (B, N, query block i, key block j). The j axis runs in order on one core ('arbitrary'),
   # so the VMEM scratch acc/m/l carries the online softmax from one key block to the next.
   i, j = pl.program_id(2), pl.program_id(3)
-  lo, hi = key_block_range(
-    i, block_q=block_q, block_k=block_k, num_k_blocks=num_k_blocks, causal=causal, window=window
-  )
+  lo, hi = k_blocks(i)
 
   @pl.when(j == 0)
   def _init():
@@ -79,9 +59,7 @@ def _forward_kernel(
     s = _dot(q_ref[...], k_ref[...], _NT) * scale  # [bq, bk]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]  # [bq, 1]
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]  # [1, bk]
-    mask = _visible(
-      i, j, block_q, block_k, q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len
-    )  # [bq, bk] or None
+    mask = _visible(i, j, bq, bk, q_seg, kv_seg, **mask_kw)  # [bq, bk] or None
     if mask is not None:
       s = jnp.where(mask, s, MASK_VALUE)
     m_prev = m_ref[...]  # [bq, 1]
@@ -106,39 +84,19 @@ def _forward_kernel(
     lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(l_safe), MASK_VALUE)
 
 
-def _probs(i, j, q, k, lse, q_seg_ref, kv_seg_ref, *, scale, causal, window, kv_len, bq, bk):
+def _probs(i, j, q, k, lse, q_seg_ref, kv_seg_ref, *, scale, mask_kw, bq, bk):
   """Softmax block `[bq, bk]` recomputed from the saved logsumexp `[bq, 1]`."""
   p = jnp.exp(_dot(q, k, _NT) * scale - lse)  # [bq, bk], normalised already by the saved lse
   q_seg = None if q_seg_ref is None else q_seg_ref[...]
   kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
-  mask = _visible(i, j, bq, bk, q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len)
+  mask = _visible(i, j, bq, bk, q_seg, kv_seg, **mask_kw)
   return p if mask is None else jnp.where(mask, p, 0.0)
 
 
-def _dq_kernel(
-  q_ref,
-  k_ref,
-  v_ref,
-  q_seg_ref,
-  kv_seg_ref,
-  do_ref,
-  lse_ref,
-  delta_ref,
-  dq_ref,
-  acc_ref,
-  *,
-  scale,
-  causal,
-  window,
-  kv_len,
-  block_q,
-  block_k,
-  num_k_blocks,
-):
+def _dq_kernel(*refs, scale, mask_kw, k_blocks, bq, bk, num_k_blocks):
+  q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delta_ref, dq_ref, acc_ref = refs
   i, j = pl.program_id(2), pl.program_id(3)
-  lo, hi = key_block_range(
-    i, block_q=block_q, block_k=block_k, num_k_blocks=num_k_blocks, causal=causal, window=window
-  )
+  lo, hi = k_blocks(i)
 
   @pl.when(j == 0)
   def _init():
@@ -147,21 +105,8 @@ def _dq_kernel(
   @pl.when((j >= lo) & (j < hi))
   def _step():
     k, v = k_ref[...], v_ref[...]
-    p = _probs(
-      i,
-      j,
-      q_ref[...],
-      k,
-      lse_ref[...],
-      q_seg_ref,
-      kv_seg_ref,
-      scale=scale,
-      causal=causal,
-      window=window,
-      kv_len=kv_len,
-      bq=block_q,
-      bk=block_k,
-    )
+    q, lse = q_ref[...], lse_ref[...]
+    p = _probs(i, j, q, k, lse, q_seg_ref, kv_seg_ref, scale=scale, mask_kw=mask_kw, bq=bq, bk=bk)
     # Softmax backward: ds = p * (dp - delta), with delta = sum_j p dp precomputed per row.
     ds = p * (_dot(do_ref[...], v, _NT) - delta_ref[...])  # [bq, bk]
     acc_ref[...] += _dot(ds.astype(k.dtype), k)  # [bq, H]
@@ -171,35 +116,13 @@ def _dq_kernel(
     dq_ref[...] = (acc_ref[...] * scale).astype(dq_ref.dtype)  # d(s)/d(q) carries the scale
 
 
-def _dkv_kernel(
-  q_ref,
-  k_ref,
-  v_ref,
-  q_seg_ref,
-  kv_seg_ref,
-  do_ref,
-  lse_ref,
-  delta_ref,
-  dk_ref,
-  dv_ref,
-  dk_acc,
-  dv_acc,
-  *,
-  scale,
-  causal,
-  window,
-  kv_len,
-  block_q,
-  block_k,
-  num_q_blocks,
-  group,
-):
+def _dkv_kernel(*refs, scale, mask_kw, q_blocks, bq, bk, num_q_blocks, group):
+  q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, do_ref, lse_ref, delta_ref = refs[:8]
+  dk_ref, dv_ref, dk_acc, dv_acc = refs[8:]
   # Grid (B, K, key block j, group member g, query block i): the last two axes are the
   # reduction, so one program's dk/dv scratch sums over all G query heads of its kv head.
   j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
-  lo, hi = query_block_range(
-    j, block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks, causal=causal, window=window
-  )
+  lo, hi = q_blocks(j)
 
   @pl.when((g == 0) & (i == 0))
   def _init():
@@ -209,21 +132,8 @@ def _dkv_kernel(
   @pl.when((i >= lo) & (i < hi))
   def _step():
     q, do = q_ref[...], do_ref[...]  # [bq, H]
-    p = _probs(
-      i,
-      j,
-      q,
-      k_ref[...],
-      lse_ref[...],
-      q_seg_ref,
-      kv_seg_ref,
-      scale=scale,
-      causal=causal,
-      window=window,
-      kv_len=kv_len,
-      bq=block_q,
-      bk=block_k,
-    )
+    k, lse = k_ref[...], lse_ref[...]
+    p = _probs(i, j, q, k, lse, q_seg_ref, kv_seg_ref, scale=scale, mask_kw=mask_kw, bq=bq, bk=bk)
     dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)  # [bk, H]
     ds = p * (_dot(do, v_ref[...], _NT) - delta_ref[...])  # [bq, bk]
     dk_acc[...] += _dot(ds.astype(q.dtype), q, _TN)  # [bk, H]
@@ -247,9 +157,7 @@ def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, in
   K, S = k.shape[1], k.shape[2]
   bq, bk, group = blocks.block_q, blocks.block_k, N // K
   nk = S // bk  # key blocks: the innermost grid axis
-  ranges = functools.partial(
-    key_block_range, block_q=bq, block_k=bk, num_k_blocks=nk, causal=causal, window=window
-  )
+  ranges = block_ranges(key_block_range, bq, bk, nk, causal, window)
 
   def kv_map(b, n, i, j):
     # A skipped step maps to the block already in VMEM, so Pallas issues no copy for it.
@@ -260,15 +168,9 @@ def forward(q, k, v, q_seg, kv_seg, *, scale, causal, window, kv_len, blocks, in
 
   # The same q/out block for every j: it stays in VMEM while the key blocks stream past.
   row = pl.BlockSpec((None, None, bq, H), lambda b, n, i, j: (b, n, i, 0))
+  mask_kw = dict(causal=causal, window=window, kv_len=kv_len)
   kernel = functools.partial(
-    _forward_kernel,
-    scale=scale,
-    causal=causal,
-    window=window,
-    kv_len=kv_len,
-    block_q=bq,
-    block_k=bk,
-    num_k_blocks=nk,
+    _forward_kernel, scale=scale, mask_kw=mask_kw, k_blocks=ranges, bq=bq, bk=bk, num_k_blocks=nk
   )
   has_seg = q_seg is not None
   return pl.pallas_call(
@@ -304,7 +206,7 @@ def backward(
   """Returns `(dq, dk, dv)` shaped like `(q, k, v)`; layouts as in `forward`."""
   # delta_t = sum_h out * dout = sum_j p_tj dp_tj: the softmax backward's row term, once per row.
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), -1, keepdims=True)  # [B,N,T,1]
-  static = dict(scale=scale, causal=causal, window=window, kv_len=kv_len)
+  static = dict(scale=scale, mask_kw=dict(causal=causal, window=window, kv_len=kv_len))
   args = (q, k, v, q_seg, kv_seg, do, lse, delta)
   dq = _backward_dq(*args, blocks=blocks, static=static, interpret=interpret)
   dk, dv = _backward_dkv(*args, blocks=blocks, static=static, interpret=interpret)
@@ -317,20 +219,19 @@ def _backward_dq(q, k, v, q_seg, kv_seg, do, lse, delta, *, blocks, static, inte
   K, S = k.shape[1], k.shape[2]
   group = N // K
   has_seg = q_seg is not None
-  causal, window = static['causal'], static['window']
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
   nk = S // bk
-  k_ranges = functools.partial(
-    key_block_range, block_q=bq, block_k=bk, num_k_blocks=nk, causal=causal, window=window
-  )
+  mask_kw = static['mask_kw']
+  k_ranges = block_ranges(key_block_range, bq, bk, nk, mask_kw['causal'], mask_kw['window'])
 
   def kv_map(b, n, i, j):
     return (b, lax.div(n, group), _clamp(j, *k_ranges(i), nk), 0)
 
   row = pl.BlockSpec((None, None, bq, H), lambda b, n, i, j: (b, n, i, 0))
   stat = pl.BlockSpec((None, None, bq, 1), lambda b, n, i, j: (b, n, i, 0))
+  kernel = functools.partial(_dq_kernel, k_blocks=k_ranges, bq=bq, bk=bk, num_k_blocks=nk, **static)
   return pl.pallas_call(
-    functools.partial(_dq_kernel, block_q=bq, block_k=bk, num_k_blocks=nk, **static),
+    kernel,
     grid=(B, N, T // bq, nk),
     in_specs=[
       row,
@@ -359,12 +260,10 @@ def _backward_dkv(q, k, v, q_seg, kv_seg, do, lse, delta, *, blocks, static, int
   K, S = k.shape[1], k.shape[2]
   group = N // K
   has_seg = q_seg is not None
-  causal, window = static['causal'], static['window']
   bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
   nq = T // bq
-  q_ranges = functools.partial(
-    query_block_range, block_q=bq, block_k=bk, num_q_blocks=nq, causal=causal, window=window
-  )
+  mask_kw = static['mask_kw']
+  q_ranges = block_ranges(query_block_range, bq, bk, nq, mask_kw['causal'], mask_kw['window'])
 
   def q_map(b, h, j, g, i):
     # Query head n = h * G + g reads kv head h; skipped steps reuse a fetched block.
@@ -373,8 +272,11 @@ def _backward_dkv(q, k, v, q_seg, kv_seg, do, lse, delta, *, blocks, static, int
   q_row = pl.BlockSpec((None, None, bq, H), q_map)
   q_stat = pl.BlockSpec((None, None, bq, 1), q_map)
   kv_row = pl.BlockSpec((None, None, bk, H), lambda b, h, j, g, i: (b, h, j, 0))
+  kernel = functools.partial(
+    _dkv_kernel, q_blocks=q_ranges, bq=bq, bk=bk, num_q_blocks=nq, group=group, **static
+  )
   return pl.pallas_call(
-    functools.partial(_dkv_kernel, block_q=bq, block_k=bk, num_q_blocks=nq, group=group, **static),
+    kernel,
     grid=(B, K, S // bk, group, nq),
     in_specs=[
       q_row,

@@ -311,7 +311,7 @@ class Checkpointer:
     )
 
     def as_saved(path, leaf):  # read in the saved dtype (what the checksum covers), cast below
-      dtype = saved[_path_str(path)]['dtype']
+      dtype = saved[util.key_name(path)]['dtype']
       if getattr(leaf, 'dtype', None) is None or str(leaf.dtype) == dtype:
         return leaf
       sharding = getattr(leaf, 'sharding', None)
@@ -473,12 +473,6 @@ def _size(num_bytes: int) -> str:
   return f'{num_bytes:.1f} TiB'
 
 
-def _path_str(path: tuple) -> str:
-  """'opt_state/1/mu/w' for a jax key path (dict keys, attributes and indices alike)."""
-  names = [getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k))) for k in path]
-  return '/'.join(str(n) for n in names)
-
-
 def _check_structure(saved: dict[str, tuple], target: Any, where: str) -> None:
   """Raises one ValueError naming the first leaf the checkpoint and the target disagree on.
 
@@ -487,7 +481,7 @@ def _check_structure(saved: dict[str, tuple], target: Any, where: str) -> None:
     target: the pytree the caller wants.
     where: the checkpoint's path, for the message.
   """
-  target_leaves = {_path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+  target_leaves = {util.key_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
   hint = 'the model or optimizer config differs from the run that wrote it'
   for name in saved:
     if name not in target_leaves:
@@ -534,14 +528,17 @@ def _leaf_checksums(leaves: list) -> jax.Array:
   out = []
   for leaf in leaves:
     u = _words(leaf)  # [n]
-    i = jax.lax.iota(jnp.uint32, u.size)
-    first = jnp.sum(u * (i * jnp.uint32(0x9E3779B1) | jnp.uint32(1)), dtype=jnp.uint32)
-    h = u ^ (i * jnp.uint32(0x85EBCA77))
-    h = (h ^ (h >> 16)) * jnp.uint32(0x7FEB352D)
-    h = (h ^ (h >> 15)) * jnp.uint32(0x846CA68B)
-    second = jnp.sum(h ^ (h >> 16), dtype=jnp.uint32)
-    out.append(jnp.stack([first, second]))
+    out.append(jnp.stack(_mix(u, jax.lax.iota(jnp.uint32, u.size), jnp)))
   return jnp.stack(out) if out else jnp.zeros((0, 2), jnp.uint32)
+
+
+def _mix(u, i, xp):
+  """The two sums of `_leaf_checksums` over words `u` [n] at indices `i` [n]; xp: jnp or np."""
+  first = xp.sum(u * (i * xp.uint32(0x9E3779B1) | xp.uint32(1)), dtype=xp.uint32)
+  h = u ^ (i * xp.uint32(0x85EBCA77))
+  h = (h ^ (h >> xp.uint32(16))) * xp.uint32(0x7FEB352D)
+  h = (h ^ (h >> xp.uint32(15))) * xp.uint32(0x846CA68B)
+  return first, xp.sum(h ^ (h >> xp.uint32(16)), dtype=xp.uint32)
 
 
 def _host(x: jax.Array) -> np.ndarray:
@@ -571,14 +568,8 @@ def _host_checksums(leaves: list) -> np.ndarray | None:
       return None
     unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]
     u = np.ascontiguousarray(x).view(unsigned).astype(np.uint32).reshape(-1)
-    i = np.arange(u.size, dtype=np.uint32)
     with np.errstate(over='ignore'):
-      first = np.sum(u * (i * np.uint32(0x9E3779B1) | np.uint32(1)), dtype=np.uint32)
-      h = u ^ (i * np.uint32(0x85EBCA77))
-      h = (h ^ (h >> np.uint32(16))) * np.uint32(0x7FEB352D)
-      h = (h ^ (h >> np.uint32(15))) * np.uint32(0x846CA68B)
-      second = np.sum(h ^ (h >> np.uint32(16)), dtype=np.uint32)
-    out.append((first, second))
+      out.append(_mix(u, np.arange(u.size, dtype=np.uint32), np))
   return np.asarray(out, np.uint32).reshape(len(out), 2)
 
 
@@ -593,7 +584,7 @@ def _checksums(tree: Any) -> dict[str, str]:
   sums = _host_checksums([x for _, x in named])
   if sums is None:  # sharded over processes, or an unusual dtype: on the devices
     sums = _host(_leaf_checksums([jnp.asarray(x) for _, x in named]))  # [L, 2]
-  return {_path_str(p): f'{int(a):08x}{int(b):08x}' for (p, _), (a, b) in zip(named, sums)}
+  return {util.key_name(p): f'{int(a):08x}{int(b):08x}' for (p, _), (a, b) in zip(named, sums)}
 
 
 def _integrity_record(state: Any, data_state: dict) -> dict:
@@ -602,7 +593,7 @@ def _integrity_record(state: Any, data_state: dict) -> dict:
   sums = _checksums(state)
   leaves = {}
   for path, x in named:
-    name = _path_str(path)
+    name = util.key_name(path)
     dtype = getattr(x, 'dtype', None) or jnp.asarray(x).dtype
     leaves[name] = {'shape': list(np.shape(x)), 'dtype': str(dtype), 'checksum': sums[name]}
   record = {'format': _INTEGRITY_FORMAT, 'leaves': leaves, 'data_sha256': _json_sha256(data_state)}

@@ -234,13 +234,9 @@ def _nan_inf(nans: Any, infs: Any) -> str:
   return f'{int(nans)} NaN, {int(infs)} Inf'
 
 
-def _name(path: tuple) -> str:
-  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
-
-
 def _count_tree(tree: Any) -> dict[str, jax.Array]:
   """Leaf name -> [NaN count, Inf count] (int32)."""
-  return {_name(p): _counts(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {util.key_name(p): _counts(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _counts(x: jax.Array) -> jax.Array:
@@ -264,10 +260,6 @@ def _forward_order(modules: list[str]):
     return (first.get(name.rsplit('/', 1)[0], len(first)), natural)
 
   return key
-
-
-def _model_inputs(family: str, batch: dict) -> dict:
-  return model_inputs(family, batch)
 
 
 def _recorder(records: list):
@@ -318,7 +310,7 @@ def _recompute(run, params, host_batch, rng, step, scale):
     dropout_rng = jax.random.fold_in(rng, counter)  # as train_step: fold_in(rng, state.step)
     if accum > 1:
       dropout_rng = jax.random.fold_in(dropout_rng, index)
-    inputs, size = _model_inputs(run.family, micro), micro['weights'].size
+    inputs, size = model_inputs(run.family, micro), micro['weights'].size
 
     def loss_fn(p, model):  # train_step's, with its loss scale
       logits = model.apply(
@@ -338,7 +330,7 @@ def _recompute(run, params, host_batch, rng, step, scale):
     grads = jax.tree_util.tree_map(lambda g: g * (size / scale), grads)
     loss = sums['loss'] / jnp.maximum(sums['denominator'], 1.0)
     named = jax.tree_util.tree_flatten_with_path(grads)[0]
-    largest = {_name(p): jnp.max(jnp.abs(g)).astype(jnp.float32) for p, g in named}
+    largest = {util.key_name(p): jnp.max(jnp.abs(g)).astype(jnp.float32) for p, g in named}
     norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for _, g in named))
     return [counts for _, counts in records], loss, _count_tree(grads), largest, norm
 

@@ -91,15 +91,11 @@ def make_schedule(cfg: RunOptim) -> optax.Schedule:
                        each cycle restarting at peak (SGDR).
     'constant':        peak, after a linear warmup when warmup_steps > 0.
     'linear':          linear warmup, then a straight line from peak to end at steps.
-  After steps, 'warmup_cosine' and 'linear' stay at end. A warmup as long as the run
-  (cfg.steps, when given) or longer is cut to the run by `fit_warmup`, which warns: the
-  learning rate ramps up over the whole run to the peak the config states (for 'rsqrt',
-  lr * (d_model * warmup_steps)^-0.5), reached at the last step.
-
-  Built from optax: the warmup and each decay are `optax.piecewise_interpolate_schedule`s joined
-  by `optax.join_schedules`; 'cosine_restarts' runs one cosine on the step modulo restart_period
-  (`optax.sgdr_schedule` wants a finite list of cycles); 'rsqrt' is the paper's formula. Any step,
-  a Python int or a traced array, gives a float32 array.
+  After steps, 'warmup_cosine' and 'linear' stay at end. A warmup as long as the run or longer is
+  cut to it (`fit_warmup`); 'rsqrt' then still peaks at lr * (d_model * warmup_steps)^-0.5, at the
+  last step. 'cosine_restarts' runs one cosine on the step modulo restart_period
+  (`optax.sgdr_schedule` wants a finite list of cycles). Any step, a Python int or a traced
+  array, gives a float32 array.
   """
   optim = cfg.optim  # its knobs were checked by OptimConfig
   name = optim.schedule
