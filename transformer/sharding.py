@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -180,6 +181,19 @@ class Partitioner:
       self._check_divisible(jax.tree_util.keystr(path), leaf.shape, logical)
     return nn.logical_to_mesh_sharding(specs, self.mesh, self.rules)
 
+  def sharded_init(self, make: Callable, *args: Any) -> tuple[Callable, Any, Any]:
+    """A pytree factory placed on the mesh: (jitted `make`, its shardings, its abstract value).
+
+    `make(*args, boxed=True)` returns the tree with its leaves' logical axis names (flax's
+    `nn.with_logical_partitioning`), which give the shardings; the jitted `make(*args)` creates
+    each array directly on its devices (never whole on one). The abstract value is the tree's
+    ShapeDtypeStructs with those shardings: a restore target for orbax.
+    """
+    shardings = self.tree_shardings(jax.eval_shape(functools.partial(make, boxed=True), *args))
+    abstract = with_shardings(jax.eval_shape(make, *args), shardings)
+    # Outside the mesh context: flax would constrain DenseGeneral's flat init shapes.
+    return jax.jit(make, out_shardings=shardings), shardings, abstract
+
   def _check_divisible(self, what: str, shape: Sequence[int], logical: Sequence[str | None]):
     mesh_axes = self.spec(logical)
     for dim, (size, name, axes) in enumerate(zip(shape, logical, mesh_axes)):
@@ -195,6 +209,17 @@ class Partitioner:
   def batch_sharding(self, ndim: int = 2) -> NamedSharding:
     """Data batches: [batch, length, ...] with the batch split by the 'batch' rule."""
     return self.sharding(('batch', 'length') + (None,) * (ndim - 2))
+
+  def check_batch_rows(self, name: str, rows: int) -> None:
+    """A global batch of `rows` must split evenly over the processes and the mesh's batch axes;
+    raises ValueError naming `name` (e.g. 'data.batch_size') and the multiple to use otherwise."""
+    parts = self.axis_size(self.spec(('batch',))[0])
+    for divisor, what in ((jax.process_count(), 'processes'), (parts, 'mesh batch shards')):
+      if rows % divisor:
+        raise ValueError(
+          f'{name}={rows} does not divide over {divisor} {what} '
+          f'(mesh {dict(self.mesh.shape)}); use a multiple of {divisor}'
+        )
 
   def place_batch(self, batch: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
     """This process's rows of a batch -> global arrays on the mesh (rows of all processes).

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from absl import logging
 
-from transformer.config.experiment import OPTIMIZERS, SCHEDULES, OptimConfig  # noqa: F401
+from transformer.config.experiment import OPTIMIZERS, SCHEDULES, Config, OptimConfig  # noqa: F401
 
 NO_DECAY_NAMES = ('bias', 'scale')  # flax biases and LayerNorm/RMSNorm scales
 
@@ -181,3 +181,11 @@ def make_optimizer(
   if clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(clip_norm), optimizer)
   return optimizer
+
+
+def for_run(experiment: Config) -> tuple[optax.Schedule, optax.GradientTransformation]:
+  """The schedule and optimizer of `experiment`, whose model is the run's (its d_model scales
+  'rsqrt'); the optimizer follows that schedule, so a cut warmup warns once, not twice."""
+  cfg = RunOptim(experiment.optim, steps=experiment.train.steps, d_model=experiment.model.d_model)
+  schedule = make_schedule(cfg)
+  return schedule, make_optimizer(cfg, schedule)

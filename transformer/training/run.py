@@ -15,13 +15,7 @@ from transformer.config import ModelConfig
 from transformer.config.experiment import Config, TrainConfig
 from transformer.model import decode, models, objectives
 from transformer.training import optim, steps
-from transformer.training.state import (
-  TrainState,
-  create_state,
-  optim_config,
-  resolve_model_config,
-  weights,
-)
+from transformer.training.state import TrainState, create_state, weights
 
 Array = jax.Array
 
@@ -65,103 +59,64 @@ class Run:
     is the tokenizer's; `self.experiment` is the same, typed.
     """
     cfg = Config.from_configdict(config) if experiment is None else experiment
-    config.data.max_length = cfg.data.max_length  # the context, set once by from_configdict
-    self.config = config
     self.partitioner = sharding.Partitioner.from_config(cfg.mesh, devices)
-    self.task, self.model_cfg = self._task_and_model_config(cfg, workdir, with_data)
-    self.experiment = dataclasses.replace(cfg, model=self.model_cfg)
-    self.model = models.build(self.model_cfg)
-    self.family = self.model_cfg.family
-    ocfg = optim_config(self.experiment, self.model_cfg)
-    self.schedule = optim.make_schedule(ocfg)
-    self.tx = optim.make_optimizer(ocfg, self.schedule)  # one warmup warning, not two
+    for key in ('batch_size', 'eval_batch_size') if with_data else ():
+      self.partitioner.check_batch_rows(f'data.{key}', getattr(cfg.data, key))
     _check_grad_accum_steps(cfg)
-    self._init_state_and_shardings(cfg)
-    self._jit_steps(cfg.train)
-
-  def _task_and_model_config(
-    self, cfg: Config, workdir: str | None, with_data: bool
-  ) -> tuple[Any, ModelConfig]:
-    """The data task (None without data) and the model config sized to its tokenizer."""
-    if not with_data:
-      return None, cfg.model
-    _check_batch_sizes(cfg.data, self.partitioner)
-    task = data.build(
-      cfg.data,
-      family=cfg.model.family,
-      workdir=workdir,
-      seed=cfg.seed,
-      process_index=jax.process_index(),
-      process_count=jax.process_count(),
-    )
-    model_cfg = resolve_model_config(cfg, task.tokenizer)
-    with self.config.unlocked():
-      self.config.model.vocab_size = model_cfg.vocab_size
-    return task, model_cfg
-
-  def _init_state_and_shardings(self, cfg: Config) -> None:
-    """The state's shardings, its abstract shapes and the jitted initialisation that places it."""
-    # Shardings from the parameters' logical axes; the state is created directly on them.
-    # The seed is an argument, not a constant of the program: another seed reuses the compiled
-    # initialisation (from JAX's compile cache in a new process).
+    self.task = _build_task(cfg, workdir) if with_data else None
+    self.experiment = _sized_to_tokenizer(cfg, self.task)
+    self.model_cfg, self.family = self.experiment.model, self.experiment.model.family
+    config.data.max_length = cfg.data.max_length  # the context, set once by from_configdict
+    if with_data:
+      with config.unlocked():
+        config.model.vocab_size = self.model_cfg.vocab_size
+    self.config = config
+    self.model = models.build(self.model_cfg)
+    self.schedule, self.tx = optim.for_run(self.experiment)
+    # The state is created directly on its shardings. The seed is an argument, not a constant of
+    # the program: another seed reuses the compiled initialisation (JAX's compile cache).
+    self._seed = np.uint32(cfg.seed)  # in [0, 2**32), checked by Config
     new_state = lambda seed, boxed=False: create_state(
       self.model, self.model_cfg, self.tx, seed, cfg.train.loss_scale, boxed=boxed
     )
-    self._seed = np.uint32(cfg.seed)  # in [0, 2**32), checked by Config
-    p = self.partitioner
-    boxed = jax.eval_shape(functools.partial(new_state, boxed=True), self._seed)
-    self.state_shardings = p.tree_shardings(boxed)
-    self.abstract_state = sharding.with_shardings(
-      jax.eval_shape(new_state, self._seed), self.state_shardings
+    self._init_state, self.state_shardings, self.abstract_state = self.partitioner.sharded_init(
+      new_state, self._seed
     )
-    self.param_shardings = self.state_shardings.params
-    # What evaluation and decoding take: the parameters (+ a batchnorm model's running stats).
-    self.weight_shardings = weights(self.state_shardings)
-    # Outside the mesh context: flax would constrain DenseGeneral's flat init shapes.
-    self._init_state = jax.jit(new_state, out_shardings=self.state_shardings)
+    self._jit_steps()
 
-  def _jit_steps(self, tcfg: TrainConfig) -> None:
+  def _jit_steps(self) -> None:
     """The jitted train and eval steps, greedy decoding and token scoring, on the mesh."""
-    p = self.partitioner
-    batch, rep = p.batch_sharding(), p.replicated
-    self.train_step = p.jit(
-      functools.partial(
-        steps.train_step,
-        model=self.model,
-        family=self.family,
-        tx=self.tx,
-        schedule=self.schedule,
-        label_smoothing=tcfg.label_smoothing,
-        grad_accum_steps=tcfg.grad_accum_steps,
-        dynamic_scale=self.model_cfg.dtype == 'float16',
-        loss_scale_period=tcfg.loss_scale_period,
-        loss_chunk_size=loss_chunk_size(tcfg, self.model_cfg, p.mesh.devices.flat[0]),
-      ),
-      in_shardings=(self.state_shardings, batch, rep),
-      out_shardings=(self.state_shardings, rep),
-      donate_argnums=(0,),
-    )
-    self.eval_step = p.jit(
-      functools.partial(steps.eval_step, model=self.model, family=self.family),
-      in_shardings=(self.weight_shardings, batch),
-      out_shardings=rep,
-    )
+    p, tcfg = self.partitioner, self.experiment.train
+    batch, rep, state = p.batch_sharding(), p.replicated, self.state_shardings
+    # What evaluation and decoding take: the parameters (+ a batchnorm model's running stats).
+    weight_shardings = weights(state)
     max_len = tcfg.max_decode_length
-    self._translate = p.jit(
-      lambda params, inputs: decode.greedy_translate(self.model, params, inputs, max_len),
-      in_shardings=(self.weight_shardings, rep),
-      out_shardings=rep,
+    train_step = functools.partial(
+      steps.train_step,
+      model=self.model,
+      family=self.family,
+      tx=self.tx,
+      schedule=self.schedule,
+      label_smoothing=tcfg.label_smoothing,
+      grad_accum_steps=tcfg.grad_accum_steps,
+      dynamic_scale=self.model_cfg.dtype == 'float16',
+      loss_scale_period=tcfg.loss_scale_period,
+      loss_chunk_size=loss_chunk_size(tcfg, self.model_cfg, p.mesh.devices.flat[0]),
     )
-    self._continue = p.jit(
-      lambda params, prompt: decode.greedy_continue(self.model, params, prompt, max_len),
-      in_shardings=(self.weight_shardings, rep),
-      out_shardings=rep,
-    )
-    self.token_nll = p.jit(
-      functools.partial(steps.token_nll, self.model),
-      in_shardings=(self.weight_shardings, rep, rep),
-      out_shardings=rep,
-    )
+    eval_step = functools.partial(steps.eval_step, model=self.model, family=self.family)
+    translate = lambda params, inputs: decode.greedy_translate(self.model, params, inputs, max_len)
+    extend = lambda params, prompt: decode.greedy_continue(self.model, params, prompt, max_len)
+    token_nll = functools.partial(steps.token_nll, self.model)
+    # (function, in_shardings, out_shardings, donated arguments): only the train state is donated.
+    table = [
+      (train_step, (state, batch, rep), (state, rep), (0,)),
+      (eval_step, (weight_shardings, batch), rep, ()),
+      (translate, (weight_shardings, rep), rep, ()),
+      (extend, (weight_shardings, rep), rep, ()),
+      (token_nll, (weight_shardings, rep, rep), rep, ()),
+    ]
+    jitted = [p.jit(fn, ins, outs, donate_argnums=donate) for fn, ins, outs, donate in table]
+    self.train_step, self.eval_step, self._translate, self._continue, self.token_nll = jitted
 
   def init_state(self) -> TrainState:
     """A fresh TrainState, each array created directly on its devices (never whole on one)."""
@@ -244,6 +199,22 @@ class Run:
     return results
 
 
+def _sized_to_tokenizer(cfg: Config, task: Any) -> Config:
+  """The experiment with the model's vocabulary taken from the task's tokenizer (None: kept).
+
+  The vocabulary is rounded up to a multiple of `data.vocab_multiple` (so that tensor
+  parallelism can split it); the extra rows are never targets. An imported Hugging Face model
+  (tokenizer kind 'hf') keeps its own vocabulary when the tokenizer fits in it.
+  """
+  if task is None:
+    return cfg
+  model, tokenizer, multiple = cfg.model, task.tokenizer, cfg.data.vocab_multiple
+  if tokenizer.kind == 'hf' and model.vocab_size >= tokenizer.vocab_size:
+    return cfg  # an imported model keeps its own (often padded) embedding table
+  vocab_size = -(-tokenizer.vocab_size // multiple) * multiple
+  return dataclasses.replace(cfg, model=model.replace(vocab_size=vocab_size))
+
+
 def _check_grad_accum_steps(cfg: Config) -> None:
   """train.grad_accum_steps must split each process's batch into equal micro-batches."""
   accum = cfg.train.grad_accum_steps
@@ -254,17 +225,16 @@ def _check_grad_accum_steps(cfg: Config) -> None:
     )
 
 
-def _check_batch_sizes(data_cfg: Any, partitioner: sharding.Partitioner) -> None:
-  """Global batch sizes must split evenly over processes and over the mesh's batch axes."""
-  parts = partitioner.axis_size(partitioner.spec(('batch',))[0])
-  for key in ('batch_size', 'eval_batch_size'):
-    rows = getattr(data_cfg, key)
-    for divisor, what in ((jax.process_count(), 'processes'), (parts, 'mesh batch shards')):
-      if rows % divisor:
-        raise ValueError(
-          f'data.{key}={rows} does not divide over {divisor} {what} '
-          f'(mesh {dict(partitioner.mesh.shape)}); use a multiple of {divisor}'
-        )
+def _build_task(cfg: Config, workdir: str | None) -> Any:
+  """The data task of `cfg`, this process's share of it."""
+  return data.build(
+    cfg.data,
+    family=cfg.model.family,
+    workdir=workdir,
+    seed=cfg.seed,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+  )
 
 
 def _pad(rows: list[list[int]], length: int, num_rows: int | None = None) -> np.ndarray:

@@ -70,19 +70,6 @@ def optim_config(config: Config | ml_collections.ConfigDict, model_cfg: ModelCon
   return RunOptim(optim, steps=train.steps, d_model=model_cfg.d_model)
 
 
-def resolve_model_config(config: Config, tokenizer) -> ModelConfig:
-  """The model of the experiment, with the vocabulary taken from the tokenizer.
-
-  The vocabulary is rounded up to a multiple of `config.data.vocab_multiple` (so that tensor
-  parallelism can split it); the extra rows are never targets. An imported Hugging Face model
-  (tokenizer kind 'hf') keeps its own vocabulary when the tokenizer fits in it.
-  """
-  model, multiple = config.model, config.data.vocab_multiple
-  if tokenizer.kind == 'hf' and model.vocab_size >= tokenizer.vocab_size:
-    return model  # an imported model keeps its own (often padded) embedding table
-  return model.replace(vocab_size=-(-tokenizer.vocab_size // multiple) * multiple)
-
-
 def create_state(
   model, model_cfg, tx, seed, loss_scale: float, *, boxed: bool = False
 ) -> TrainState:
