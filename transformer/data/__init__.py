@@ -5,7 +5,7 @@ Usage: `task = data.build(config.data, family=..., workdir=..., seed=...)`.
 
 from transformer.data.grammar import Grammar, make_grammar
 from transformer.data.number_words import numbers_to_words, words_to_numbers
-from transformer.data.stream_task import ready as prepare_corpus
+from transformer.data.prepare import ready as prepare_corpus
 from transformer.data.tasks import Task, build, default_config, prompt_prefix, running_text
 from transformer.data.tokenizers import (
   BOS_ID,

@@ -3,7 +3,7 @@ batches and fixed eval batches.
 
 The source is examples tokenised into memory once (generated tasks, 'text' lines, 'tsv', TFDS; a
 process keeps only its shard), shuffled, packed or bucketed by `batching`; or a token stream cut
-into rows by `stream`: a corpus's prepared shards (`stream_task`) or a running text
+into rows by `stream`: a corpus's prepared shards (`prepare`) or a running text
 (`text_stream`). Both are deterministic and resume exactly.
 """
 
@@ -26,10 +26,10 @@ from transformer.data import (
   batching,
   grammar,
   number_words,
+  prepare,
   recall,
   sources,
   stream,
-  stream_task,
   text_stream,
 )
 from transformer.data.tokenizers import (
@@ -428,7 +428,7 @@ def _streamed_task(
         "tokenizer='char' reads its vocabulary from the whole text, which task='text' holds in "
         "memory; a corpus (task='corpus') uses 'byte', 'sentencepiece' or data.tokenizer_path"
       )
-    found = stream_task.build(cfg, family=family, workdir=workdir, process_index=process_index)
+    found = prepare.streams(cfg, family=family, workdir=workdir, process_index=process_index)
   elif running_text(cfg, family):
 
     def tokenizer_for(texts: list[str]) -> Tokenizer:

@@ -33,6 +33,16 @@ class _Specials:
   mask_id = MASK_ID
   unk_id = UNK_ID
 
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [self.encode(t) for t in texts]
+
+
+def _save_json(directory: str, meta: dict) -> None:
+  """Writes `meta` as directory/tokenizer.json, making the directory."""
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, _JSON), 'w') as f:
+    json.dump(meta, f)
+
 
 def _strip(ids: Iterable[int]) -> list[int]:
   """Cuts ids at the first eos and drops pad, bos and mask."""
@@ -56,9 +66,6 @@ class ByteTokenizer(_Specials):
     """Token ids of `text`, without bos/eos."""
     return (np.frombuffer(text.encode('utf-8'), np.uint8).astype(np.int32) + NUM_SPECIAL).tolist()
 
-  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-    return [self.encode(t) for t in texts]
-
   def decode(self, ids: Iterable[int]) -> str:
     """Text of `ids`: stops at eos, skips pad/bos/mask; unk becomes U+FFFD."""
     data = bytes(
@@ -67,9 +74,7 @@ class ByteTokenizer(_Specials):
     return data.decode('utf-8', errors='replace')
 
   def save(self, directory: str) -> None:
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, _JSON), 'w') as f:
-      json.dump({'kind': self.kind, 'vocab_size': self.vocab_size}, f)
+    _save_json(directory, {'kind': self.kind, 'vocab_size': self.vocab_size})
 
 
 class CharTokenizer(_Specials):
@@ -114,9 +119,6 @@ class CharTokenizer(_Specials):
       )
     return (index + NUM_SPECIAL).astype(np.int32)
 
-  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-    return [self.encode(t) for t in texts]
-
   def decode(self, ids: Iterable[int]) -> str:
     """Text of `ids`: stops at eos, skips pad/bos/mask; unk and unknown ids become U+FFFD."""
     n = len(self.chars)
@@ -126,9 +128,7 @@ class CharTokenizer(_Specials):
     )
 
   def save(self, directory: str) -> None:
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, _JSON), 'w') as f:
-      json.dump({'kind': self.kind, 'vocab_size': self.vocab_size, 'chars': self.chars}, f)
+    _save_json(directory, {'kind': self.kind, 'vocab_size': self.vocab_size, 'chars': self.chars})
 
 
 def _shown(chars: str, limit: int = 40) -> str:
@@ -177,8 +177,7 @@ class SentencePieceTokenizer(_Specials):
       'requested_vocab_size': self.requested_vocab_size,
       'model_file': _SPM_MODEL,
     }
-    with open(os.path.join(directory, _JSON), 'w') as f:
-      json.dump(meta, f)
+    _save_json(directory, meta)
 
 
 class HFTokenizer:
@@ -259,9 +258,7 @@ class IdsTokenizer:
     return ' '.join(str(int(i)) for i in ids)
 
   def save(self, directory: str) -> None:
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, _JSON), 'w') as f:
-      json.dump({'kind': self.kind, 'vocab_size': self.vocab_size, 'eos_id': self.eos_id}, f)
+    _save_json(directory, {'kind': self.kind, 'vocab_size': self.vocab_size, 'eos_id': self.eos_id})
 
 
 Tokenizer = ByteTokenizer | CharTokenizer | SentencePieceTokenizer | HFTokenizer | IdsTokenizer

@@ -80,15 +80,8 @@ def translate(
   Returns:
     int32 `[B, max_length]`; after eos every token is PAD_ID.
   """
-  opts, knobs = _options(
-    model, 'translate', max_length, beam_size, alpha, temperature, top_k, top_p, rng
-  )
-  opts = opts._replace(eos_id=int(eos_id))
-  _check_tokens(inputs, 'inputs')
-  _check_learned_positions(model, max_length)
-  if beam_size > 1:
-    return _beam_search(model, params, inputs, knobs, opts)[0][:, 0]
-  return _sample(model, params, inputs, rng, knobs, opts)
+  args = (max_length, beam_size, alpha, temperature, top_k, top_p, rng, eos_id)
+  return _decode(model, params, inputs, 'translate', *args)
 
 
 def generate(
@@ -114,15 +107,18 @@ def generate(
   Returns:
     int32 `[B, max_new_tokens]`; after eos every token is PAD_ID.
   """
-  opts, knobs = _options(
-    model, 'generate', max_new_tokens, beam_size, alpha, temperature, top_k, top_p, rng
-  )
-  opts = opts._replace(eos_id=int(eos_id))
-  _check_tokens(prompt, 'prompt')
-  _check_learned_positions(model, prompt.shape[1] + max_new_tokens - 1)
+  args = (max_new_tokens, beam_size, alpha, temperature, top_k, top_p, rng, eos_id)
+  return _decode(model, params, prompt, 'generate', *args)
+
+
+def _decode(model, params, tokens, name, length, beam_size, alpha, temp, top_k, top_p, rng, eos_id):
+  """`translate` or `generate` (`name`)."""
+  opts, knobs = _options(model, name, length, beam_size, alpha, temp, top_k, top_p, rng, eos_id)
+  _check_tokens(tokens, 'inputs' if name == 'translate' else 'prompt')
+  _check_learned_positions(model, tokens, length)
   if beam_size > 1:
-    return _beam_search(model, params, prompt, knobs, opts)[0][:, 0]
-  return _sample(model, params, prompt, rng, knobs, opts)
+    return _beam_search(model, params, tokens, knobs, opts)[0][:, 0]
+  return _sample(model, params, tokens, rng, knobs, opts)
 
 
 def generate_sliding(
@@ -148,8 +144,9 @@ def generate_sliding(
   Returns:
     int32 `[B, max_new_tokens]`; after eos every token is PAD_ID.
   """
-  opts, knobs = _options(model, 'generate', max_new_tokens, 1, 0.6, temperature, top_k, top_p, rng)
-  opts = opts._replace(eos_id=int(eos_id))
+  opts, knobs = _options(
+    model, 'generate', max_new_tokens, 1, 0.6, temperature, top_k, top_p, rng, eos_id
+  )
   _check_tokens(tokens, 'tokens')
   return _slide(model, params, tokens, jnp.asarray(lengths, jnp.int32), rng, knobs, opts)
 
@@ -214,8 +211,7 @@ def beam_search(
   name = 'translate' if isinstance(model, EncoderDecoder) else 'generate'
   opts, knobs = _options(model, name, length, beam_size, alpha, 0.0, 0, 1.0, None)
   _check_tokens(tokens, 'tokens')
-  extra = 0 if isinstance(model, EncoderDecoder) else tokens.shape[1] - 1
-  _check_learned_positions(model, length + extra)
+  _check_learned_positions(model, tokens, length)
   return _beam_search(model, params, tokens, knobs, opts)
 
 
@@ -230,7 +226,7 @@ def greedy_continue(model: Any, params: Any, prompt: Array, max_new_tokens: int)
 
 
 # Argument checks ------------------------------------------------------------------------------
-def _options(model, name, length, beam_size, alpha, temperature, top_k, top_p, rng):
+def _options(model, name, length, beam_size, alpha, temperature, top_k, top_p, rng, eos_id=EOS_ID):
   """Validates the arguments of `translate`/`generate`; raises one ValueError on the first."""
   length_name = 'max_length' if name == 'translate' else 'max_new_tokens'
   if isinstance(model, BidirectionalLM):
@@ -270,7 +266,7 @@ def _options(model, name, length, beam_size, alpha, temperature, top_k, top_p, r
     )
   if temperature > 0 and rng is None:
     raise ValueError(f'temperature={temperature} samples and needs rng=jax.random.PRNGKey(seed)')
-  opts = _Options(int(length), int(beam_size), sample=temperature > 0)
+  opts = _Options(int(length), int(beam_size), sample=temperature > 0, eos_id=int(eos_id))
   return opts, _Knobs(float(temperature), int(top_k), float(top_p), float(alpha))
 
 
@@ -288,8 +284,11 @@ def _check_tokens(tokens, name: str) -> None:
     raise ValueError(f'{name} must be integer tokens [B, length]; got shape {shape}')
 
 
-def _check_learned_positions(model, slots: int) -> None:
+def _check_learned_positions(model, tokens, length: int) -> None:
+  """Generating `length` tokens after `tokens` (a CausalLM's prompt, or an EncoderDecoder's
+  source, which takes no decoder positions) must stay within learned positions."""
   cfg = model.cfg
+  slots = length if isinstance(model, EncoderDecoder) else tokens.shape[1] + length - 1
   if cfg.position == 'learned' and slots > cfg.max_length:
     raise ValueError(
       f'decoding needs {slots} positions but learned positions stop at max_length='

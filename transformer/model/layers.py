@@ -57,6 +57,24 @@ def embedding_init(cfg: ModelConfig) -> Callable:
   return nn.initializers.normal(std)
 
 
+def dense(
+  cfg: ModelConfig, features: int, axes: tuple, name: str, init=None, use_bias=True, matmul=None
+) -> nn.Dense:
+  """A projection to `features` in `cfg`'s dtypes, its kernel on the logical `axes` (initialised
+  by `init`, default `kernel_init(cfg)`) and its bias on the output axis; `matmul`: the
+  dot_general (default lax's)."""
+  return nn.Dense(
+    features,
+    use_bias=use_bias,
+    dtype=cfg.compute_dtype,
+    param_dtype=cfg.params_dtype,
+    kernel_init=nn.with_logical_partitioning(init or kernel_init(cfg), axes),
+    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),  # output axis
+    dot_general=matmul,
+    name=name,
+  )
+
+
 # Norms ---------------------------------------------------------------------------------------
 def make_norm(cfg: ModelConfig, name: str | None = None) -> Norm | BatchNorm:
   """The norm module of `cfg.norm`; call it through `apply_norm`, which feeds BatchNorm."""
@@ -86,30 +104,28 @@ def apply_norm(
 
 # Embeddings ----------------------------------------------------------------------------------
 class Embed(nn.Module):
-  """Token embedding table; `attend` reuses it as the tied output projection."""
+  """Token embedding table [V, D] of `cfg`; `attend` reuses it as the tied output projection."""
 
-  vocab_size: int
-  features: int
-  scale: bool = True  # multiply by sqrt(features), as in the paper
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-  init: Callable = nn.initializers.normal(1.0)
+  cfg: ModelConfig
 
   def setup(self):
+    cfg = self.cfg
     self.embedding = self.param(  # [V, D]
       'embedding',
-      nn.with_logical_partitioning(self.init, ('vocab', 'embed')),
-      (self.vocab_size, self.features),
-      self.param_dtype,
+      nn.with_logical_partitioning(embedding_init(cfg), ('vocab', 'embed')),
+      (cfg.vocab_size, cfg.d_model),
+      cfg.params_dtype,
     )
 
   def __call__(self, tokens: Array) -> Array:
     # FSDP: gather the table's d_model shards first, so the lookup's rows stay batch-sharded.
     table = sharding.constrain(self.embedding, ('vocab', None))
-    x = jnp.take(table, tokens, axis=0).astype(self.dtype)  # [B, T] -> [B, T, D]
+    x = jnp.take(table, tokens, axis=0).astype(self.cfg.compute_dtype)  # [B, T] -> [B, T, D]
     x = sharding.constrain(x, ('batch', 'length', 'embed'))
+    if not self.cfg.scale_embeddings:
+      return x
     # x sqrt(D): brings entries of std D^-0.5 (see embedding_init) up to the positions' scale.
-    return x * jnp.asarray(math.sqrt(self.features), self.dtype) if self.scale else x  # [B, T, D]
+    return x * jnp.asarray(math.sqrt(self.cfg.d_model), x.dtype)  # [B, T, D]
 
   def attend(self, x: Array) -> Array:
     """Logits against every embedding: [B, T, D] -> [B, T, V]."""
@@ -119,19 +135,7 @@ class Embed(nn.Module):
 
   def table(self) -> Array:
     """The [V, D] table in the compute dtype, as `attend` multiplies by it."""
-    return self.embedding.astype(self.dtype)
-
-
-def make_embed(cfg: ModelConfig, name: str | None = None) -> Embed:
-  return Embed(
-    cfg.vocab_size,
-    cfg.d_model,
-    scale=cfg.scale_embeddings,
-    dtype=cfg.compute_dtype,
-    param_dtype=cfg.params_dtype,
-    init=embedding_init(cfg),
-    name=name,
-  )
+    return self.embedding.astype(self.cfg.compute_dtype)
 
 
 class AddPositions(nn.Module):
@@ -179,31 +183,22 @@ class FeedForward(nn.Module):
   def __call__(self, x: Array, deterministic: bool) -> Array:
     cfg = self.cfg
 
-    def dense(features, name, axes, init=kernel_init(cfg)):
-      return nn.Dense(
-        features,
-        use_bias=cfg.use_bias,
-        dtype=cfg.compute_dtype,
-        param_dtype=cfg.params_dtype,
-        kernel_init=nn.with_logical_partitioning(init, axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),  # output axis
-        dot_general=dot_general,
-        name=name,
-      )
+    def proj(features, name, axes, init=None):
+      return dense(cfg, features, axes, name, init, cfg.use_bias, dot_general)
 
     up = ('embed', 'mlp')  # logical axes of the [D, F] up projections
     if cfg.activation == 'swiglu':
       # SwiGLU: silu(x W_gate) * (x W_in), a gated unit with two up projections (LLaMA).
-      pre = HookPoint(name='hook_pre')(dense(cfg.d_ff, 'gate', up)(x))  # [B, T, F]
-      linear = HookPoint(name='hook_pre_linear')(dense(cfg.d_ff, 'wi', up)(x))  # [B, T, F]
+      pre = HookPoint(name='hook_pre')(proj(cfg.d_ff, 'gate', up)(x))  # [B, T, F]
+      linear = HookPoint(name='hook_pre_linear')(proj(cfg.d_ff, 'wi', up)(x))  # [B, T, F]
       h = nn.silu(pre) * linear  # [B, T, F]
     else:
-      h = ACTIVATIONS[cfg.activation](HookPoint(name='hook_pre')(dense(cfg.d_ff, 'wi', up)(x)))
+      h = ACTIVATIONS[cfg.activation](HookPoint(name='hook_pre')(proj(cfg.d_ff, 'wi', up)(x)))
     h = sharding.constrain(h, ('batch', 'length', 'mlp'))
     h = nn.Dropout(cfg.ffn_dropout_rate)(h, deterministic=deterministic)
     h = HookPoint(name='hook_post')(h)  # [B, T, F]
     # 'wo' writes into the residual stream, so it takes the block's (maybe scaled) out_init.
-    return dense(cfg.d_model, 'wo', ('mlp', 'embed'), self.out_init)(h)  # [B, T, D]
+    return proj(cfg.d_model, 'wo', ('mlp', 'embed'), self.out_init)(h)  # [B, T, D]
 
 
 # The residual block --------------------------------------------------------------------------

@@ -41,10 +41,10 @@ from transformer.model.attention import CacheMode, MaskSpec
 from transformer.model.layers import (
   ACTIVATIONS,
   AddPositions,
+  Embed,
   Stack,
   apply_norm,
-  kernel_init,
-  make_embed,
+  dense,
 )
 
 Array = jax.Array
@@ -184,14 +184,7 @@ class OutputHead(nn.Module):
     if cfg.tie_output:  # reuse the input embedding [V, D] as the output projection
       return self.embed.attend(x)  # [B, T, V]
     # An untied head: its own [D, V] matrix.
-    logits = nn.Dense(
-      cfg.vocab_size,
-      use_bias=False,
-      dtype=cfg.compute_dtype,
-      param_dtype=cfg.params_dtype,
-      kernel_init=nn.with_logical_partitioning(kernel_init(cfg), ('embed', 'vocab')),
-      name='logits',
-    )(x)  # [B, T, V]
+    logits = dense(cfg, cfg.vocab_size, ('embed', 'vocab'), 'logits', use_bias=False)(x)
     return sharding.constrain(logits, ('batch', 'length', 'vocab'))
 
 
@@ -204,11 +197,11 @@ class EncoderDecoder(nn.Module):
     cfg = self.cfg
     # One table for source, target and output (the paper's shared vocabulary), or two.
     if cfg.share_embeddings:
-      self.embedding = make_embed(cfg)
+      self.embedding = Embed(cfg)
       source, target = self.embedding, self.embedding
     else:
-      self.source_embedding = make_embed(cfg)
-      self.target_embedding = make_embed(cfg)
+      self.source_embedding = Embed(cfg)
+      self.target_embedding = Embed(cfg)
       source, target = self.source_embedding, self.target_embedding
     self.encoder = Encoder(cfg, source)
     self.decoder = Decoder(cfg, target, cfg.decoder_layers)
@@ -299,7 +292,7 @@ class CausalLM(nn.Module):
   cfg: ModelConfig
 
   def setup(self):
-    self.embedding = make_embed(self.cfg)
+    self.embedding = Embed(self.cfg)
     self.decoder = Decoder(self.cfg, self.embedding, self.cfg.num_layers, cross_attention=False)
     self.head = OutputHead(self.cfg, self.embedding)
 
@@ -358,7 +351,7 @@ class BidirectionalLM(nn.Module):
     if head_inputs and not has_fused_head(cfg):
       raise ValueError('head_inputs=True needs the tied MLM head (tie_output, num_classes=0)')
     segments = _segments(inputs, segments, cfg.pad_id)  # [B, T] or None
-    embedding = make_embed(cfg, name='embedding')  # also the MLM head's output matrix
+    embedding = Embed(cfg, name='embedding')  # also the MLM head's output matrix
     x = Encoder(cfg, embedding, name='encoder')(
       inputs,
       segments=segments,
@@ -368,23 +361,16 @@ class BidirectionalLM(nn.Module):
     )  # [B, T, D]
     if not cfg.output_head:  # an encoder without a head (HF BertModel): the hidden states
       return x
-    dense = lambda features, name: nn.Dense(
-      features,
-      dtype=cfg.compute_dtype,
-      param_dtype=cfg.params_dtype,
-      kernel_init=nn.with_logical_partitioning(kernel_init(cfg), ('embed', None)),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
-      name=name,
-    )
+    head = lambda features, name: dense(cfg, features, ('embed', None), name)
     if cfg.num_classes:  # pooler on the first token, then a classifier
       # x[:, 0] is BERT's [CLS]: the one position trained to summarise the whole input.
-      pooled = jnp.tanh(dense(cfg.d_model, 'pooler')(x[:, 0]))  # [B, D]
+      pooled = jnp.tanh(head(cfg.d_model, 'pooler')(x[:, 0]))  # [B, D]
       pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
-      return dense(cfg.num_classes, 'classifier')(pooled)  # [B, C]
+      return head(cfg.num_classes, 'classifier')(pooled)  # [B, C]
     # BERT's MLM transform: dense, activation, norm, then the tied projection plus a bias.
     # SwiGLU needs two projections, so this one-matrix head falls back to GELU.
     activation = 'gelu' if cfg.activation == 'swiglu' else cfg.activation
-    h = ACTIVATIONS[activation](dense(cfg.d_model, 'mlm_dense')(x))  # [B, T, D]
+    h = ACTIVATIONS[activation](head(cfg.d_model, 'mlm_dense')(x))  # [B, T, D]
     h = apply_norm(cfg, 'mlm_norm', h, segments, deterministic)
     zeros = nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',))
     bias = self.param('mlm_bias', zeros, (cfg.vocab_size,), cfg.params_dtype)  # [V]

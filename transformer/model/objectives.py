@@ -23,6 +23,13 @@ def _check_smoothing(label_smoothing: float, vocab_size: int) -> None:
     raise ValueError(f'label smoothing needs vocab_size >= 2, got vocab_size={vocab_size}')
 
 
+def _target_mass(label_smoothing: float, vocab_size: int) -> tuple[float, float]:
+  """(confidence, low): the smoothed target's mass on the target and on each other token."""
+  if label_smoothing == 0:
+    return 1.0, 0.0
+  return 1.0 - label_smoothing, label_smoothing / (vocab_size - 1)
+
+
 def _token_losses(logits: Array, targets: Array, label_smoothing: float) -> tuple[Array, Array]:
   """Per-token smoothed and plain cross-entropy, both `[B, T]` float32, from `[B, T, V]` logits."""
   _check_smoothing(label_smoothing, logits.shape[-1])
@@ -47,7 +54,7 @@ def _xent_fwd(logits, targets, label_smoothing):
   nll = lse - target_logit
   if label_smoothing == 0:
     return (nll, nll), (logits, targets, lse)
-  confidence, low = 1.0 - label_smoothing, label_smoothing / (vocab_size - 1)
+  confidence, low = _target_mass(label_smoothing, vocab_size)
   sum_log_probs = jnp.sum(x, axis=-1) - vocab_size * lse  # [B, T]
   smoothed = (confidence - low) * nll - low * sum_log_probs
   return (smoothed, nll), (logits, targets, lse)
@@ -66,9 +73,7 @@ def _xent_bwd(label_smoothing, residuals, cotangents):
   logits, targets, lse = residuals
   g_smoothed, g_nll = cotangents  # [B, T] each
   vocab_size = logits.shape[-1]
-  confidence, low = 1.0 - label_smoothing, label_smoothing / max(vocab_size - 1, 1)
-  if label_smoothing == 0:
-    g_smoothed, confidence, low = g_smoothed, 1.0, 0.0
+  confidence, low = _target_mass(label_smoothing, vocab_size)
   # d smoothed = (confidence - low) (p - onehot) + low (V p - 1); d nll = p - onehot.
   p_coef = g_nll + g_smoothed * (confidence - low + low * vocab_size)  # [B, T]
   onehot_coef = g_nll + g_smoothed * (confidence - low)
@@ -83,35 +88,6 @@ def _xent_bwd(label_smoothing, residuals, cotangents):
 
 
 _xent.defvjp(_xent_fwd, _xent_bwd)
-
-
-def cross_entropy(
-  logits: Array,
-  targets: Array,
-  weights: Array | None = None,
-  label_smoothing: float = 0.0,
-) -> tuple[Array, Array]:
-  """Summed label-smoothed cross-entropy, computed in float32 whatever the logits dtype.
-
-  The smoothed target puts 1 - label_smoothing on the target and label_smoothing / (V - 1) on
-  every other token (paper; flax wmt). The loss is the raw cross-entropy against it, so even a
-  perfect model pays its entropy: subtract `smoothing_constant(V, label_smoothing)` per token
-  (times weight_sum) to get a loss whose minimum is 0.
-
-  Args:
-    logits: `[B, T, V]`.
-    targets: `[B, T]` integer token ids.
-    weights: `[B, T]` float, 0 at padding; None = all ones.
-    label_smoothing: in [0, 1).
-
-  Returns:
-    (loss_sum, weight_sum), float32 scalars.
-  """
-  smoothed, _ = _token_losses(logits, targets, label_smoothing)
-  if weights is None:
-    weights = jnp.ones(targets.shape, jnp.float32)
-  weights = weights.astype(jnp.float32)
-  return jnp.sum(smoothed * weights), jnp.sum(weights)
 
 
 def head_cross_entropy(
@@ -193,7 +169,7 @@ def _head_xent_fwd(hidden, table, bias, targets, weights, label_smoothing, chunk
   nll = lse - target_logit
   smoothed = nll
   if label_smoothing > 0:
-    confidence, low = 1.0 - label_smoothing, label_smoothing / (vocab_size - 1)
+    confidence, low = _target_mass(label_smoothing, vocab_size)
     logit_sum = jnp.einsum('nd,d->n', x, jnp.sum(table, axis=0)).astype(jnp.float32)  # sum_v
     if bias is not None:
       logit_sum = logit_sum + jnp.sum(bias.astype(jnp.float32))
@@ -208,9 +184,7 @@ def _head_xent_bwd(label_smoothing, chunk_size, residuals, cotangents):
   y = targets.reshape(-1)  # [N]
   g_loss, g_nll = cotangents  # scalars
   vocab_size = table.shape[0]
-  confidence, low = 1.0, 0.0
-  if label_smoothing > 0:
-    confidence, low = 1.0 - label_smoothing, label_smoothing / (vocab_size - 1)
+  confidence, low = _target_mass(label_smoothing, vocab_size)
   # d logits = p_coef p - onehot_coef onehot - const (see _xent_bwd), per token [N].
   p_coef = w * (g_nll + g_loss * (confidence - low + low * vocab_size))
   onehot_coef = w * (g_nll + g_loss * (confidence - low))
@@ -248,16 +222,6 @@ def _head_xent_bwd(label_smoothing, chunk_size, residuals, cotangents):
 _head_xent.defvjp(_head_xent_fwd, _head_xent_bwd)
 
 
-def smoothing_constant(vocab_size: int, label_smoothing: float) -> float:
-  """Entropy of the smoothed target distribution: the lowest per-token `cross_entropy` loss."""
-  _check_smoothing(label_smoothing, vocab_size)
-  if label_smoothing == 0:
-    return 0.0
-  confidence = 1.0 - label_smoothing
-  low = label_smoothing / (vocab_size - 1)
-  return -(confidence * math.log(confidence) + (vocab_size - 1) * low * math.log(low))
-
-
 def compute_metrics(
   logits: Array,
   targets: Array,
@@ -265,13 +229,17 @@ def compute_metrics(
   label_smoothing: float = 0.0,
   accuracy: bool = True,
 ) -> dict[str, Array]:
-  """Summed metrics for one batch.
+  """Summed metrics for one batch, computed in float32 whatever the logits dtype.
+
+  The smoothed target puts 1 - label_smoothing on the target and label_smoothing / (V - 1) on
+  every other token (paper; flax wmt). `loss` is the raw cross-entropy against it, so even a
+  perfect model pays that distribution's entropy per token.
 
   Args:
     logits: `[B, T, V]`.
     targets: `[B, T]` integer token ids.
     weights: `[B, T]` float, 0 at padding.
-    label_smoothing: smoothing of the `loss` entry.
+    label_smoothing: smoothing of the `loss` entry, in [0, 1).
     accuracy: count argmax hits (one more pass over the logits; training steps skip it).
 
   Returns:
