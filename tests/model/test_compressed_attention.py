@@ -77,7 +77,7 @@ def test_gradients_match_central_differences_of_the_reference():
   loss = lambda q, k, v: jnp.sum(
     ca.compressed_attention(q, k, v, block=4, mask=MaskSpec(causal=True)) * w
   )
-  grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
   rng = np.random.default_rng(4)
   eps = 1e-6
   for which, (x, g) in enumerate(zip((q, k, v), grads)):
