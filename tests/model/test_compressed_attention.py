@@ -201,6 +201,6 @@ def test_a_model_with_blocks_longer_than_8_initialises_and_runs(block):
 
   cfg = _tiny('causal_lm', compress_block=block, max_length=2 * block)
   model = models.build(cfg)
-  params = models.init_params(model, jax.random.PRNGKey(0))
-  logits = model.apply({'params': params}, jnp.ones((2, 2 * block), jnp.int32))
+  params = jax.jit(models.init_params, static_argnums=0)(model, jax.random.PRNGKey(0))
+  logits = jax.jit(model.apply)({'params': params}, jnp.ones((2, 2 * block), jnp.int32))
   assert logits.shape == (2, 2 * block, cfg.vocab_size) and np.isfinite(logits).all()
