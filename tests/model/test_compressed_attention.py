@@ -77,7 +77,7 @@ def test_gradients_match_central_differences_of_the_reference():
   loss = lambda q, k, v: jnp.sum(
     ca.compressed_attention(q, k, v, block=4, mask=MaskSpec(causal=True)) * w
   )
-  grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
   rng = np.random.default_rng(4)
   eps = 1e-6
   for which, (x, g) in enumerate(zip((q, k, v), grads)):
@@ -153,8 +153,9 @@ def test_bidirectional_lm_padding_changes_nothing():
   tokens = rng.integers(5, 40, (2, 12)).astype(np.int32)
   segments = np.ones((2, 12), np.int32)
   segments[0, 7:] = 0  # padding, whatever its tokens
+  apply = jax.jit(model.apply)  # eager flax is slow on CPU
   logits = lambda t: np.asarray(
-    model.apply({'params': params}, jnp.asarray(t), segments=jnp.asarray(segments))
+    apply({'params': params}, jnp.asarray(t), segments=jnp.asarray(segments))
   )
   base = logits(tokens)
   other = tokens.copy()
@@ -200,6 +201,6 @@ def test_a_model_with_blocks_longer_than_8_initialises_and_runs(block):
 
   cfg = _tiny('causal_lm', compress_block=block, max_length=2 * block)
   model = models.build(cfg)
-  params = models.init_params(model, jax.random.PRNGKey(0))
-  logits = model.apply({'params': params}, jnp.ones((2, 2 * block), jnp.int32))
+  params = jax.jit(models.init_params, static_argnums=0)(model, jax.random.PRNGKey(0))
+  logits = jax.jit(model.apply)({'params': params}, jnp.ones((2, 2 * block), jnp.int32))
   assert logits.shape == (2, 2 * block, cfg.vocab_size) and np.isfinite(logits).all()

@@ -243,10 +243,13 @@ def test_state_steps_equal_parallel_attention():
   kv_seg = jnp.asarray([[1] * 7, [1] * 4 + [0] * 3])
   causal = MaskSpec(causal=True)
   cross = lambda n: MaskSpec(q_segment_ids=jnp.ones((B, n), jnp.int32), kv_segment_ids=kv_seg)
-  p_self = self_attn.init(jax.random.PRNGKey(0), x, mask=causal)['params']
-  p_cross = cross_attn.init(jax.random.PRNGKey(1), x, enc, mask=cross(T))['params']
-  full_self = self_attn.apply({'params': p_self}, x, mask=causal)
-  full_cross = cross_attn.apply({'params': p_cross}, x, enc, mask=cross(T))
+  # Init and the full passes jitted: eager flax ran op by op.
+  p_self = jax.jit(lambda key: self_attn.init(key, x, mask=causal)['params'])(jax.random.PRNGKey(0))
+  p_cross = jax.jit(lambda key: cross_attn.init(key, x, enc, mask=cross(T))['params'])(
+    jax.random.PRNGKey(1)
+  )
+  full_self = jax.jit(lambda p: self_attn.apply({'params': p}, x, mask=causal))(p_self)
+  full_cross = jax.jit(lambda p: cross_attn.apply({'params': p}, x, enc, mask=cross(T)))(p_cross)
 
   mode = CacheMode('prefill', T)
   y, c_self = self_attn.apply(
@@ -338,8 +341,9 @@ def test_bidirectional_lm_padding_changes_nothing_and_every_token_sees_the_futur
   tokens = rng.integers(5, 40, (2, 11)).astype(np.int32)
   segments = np.ones((2, 11), np.int32)
   segments[0, 7:] = 0  # padding, whatever its tokens
+  apply = jax.jit(model.apply)  # eager flax is slow on CPU
   logits = lambda t: np.asarray(
-    model.apply({'params': params}, jnp.asarray(t), segments=jnp.asarray(segments))
+    apply({'params': params}, jnp.asarray(t), segments=jnp.asarray(segments))
   )
   base = logits(tokens)
   other = tokens.copy()

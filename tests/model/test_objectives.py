@@ -326,8 +326,8 @@ def test_head_cross_entropy_equals_compute_metrics_at_lm_scale():
   def fused_path(h, t):
     return O.head_cross_entropy(h, t, None, targets, weights, 0.1, chunk_size=384)['loss']
 
-  want, want_grads = jax.value_and_grad(logits_path, argnums=(0, 1))(hidden, table)
-  got, got_grads = jax.value_and_grad(fused_path, argnums=(0, 1))(hidden, table)
+  want, want_grads = jax.jit(jax.value_and_grad(logits_path, argnums=(0, 1)))(hidden, table)
+  got, got_grads = jax.jit(jax.value_and_grad(fused_path, argnums=(0, 1)))(hidden, table)
   assert float(got) == pytest.approx(float(want), rel=1e-5)
   for g, w in zip(got_grads, want_grads):
     assert _relative(g, np.asarray(w, np.float64)) < 1e-5
