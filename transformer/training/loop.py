@@ -170,6 +170,8 @@ class _Loop:
         f'(unigram {info["unigram_entropy_per_token"]:.3f}): compare with the eval loss'
       )
     _log(f'model: {run.family}, {models.count_params(run.model_cfg):,} parameters')
+    mesh = run.partitioner.mesh
+    _log(f'devices: {mesh.devices.size} {jax.default_backend()}, mesh {dict(mesh.shape)}')
     if self.ckpt.latest_step() is None:
       return run.init_state()
     state, data_state, step = self.ckpt.restore(run.abstract_state)  # onto this run's shardings
