@@ -8,7 +8,6 @@ a damaged latest checkpoint is moved aside and the previous good one is restored
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -33,9 +32,6 @@ RESUMABLE_MODEL_KEYS = ('attention_impl', 'remat', 'dtype')
 DATA_KEYS = ('task', 'tokenizer', 'vocab_size')
 _SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
 _INTEGRITY_FORMAT = 1  # version of the `integrity` record written with every checkpoint
-# errno values that mean "the file system has no room": full disk, quota, per-file size limit.
-_NO_SPACE = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded'}
-_NO_SPACE[errno.EFBIG] = 'File too large'
 
 
 class CheckpointError(ValueError):
@@ -64,7 +60,7 @@ class _DropOrbaxInfo(logging.Filter):
     if record.levelno < logging.WARNING:
       return False
     error = record.exc_info[1] if record.exc_info else None
-    return _no_space_reason(record.getMessage()) is None and _no_space_reason(error) is None
+    return util.no_space_reason(record.getMessage()) is None and util.no_space_reason(error) is None
 
 
 class _DropOrbaxLeftovers:
@@ -284,17 +280,17 @@ class Checkpointer:
 
     Call it from the `except` block that caught `error`.
     """
-    reason = _no_space_reason(error)
+    reason = util.no_space_reason(error)
     if reason is None:
       raise error
     _remove_partial_saves(self.directory)
     usage = shutil.disk_usage(self.directory)
     previous = [s for s in self.all_steps() if step is None or s < step]
     kept = f'checkpoint {previous[-1]} is intact' if previous else 'no earlier checkpoint exists'
+    free, total = util.byte_size(usage.free), util.byte_size(usage.total)
     raise CheckpointError(
-      f'could not save checkpoint {step} in {self.directory}: {reason} ({_size(usage.free)} free '
-      f'of {_size(usage.total)}); {kept}. Free some space (or move the workdir to a bigger disk) '
-      'and rerun to resume'
+      f'could not save checkpoint {step} in {self.directory}: {reason} ({free} free of {total}); '
+      f'{kept}. Free some space (or move the workdir to a bigger disk) and rerun to resume'
     ) from error
 
   def _read(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
@@ -441,36 +437,6 @@ def _well_formed(leaf: Any) -> bool:
   except TypeError:
     return False
   return True
-
-
-def _no_space_reason(error: BaseException | str) -> str | None:
-  """'No space left on device' (or quota, file size) if `error` or its causes say so, else None.
-
-  orbax's tensorstore writes report the errno only in their message (`[os_error_code='28']`).
-  """
-  seen, todo = set(), [error]
-  while todo:
-    item = todo.pop()
-    if item is None or id(item) in seen:
-      continue
-    seen.add(id(item))
-    if isinstance(item, OSError) and item.errno in _NO_SPACE:
-      return _NO_SPACE[item.errno]
-    text = str(item)
-    for code, reason in _NO_SPACE.items():
-      if reason in text or f"os_error_code='{code}'" in text:
-        return reason
-    if isinstance(item, BaseException):
-      todo += [item.__cause__, item.__context__]
-  return None
-
-
-def _size(num_bytes: int) -> str:
-  for unit in ('bytes', 'KiB', 'MiB', 'GiB'):
-    if num_bytes < 1024 or unit == 'GiB':
-      return f'{num_bytes:.0f} {unit}' if unit == 'bytes' else f'{num_bytes:.1f} {unit}'
-    num_bytes /= 1024
-  return f'{num_bytes:.1f} TiB'
 
 
 def _check_structure(saved: dict[str, tuple], target: Any, where: str) -> None:
