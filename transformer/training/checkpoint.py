@@ -1,13 +1,15 @@
 """Save and resume runs with orbax: arrays and data position per step, run metadata per workdir.
 
 A workdir holds `checkpoints/<step>/{state,data,integrity}` plus, shared by all of its checkpoints,
-`config.json` and `git_revision.txt` (written here) and `tokenizer/` (written by transformer.data).
+`config.json`, `git_revision.txt` and `revisions.jsonl` (every revision that trained it, with its
+steps; written here) and `tokenizer/` (written by transformer.data).
 Every checkpoint carries checksums of its arrays and data state (`integrity`), checked on restore:
 a damaged latest checkpoint is moved aside and the previous good one is restored instead.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import logging
@@ -31,6 +33,7 @@ RESUMABLE_MODEL_KEYS = ('attention_impl', 'remat', 'dtype')
 # Data keys that fix the tokenizer, and so the meaning of every embedding row.
 DATA_KEYS = ('task', 'tokenizer', 'vocab_size')
 _SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
+REVISIONS = 'revisions.jsonl'  # a JSON line per start of training: see record_start
 _INTEGRITY_FORMAT = 1  # version of the `integrity` record written with every checkpoint
 
 
@@ -596,6 +599,86 @@ def write_run_metadata(workdir: str, config: ml_collections.ConfigDict) -> None:
     os.path.join(workdir, 'config.json'), config.to_json_best_effort(indent=2) + '\n'
   )
   util.write_atomic(os.path.join(workdir, 'git_revision.txt'), _git_revision() + '\n')
+
+
+def record_start(workdir: str, step: int) -> None:
+  """Appends this start of training to workdir/revisions.jsonl (process 0): the code's revision,
+  whether it had uncommitted changes, the step it trains from and the time (UTC).
+
+  The file is only ever appended to, so it keeps every revision that trained the workdir;
+  `revision_history` turns its lines into step ranges. git_revision.txt holds the latest only.
+  """
+  if jax.process_index() != 0:
+    return
+  revision = _git_revision()
+  line = {
+    'revision': revision.removesuffix('-dirty'),
+    'dirty': revision.endswith('-dirty'),
+    'start_step': int(step),
+    'time': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+  }
+  path = os.path.join(workdir, REVISIONS)
+  with open(path, 'a+b') as f:  # appends go to the end, wherever the file position is
+    cut = False
+    if f.seek(0, os.SEEK_END):
+      f.seek(-1, os.SEEK_END)
+      cut = f.read(1) != b'\n'  # a line cut short by a kill: start on a new line
+    f.write((b'\n' if cut else b'') + json.dumps(line).encode() + b'\n')
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def revision_history(workdir: str) -> list[dict]:
+  """Every start of training in `workdir`, oldest first: revision, dirty, start_step, time and
+  end_step, the step that the later starts kept of its work (the next start's step, or the latest
+  checkpoint for the last start; equal to start_step when nothing it trained was kept).
+
+  A workdir trained before revisions.jsonl existed gives one entry from git_revision.txt (the
+  latest start's revision) with start_step None; one with neither gives [].
+  """
+  entries = []
+  try:
+    with open(os.path.join(workdir, REVISIONS)) as f:
+      for text in f:
+        try:
+          entries.append(json.loads(text))
+        except ValueError:  # a line cut short by a kill
+          continue
+  except FileNotFoundError:
+    old = os.path.join(workdir, 'git_revision.txt')
+    if not os.path.exists(old):
+      return []
+    with open(old) as f:
+      revision = f.read().strip()
+    entry = {'revision': revision.removesuffix('-dirty'), 'dirty': revision.endswith('-dirty')}
+    return [{**entry, 'start_step': None, 'end_step': None, 'time': None}]
+  directory = os.path.join(workdir, 'checkpoints')
+  listed = os.listdir(directory) if os.path.isdir(directory) else []
+  bound = max((int(name) for name in listed if name.isdigit()), default=0)
+  for entry in reversed(entries):  # a later start from an earlier step drops the steps after it
+    entry['end_step'] = max(entry['start_step'], bound)
+    bound = min(bound, entry['start_step'])
+  return entries
+
+
+def describe_history(workdir: str) -> str:
+  """The revisions that trained `workdir`, a line each with its steps: for a reader."""
+  entries = revision_history(workdir)
+  if not entries:
+    return f'{workdir}: no record of the code that trained it'
+  if entries[0]['start_step'] is None:
+    entry = entries[0]
+    dirty = ' with uncommitted changes' if entry['dirty'] else ''
+    return (
+      f'{workdir}: last trained by revision {entry["revision"]}{dirty} (git_revision.txt; the '
+      'revisions of earlier starts were not recorded then)'
+    )
+  lines = [f'{workdir}: trained by {len({e["revision"] for e in entries})} revision(s)']
+  for entry in entries:
+    dirty = ' with uncommitted changes' if entry['dirty'] else ''
+    steps = f'steps {entry["start_step"]}-{entry["end_step"]}'
+    lines.append(f'  {steps:<16} {entry["revision"]}{dirty}, started {entry["time"]}')
+  return '\n'.join(lines)
 
 
 def read_run_config(workdir: str) -> dict | None:

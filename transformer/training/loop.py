@@ -195,6 +195,8 @@ class _Loop:
         step=start,
         signal_name=got,
       )
+    if start < self.tcfg.steps:  # the code that trains from here, for experiments.describe
+      checkpoint.record_start(self.workdir, start)
     return start, self.tcfg.steps
 
   def received(self) -> bool:
