@@ -1,6 +1,7 @@
 """A full disk while preparing a corpus: one error line, nothing that passes for a prepared corpus,
 and the same command resumes to the shards a roomy disk gives."""
 
+import errno
 import os
 import re
 import subprocess
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from transformer import data
-from transformer.data import prepare
+from transformer.data import prepare, shards
 
 # Imported first by every Python process started with this directory on PYTHONPATH (the command
 # and its spawned workers): each process's shard writer fails with ENOSPC after FULL_AFTER bytes.
@@ -92,3 +93,23 @@ def test_full_disk_is_one_error_line_and_the_same_command_resumes(tmp_path, work
   estimate = float(number) * _UNITS[unit]
   took = sum(len(b) for n, b in _shards(out).items() if n not in before)
   assert 0.7 * took <= estimate <= 1.5 * took, (estimate, took)
+
+
+def test_only_a_lack_of_room_becomes_the_line(tmp_path, monkeypatch):
+  cfg = data.default_config()
+  cfg.update(dict(task='corpus', train_path=_corpus(tmp_path), tokenizer='byte'))
+
+  def fail(code):
+    def raising(*args, **kwargs):
+      raise OSError(code, os.strerror(code))
+
+    return raising
+
+  monkeypatch.setattr(os, 'makedirs', fail(errno.EDQUOT))  # not even the directory
+  with pytest.raises(ValueError, match=r'^no room to make .*/out: Disk quota exceeded\. Free'):
+    prepare.prepare(cfg, str(tmp_path / 'out'))
+  monkeypatch.undo()
+  monkeypatch.setattr(shards.ShardWriter, 'add', fail(errno.EIO))  # a failing disk stays itself
+  with pytest.raises(OSError) as raised:
+    prepare.prepare(cfg, str(tmp_path / 'out'))
+  assert raised.value.errno == errno.EIO and not (tmp_path / 'out' / prepare.DATASET).exists()

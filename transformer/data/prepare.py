@@ -261,6 +261,9 @@ def prepare(cfg, out: str, *, workers: int = 1, log: Callable[[str], None] | Non
 def _no_room(cfg, out: str, reason: str, train: list[str], evaluation: list[str]) -> str:
   """The one line for a full disk: what was written, what is free, about how much the pieces
   left need (at the output bytes per input byte of the shards written, or of a sample)."""
+  resume = 'and rerun the same command: it resumes with the pieces left'
+  if not os.path.isdir(out):  # not even the directory could be made
+    return f'no room to make {out}: {reason}. Free some space (or use a bigger disk) {resume}'
   for name in os.listdir(out):  # shards cut short: their room is the resume's
     if name.endswith('.bin.tmp'):
       os.remove(os.path.join(out, name))
@@ -277,7 +280,6 @@ def _no_room(cfg, out: str, reason: str, train: list[str], evaluation: list[str]
     f'no room to prepare the corpus in {out}: {reason}; written: {len(done)} of {len(pieces)} '
     f'pieces ({util.byte_size(written)} of shards), {util.byte_size(free)} free'
   )
-  resume = 'and rerun the same command: it resumes with the pieces left'
   if not train or not os.path.exists(os.path.join(out, 'tokenizer')):  # nothing to estimate from
     return f'{head}. Free some space (or use a bigger disk) {resume}'
   done_input = sum(corpus.unit_bytes(pieces[n]) for n in done)
