@@ -113,3 +113,31 @@ def test_only_a_lack_of_room_becomes_the_line(tmp_path, monkeypatch):
   with pytest.raises(OSError) as raised:
     prepare.prepare(cfg, str(tmp_path / 'out'))
   assert raised.value.errno == errno.EIO and not (tmp_path / 'out' / prepare.DATASET).exists()
+
+
+def test_training_on_a_new_workdir_keeps_the_shards_written_before_a_full_disk(
+  tmp_path, monkeypatch
+):
+  from transformer.config.experiment import DataConfig, section
+  from transformer.training import loop
+
+  config = data.default_config()
+  config.update(dict(task='corpus', train_path=_corpus(tmp_path), tokenizer='byte'))
+  config.prepare_chunk_mb = 1
+  cfg, workdir = section(DataConfig, config), str(tmp_path / 'run')
+  add, written = shards.ShardWriter.add, []
+
+  def full_after_a_piece(self, ids, documents):
+    if len(written) > 1 and self.path not in written:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    written.append(self.path)
+    add(self, ids, documents)
+
+  monkeypatch.setattr(shards.ShardWriter, 'add', full_after_a_piece)
+  with pytest.raises(prepare.NoRoomError, match='written: 1 of 3 pieces'):
+    loop._prepare_corpus(cfg, workdir)
+  kept = sorted(os.listdir(os.path.join(workdir, 'corpus')))
+  assert 'train_00000.bin' in kept and prepare.DATASET not in kept  # not removed, not ready
+  monkeypatch.undo()
+  loop._prepare_corpus(cfg, workdir)
+  assert prepare.read_dataset(os.path.join(workdir, 'corpus'))['documents'] == 5970

@@ -42,6 +42,10 @@ _SAMPLE_TOTAL_CHARS = 10**8  # and of the whole sample (SentencePiece holds it i
 _BATCH = 1024  # documents tokenised at a time
 
 
+class NoRoomError(ValueError):
+  """No room left for the shards. What is done stays, so the same command resumes with the rest."""
+
+
 def is_prepared(out: str) -> bool:
   return os.path.exists(os.path.join(out, DATASET))
 
@@ -255,7 +259,7 @@ def prepare(cfg, out: str, *, workers: int = 1, log: Callable[[str], None] | Non
     reason = util.no_space_reason(error)
     if reason is None:
       raise
-    raise ValueError(_no_room(cfg, out, reason, train, evaluation)) from error
+    raise NoRoomError(_no_room(cfg, out, reason, train, evaluation)) from error
 
 
 def _no_room(cfg, out: str, reason: str, train: list[str], evaluation: list[str]) -> str:
