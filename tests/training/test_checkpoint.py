@@ -644,6 +644,19 @@ def test_a_start_from_an_earlier_checkpoint_ends_the_ranges_before_it(tmp_path):
   # c resumed from step 4 (b's checkpoints were lost): none of b's steps are in checkpoint 8.
   assert [(e['start_step'], e['end_step']) for e in history] == [(0, 4), (6, 6), (4, 8)]
   assert checkpoint.revision_history(str(tmp_path / 'none')) == []
+  # Resumed from a checkpoint made before the record, with a damaged line and a cut one.
+  (tmp_path / checkpoint.REVISIONS).write_text(
+    '[1]\n' + json.dumps(lines[1]) + '\n{"revision": "c", "dirty": false, "start_st'
+  )
+  history = checkpoint.revision_history(str(tmp_path))
+  assert [(e['revision'], e['start_step'], e['end_step']) for e in history] == [
+    (None, 0, 6),
+    ('b', 6, 8),
+  ]
+  assert checkpoint.describe_history(str(tmp_path)).splitlines()[1:] == [
+    '  steps 0-6        an unrecorded revision (trained before revisions.jsonl)',
+    '  steps 6-8        b, started t',
+  ]
 
 
 def test_git_revision(tmp_path):

@@ -633,17 +633,20 @@ def revision_history(workdir: str) -> list[dict]:
   end_step, the step that the later starts kept of its work (the next start's step, or the latest
   checkpoint for the last start; equal to start_step when nothing it trained was kept).
 
-  A workdir trained before revisions.jsonl existed gives one entry from git_revision.txt (the
-  latest start's revision) with start_step None; one with neither gives [].
+  Steps trained before revisions.jsonl existed come first, with revision None. A workdir trained
+  only before it gives one entry from git_revision.txt (the latest start's revision) with
+  start_step None; one with neither gives [].
   """
   entries = []
   try:
     with open(os.path.join(workdir, REVISIONS)) as f:
       for text in f:
         try:
-          entries.append(json.loads(text))
+          entry = json.loads(text)
         except ValueError:  # a line cut short by a kill
           continue
+        if isinstance(entry, dict) and type(entry.get('start_step')) is int:
+          entries.append(entry)
   except FileNotFoundError:
     old = os.path.join(workdir, 'git_revision.txt')
     if not os.path.exists(old):
@@ -652,6 +655,8 @@ def revision_history(workdir: str) -> list[dict]:
       revision = f.read().strip()
     entry = {'revision': revision.removesuffix('-dirty'), 'dirty': revision.endswith('-dirty')}
     return [{**entry, 'start_step': None, 'end_step': None, 'time': None}]
+  if entries and entries[0]['start_step'] > 0:  # resumed a checkpoint made before the record
+    entries.insert(0, {'revision': None, 'dirty': None, 'start_step': 0, 'time': None})
   directory = os.path.join(workdir, 'checkpoints')
   listed = os.listdir(directory) if os.path.isdir(directory) else []
   bound = max((int(name) for name in listed if name.isdigit()), default=0)
@@ -673,10 +678,14 @@ def describe_history(workdir: str) -> str:
       f'{workdir}: last trained by revision {entry["revision"]}{dirty} (git_revision.txt; the '
       'revisions of earlier starts were not recorded then)'
     )
-  lines = [f'{workdir}: trained by {len({e["revision"] for e in entries})} revision(s)']
+  revisions = {e['revision'] for e in entries if e['revision'] is not None}
+  lines = [f'{workdir}: trained by {len(revisions)} revision(s)']
   for entry in entries:
-    dirty = ' with uncommitted changes' if entry['dirty'] else ''
     steps = f'steps {entry["start_step"]}-{entry["end_step"]}'
+    if entry['revision'] is None:
+      lines.append(f'  {steps:<16} an unrecorded revision (trained before revisions.jsonl)')
+      continue
+    dirty = ' with uncommitted changes' if entry['dirty'] else ''
     lines.append(f'  {steps:<16} {entry["revision"]}{dirty}, started {entry["time"]}')
   return '\n'.join(lines)
 
