@@ -310,14 +310,16 @@ def _wait_for_a_save(procs, directory, timeout=120.0):
 def test_kills_during_two_process_saves_resume_from_the_last_whole_checkpoint(
   compile_cache, tmp_path
 ):
-  """2 processes of `experiments.train` save every 2 steps; 3 times, a few steps after the
-  pair (re)started, one of them (each at least once, in a seeded order) is SIGKILLed a seeded
-  moment after a save's temp directory appears. The survivor ends as for any
-  lost peer (status 75, one `lost peer:` line); each rerun of the pair resumes from the latest
-  listed checkpoint, with no damaged one set aside and no traceback, and after the first save
-  never from scratch. The last rerun finishes with the losses of an uninterrupted pair."""
+  """2 processes of `experiments.train`, the parameters sharded across them (FSDP), save every
+  2 steps. 3 times, a few steps after the pair (re)started, one of them (each at least once, in
+  a seeded order) is SIGKILLed a seeded moment after a save's temp directory appears. The
+  survivor ends as for any lost peer (status 75, one `lost peer:` line); each rerun of the pair
+  resumes from the latest listed checkpoint, with no damaged one set aside and no traceback, and
+  after the first save never from scratch. The last rerun finishes with the losses of an
+  uninterrupted pair."""
   rng = random.Random(43)
-  overrides = {**OVERRIDES, 'train.checkpoint_every': 2, 'train.steps': 40}
+  # FSDP over the two processes: each writes its own shards of every checkpoint.
+  overrides = {**OVERRIDES, 'train.checkpoint_every': 2, 'train.steps': 40, 'mesh.shape': '(1,2,1)'}
   workdir, directory = tmp_path / 'run', tmp_path / 'run' / 'checkpoints'
   reference_logs = [tmp_path / f'ref{i}' for i in range(2)]
   unsaved = {**overrides, 'train.checkpoint_every': 40}  # saves change no loss, and take time
