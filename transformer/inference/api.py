@@ -466,7 +466,7 @@ class Model:
     names = names_filter if names is None else names
     inputs = self._hook_inputs(text, source, 'run_with_cache')
     out, seen = self._forward(inputs, names, None, return_type, loss_per_token, stop_at_layer)
-    cache = cache_lib.ActivationCache(jax.device_get(seen), self)
+    cache = cache_lib.ActivationCache(seen, self)
     return out, cache.remove_batch_dim() if remove_batch_dim else cache
 
   def run_with_hooks(
@@ -546,19 +546,20 @@ class Model:
     return int(ids[0])
 
   def _forward(self, inputs, names, hooks, return_type, per_token, stop_at_layer):
-    """(what `return_type` asks for, or the residual stream at `stop_at_layer`; {name: value})."""
+    """(what `return_type` asks for, or the residual stream at `stop_at_layer`; {name: value} in
+    forward order, as TransformerLens lists its cache)."""
     names = hooks_lib.select(self.cfg, names)
     if stop_at_layer is None:
       logits, seen = hooks_lib.run_jit(self.cfg, self.weights, inputs, names=names, hooks=hooks)
       tokens = inputs.get('decoder_inputs', inputs['inputs'])
-      return cache_lib.output(logits, tokens, return_type, per_token), seen
+      return cache_lib.output(logits, tokens, return_type, per_token), {n: seen[n] for n in names}
     short, last, names, hooks = cache_lib.truncate(self, stop_at_layer, names, hooks)
     if hooks:  # the hooks' own compile rules; the truncated model's head runs, unread
       seen = hooks_lib.run_jit(short, self.weights, inputs, names=names + (last,), hooks=hooks)[1]
     else:
       seen = _run_cache(short, tuple(dict.fromkeys(names + (last,))))(self.weights, inputs)
     resid = np.asarray(seen[last])
-    return resid, {n: v for n, v in seen.items() if n in names}
+    return resid, {n: seen[n] for n in names}
 
   def _hook_inputs(self, text: Any, source: Any, method: str) -> dict[str, np.ndarray]:
     """Model inputs for one text or token rows: bos + ids (decoder side), source ids + eos."""
