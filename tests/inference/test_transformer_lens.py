@@ -4,6 +4,8 @@ The GPT-2 (3 layers, d_model 84, 4 heads, vocab 211) has every bias and norm par
 so a wrong centring, scale or bias shows. It is saved offline and loaded both into sparrow and
 into transformer_lens's `TransformerBridge` without weight processing, in float32: every shared
 hook name, each intervention, the forward's conventions and each cache helper agree at 1e-4.
+Processed at load (`process_weights=True`), it agrees with the bridge in its compatibility mode,
+which processes with the same defaults.
 """
 
 import importlib.util
@@ -36,8 +38,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope='module')
-def models(tmp_path_factory):
-  """(sparrow Model, transformer_lens bridge) of one perturbed random GPT-2 folder."""
+def folder(tmp_path_factory):
+  """A perturbed random GPT-2 folder."""
   config = transformers.GPT2Config(
     vocab_size=VOCAB, n_positions=32, n_embd=84, n_layer=LAYERS, n_head=HEADS,
     layer_norm_epsilon=1e-5, initializer_range=0.2,
@@ -46,9 +48,19 @@ def models(tmp_path_factory):
   model = _randomise(transformers.GPT2LMHeadModel(config), seed=3)
   directory = str(tmp_path_factory.mktemp('tl') / 'gpt2')
   model.save_pretrained(directory, safe_serialization=True)
+  return directory
+
+
+def _bridge(directory: str, **processing) -> TransformerBridge:
   bridge = TransformerBridge.boot_transformers(directory, device='cpu')
-  bridge.enable_compatibility_mode(no_processing=True, disable_warnings=True)
-  return transformer.load(directory), bridge
+  bridge.enable_compatibility_mode(disable_warnings=True, **processing)
+  return bridge
+
+
+@pytest.fixture(scope='module')
+def models(folder):
+  """(sparrow Model, transformer_lens bridge), neither processing the weights."""
+  return transformer.load(folder), _bridge(folder, no_processing=True)
 
 
 @pytest.fixture(scope='module')
@@ -211,3 +223,49 @@ def test_pattern_hooks_read_every_layer(models, tokens):
   assert sorted(seen) == sorted(names)
   for name in names:
     _close(cache[name], seen[name], name)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+  x = x.astype(np.float64)
+  return (
+    x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1))[..., None]
+  )
+
+
+def test_processed_weights_keep_the_log_probs(models, folder, tokens, caches):
+  """Each processing step alone and all four: the same log-probs; logits that differ from the
+  unprocessed ones by one constant per position; without center_unembed, the same logits."""
+  m, _ = models
+  logits = caches[0]
+  steps = ('fold_ln', 'center_writing_weights', 'center_unembed', 'fold_value_biases')
+  for on in [*([s] for s in steps), steps]:
+    processed = m.process_weights(**{s: s in on for s in steps})
+    out = processed(tokens)
+    np.testing.assert_allclose(_log_softmax(out), _log_softmax(logits), atol=1e-4, err_msg=on)
+    shift = out - logits  # [B, T, V]
+    np.testing.assert_allclose(shift - shift.mean(-1, keepdims=True), 0.0, atol=1e-4, err_msg=on)
+    if 'center_unembed' not in on:
+      np.testing.assert_allclose(out, logits, atol=1e-4, err_msg=on)
+  resid = transformer.load(folder, process_weights=True).run_with_cache(tokens)[1]
+  assert np.abs(resid['resid_mid', 1].mean(-1)).max() < 1e-5  # centred writing weights
+  with pytest.raises(ValueError, match='pre-LN causal_lm'):
+    m.__class__(m.cfg.replace(norm='rmsnorm'), m.params, None, None, 0, '').process_weights()
+
+
+def test_processed_weights_match_transformer_lens(folder, tokens):
+  """Hooks, logits and the cache helpers of both processed models (fold_ln, centring, value
+  biases: TransformerLens's defaults)."""
+  m, bridge = transformer.load(folder, process_weights=True), _bridge(folder)
+  logits, cache = m.run_with_cache(tokens)
+  with torch.no_grad():
+    tl_logits, tl_cache = bridge.run_with_cache(torch.tensor(tokens, dtype=torch.long))
+  _close(logits, tl_logits, 'logits')
+  shared = [n for n in cache if n in tl_cache.cache_dict and not n.endswith('hook_scale')]
+  assert len(shared) >= 13 * LAYERS
+  for name in shared:
+    _close(cache[name], tl_cache[name], name)
+  for method, kwargs in [('decompose_resid', {'incl_embeds': False, 'apply_ln': True}),
+                         ('stack_head_results', {'apply_ln': True, 'pos_slice': -1}),
+                         ('accumulated_resid', {'apply_ln': True, 'layer': 2})]:  # fmt: skip
+    ours, theirs = getattr(cache, method)(**kwargs), getattr(tl_cache, method)(**kwargs)
+    _close(ours, theirs, f'{method} {kwargs}')

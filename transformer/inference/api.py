@@ -21,6 +21,7 @@ import numpy as np
 from transformer import data
 from transformer.config import ModelConfig, experiment
 from transformer.inference import cache as cache_lib
+from transformer.inference import weights as weights_lib
 from transformer.model import decode, models
 from transformer.model import hooks as hooks_lib
 
@@ -32,11 +33,18 @@ LENGTH_FACTOR = 16
 SLIDE_LIMIT = 2**16  # tokens one generate call makes past the context of learned positions
 
 
-def load(workdir: str, step: int | None = None, *, param_dtype: str = 'float32') -> Model:
+def load(
+  workdir: str,
+  step: int | None = None,
+  *,
+  param_dtype: str = 'float32',
+  process_weights: bool = False,
+) -> Model:
   """The model, parameters, config and tokenizer of `workdir` (its latest checkpoint by default),
   or of a Hugging Face model folder (config.json + safetensors), converted in memory.
 
   `param_dtype` (Hugging Face folders): float32 | bfloat16 | float16 | keep (the file's dtype).
+  `process_weights`: TransformerLens's processing with its defaults (`Model.process_weights`).
 
   Raises:
     FileNotFoundError: no such workdir, no config.json in it, or no checkpoint.
@@ -48,7 +56,8 @@ def load(workdir: str, step: int | None = None, *, param_dtype: str = 'float32')
     config, cfg, params, directory = hf.convert_in_memory(workdir, param_dtype=param_dtype)
     params = jax.tree_util.tree_map(jnp.asarray, params)
     tokenizer = _hf_tokenizer(directory, os.path.join(directory, 'config.json'))
-    return Model(cfg, params, config, tokenizer, 0, workdir)
+    model = Model(cfg, params, config, tokenizer, 0, workdir)
+    return model.process_weights() if process_weights else model
   from transformer.training.workdir import load_run  # the loop's siblings; keep `import` light
 
   run, state, step = load_run(workdir, step, with_data=False)
@@ -57,7 +66,8 @@ def load(workdir: str, step: int | None = None, *, param_dtype: str = 'float32')
   if os.path.isdir(tokenizer_dir):
     tokenizer = _hf_tokenizer(tokenizer_dir, os.path.join(workdir, hf.HF_CONFIG))
   stats = getattr(state, 'batch_stats', None)  # a batchnorm model's running statistics
-  return Model(run.model_cfg, state.params, run.config, tokenizer, step, workdir, stats)
+  model = Model(run.model_cfg, state.params, run.config, tokenizer, step, workdir, stats)
+  return model.process_weights() if process_weights else model
 
 
 def _hf_tokenizer(directory: str, hf_config_path: str):
@@ -110,6 +120,24 @@ class Model:
       f'Model({self.cfg.family}, {models.count_params(self.cfg):,} parameters, step {self.step}, '
       f'workdir={self.workdir!r})'
     )
+
+  def process_weights(
+    self,
+    *,
+    fold_ln: bool = True,
+    center_writing_weights: bool = True,
+    center_unembed: bool = True,
+    fold_value_biases: bool = True,
+  ) -> Model:
+    """This model with TransformerLens's weight processing (`inference/weights.py`): the same
+    log-probabilities, the logits moved by one constant per position, the norms folded into the
+    next matrices and the residual stream centred. Pre-LN LayerNorm models with biases (GPT-2)."""
+    cfg, params = weights_lib.process_weights(
+      self.cfg, self.params, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+      center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+    )  # fmt: skip
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+    return Model(cfg, params, self.config, self.tokenizer, self.step, self.workdir)
 
   # Text in, text out -----------------------------------------------------------------------------
   def generate(
