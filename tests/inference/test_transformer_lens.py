@@ -137,6 +137,10 @@ def test_forward_conventions(models, tokens, caches):
   _close(m.loss_fn(logits, tokens, per_token=True), m(tokens, 'loss', True), 'loss_fn')
   with pytest.raises(ValueError, match='return_type'):
     m(tokens, return_type='probs')
+  with pytest.raises(ValueError, match=r'stop_at_layer=4 must be in \[-3, 3\]'):
+    m(tokens, stop_at_layer=4)
+  with pytest.raises(ValueError, match='not both'):
+    m.run_with_cache(tokens, names=['blocks.0.hook_resid_pre'], names_filter=lambda n: True)
 
 
 def test_stop_at_layer_caches_only_what_ran(models, tokens, caches):

@@ -174,9 +174,10 @@ class ActivationCache(Mapping):
     layer = self._layer(layer)
     attn, mlp = mode != 'mlp', mode != 'attn' and bool(self.model.cfg.d_ff)
     parts, labels = [], []
-    if incl_embeds:
+    if incl_embeds:  # those this model has (RoPE has no position embedding)
+      known = hooks_lib.hook_names(self.model.cfg)
       for name, label in (('hook_embed', 'embed'), ('hook_pos_embed', 'pos_embed')):
-        if name in self.cache_dict:
+        if name in known:
           parts.append(self[name])
           labels.append(label)
     for i in range(layer):
