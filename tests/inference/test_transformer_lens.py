@@ -30,6 +30,7 @@ from transformer_lens.utilities.components_utils import get_act_name as tl_get_a
 
 import transformer
 from tests.inference.test_hf import _randomise
+from transformer.inference import cache as cache_lib
 from transformer.inference.cache import get_act_name
 from transformer.model import hooks as hooks_lib
 
@@ -185,6 +186,23 @@ def test_interventions(models, tokens, caches):
 
   ours = m.run_with_hooks(corrupt, {name: lambda r, _: r.at[:, 6].set(clean[:, 6])})
   _close(ours, _tl_run(bridge, corrupt, name, patch), 'patching')
+  name = get_act_name('v', 0)  # a hook before the stop runs; one past it is left out
+  hooks = {name: lambda v, _: v.at[:, :, 2].set(0.0), get_act_name('z', 2): lambda z, _: z * 0}
+  ours = m.run_with_hooks(tokens, hooks, stop_at_layer=1)
+  _close(ours, _tl_run(bridge, tokens, name, ablate, stop_at_layer=1), 'stop_at_layer')
+
+
+def test_truncation_keeps_the_hooks_before_the_stop(models):
+  m, _ = models
+  fn = lambda x, hook: x
+  pattern = lambda n: n.endswith('hook_pattern')
+  hooks = [('blocks.2.hook_resid_pre', fn), ('blocks.0.hook_resid_post', fn), (pattern, fn)]
+  short, last, names, kept = cache_lib.truncate(m, 1, ('blocks.1.hook_resid_pre',), hooks)
+  assert (short.num_layers, last, names) == (1, 'blocks.0.hook_resid_post', ())
+  assert [target for target, _ in kept[:1]] == ['blocks.0.hook_resid_post'] and len(kept) == 2
+  assert kept[1][0]('blocks.0.attn.hook_pattern') and not kept[1][0]('blocks.1.attn.hook_pattern')
+  short, last, _, kept = cache_lib.truncate(m, 0, (), {'blocks.0.hook_resid_pre': fn})
+  assert (short.num_layers, last, kept) == (1, 'blocks.0.hook_resid_pre', {})
 
 
 def test_accumulated_resid(caches):
