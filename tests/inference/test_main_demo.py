@@ -26,8 +26,8 @@ import numpy as np
 import tokenizers
 import torch
 import transformers
+from torch_models import randomise
 
-from tests.inference.test_hf import _randomise
 from transformer.model import hooks as hooks_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,7 +45,7 @@ def _folder(directory: str) -> transformers.GPT2LMHeadModel:
     initializer_range=0.2, bos_token_id=0, eos_token_id=0,
   )  # fmt: skip
   torch.manual_seed(0)
-  model = _randomise(transformers.GPT2LMHeadModel(config), seed=4)
+  model = randomise(transformers.GPT2LMHeadModel(config), seed=4)
   model.save_pretrained(directory, safe_serialization=True)
   vocab = {w: i for i, w in enumerate(WORDS)}
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token='[UNK]'))

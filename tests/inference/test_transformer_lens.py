@@ -25,11 +25,11 @@ os.environ['HF_HUB_OFFLINE'] = '1'
 import numpy as np
 import torch
 import transformers
+from torch_models import randomise
 from transformer_lens.model_bridge import TransformerBridge
 from transformer_lens.utilities.components_utils import get_act_name as tl_get_act_name
 
 import transformer
-from tests.inference.test_hf import _randomise
 from transformer.inference import cache as cache_lib
 from transformer.inference.cache import get_act_name
 from transformer.model import hooks as hooks_lib
@@ -46,7 +46,7 @@ def folder(tmp_path_factory):
     layer_norm_epsilon=1e-5, initializer_range=0.2,
   )  # fmt: skip
   torch.manual_seed(0)
-  model = _randomise(transformers.GPT2LMHeadModel(config), seed=3)
+  model = randomise(transformers.GPT2LMHeadModel(config), seed=3)
   directory = str(tmp_path_factory.mktemp('tl') / 'gpt2')
   model.save_pretrained(directory, safe_serialization=True)
   return directory
