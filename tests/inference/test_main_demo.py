@@ -91,6 +91,12 @@ def test_the_cells_tokenize_and_cache_as_transformer_lens(demo):
   np.testing.assert_allclose(ns['original_loss'], out.loss.item(), rtol=1e-5)
   assert abs(ns['ablated_loss'] - ns['original_loss']) > 1e-4
   assert m.to_single_token(' Mary') == WORDS.index('Mary')
+  when, mary = WORDS.index('When'), WORDS.index('Mary')
+  rows = m.to_tokens(['When Mary', 'When'])  # right-padded with the eos, as GPT-2 has no pad
+  np.testing.assert_array_equal(rows, [[0, when, mary], [0, when, 0]])
+  np.testing.assert_array_equal(m.to_tokens('When', prepend_bos=False), [[when]])
+  bos = '<|endoftext|>'
+  assert m.to_str_tokens(rows) == [[bos, 'When', 'Mary'], [bos, 'When', bos]]
   with pytest.raises(ValueError, match='exactly one'):
     m.to_single_token('Mary John')
 
