@@ -249,6 +249,18 @@ def test_remat_and_scan_match_plain(family, remat):
   )
 
 
+def test_output_bias_adds_a_learned_bias_to_the_untied_head():
+  cfg = tiny('causal_lm', tie_output=False)
+  model, params = init(cfg)
+  biased, biased_params = init(cfg.replace(output_bias=True))
+  assert biased_params['head']['logits']['bias'].shape == (cfg.vocab_size,)
+  bias = np.random.default_rng(1).normal(size=cfg.vocab_size).astype(np.float32)
+  with_bias = {**params, 'head': {'logits': {**params['head']['logits'], 'bias': bias}}}
+  x = tokens(np.random.default_rng(0), (2, 8))
+  out = biased.apply({'params': with_bias}, x)
+  np.testing.assert_allclose(out, model.apply({'params': params}, x) + bias, atol=1e-5)
+
+
 # Precision and initialisation ----------------------------------------------------------------
 def test_bfloat16_compute_keeps_float32_params_and_is_close():
   cfg = tiny('causal_lm')
@@ -310,6 +322,8 @@ def test_scaled_init_shrinks_residual_outputs():
     (dict(pad_id=-1), 'pad_id=-1 must be an integer >= 0'),
     (dict(num_decoder_layers=-2), 'num_decoder_layers=-2 must be an integer >= 0'),
     (dict(num_classes=-1), 'num_classes=-1 must be an integer >= 0'),
+    (dict(output_bias=True), 'output_bias=True is a bias on the untied output projection'),
+    (dict(output_bias=1, tie_output=False), 'output_bias=1 must be True or False'),
   ],
 )
 def test_bad_config_raises_one_clear_error(overrides, message):

@@ -73,6 +73,7 @@ class ModelConfig:
   scale_embeddings: bool = True  # multiply token embeddings by sqrt(d_model) (paper)
   share_embeddings: bool = True  # EncoderDecoder: one table for source and target
   tie_output: bool = True  # the output projection is the transposed target embedding
+  output_bias: bool = False  # a bias on the untied output projection (TransformerLens's b_U)
   attention_scale: bool = True  # scale logits by 1/sqrt(head_dim); False = the ablation
   attention: str = 'softmax'  # one of ATTENTIONS: softmax, or linear (Katharopoulos et al. 2020)
   linear_feature_map: str = 'elu'  # attention='linear': phi, one of LINEAR_FEATURE_MAPS
@@ -183,7 +184,7 @@ _RULES: dict[str, Any] = {
   'param_dtype': tuple(DTYPES),
   **dict.fromkeys(('embedding_norm', 'use_bias', 'scale_embeddings', 'share_embeddings'), 'bool'),
   **dict.fromkeys(('tie_output', 'attention_scale', 'scan_layers', 'qk_norm'), 'bool'),
-  **dict.fromkeys(('output_head', 'norm_bias'), 'bool'),
+  **dict.fromkeys(('output_head', 'norm_bias', 'output_bias'), 'bool'),
   **dict.fromkeys(('rope_theta', 'norm_eps', 'init_std'), 'positive number'),
   'rope_scaling_factor': 'at least 1',
   **dict.fromkeys(('dropout_rate', 'attention_dropout_rate', 'ffn_dropout_rate'), 'rate'),
@@ -272,6 +273,11 @@ def _check_combinations(c: ModelConfig) -> None:
     raise ValueError(f'num_classes={c.num_classes} is for family=bidirectional_lm only')
   if c.qkv_bias is not None and not isinstance(c.qkv_bias, bool):
     raise ValueError(f'qkv_bias={c.qkv_bias!r} must be True, False or None (= use_bias)')
+  if c.output_bias and (c.tie_output or c.family == 'bidirectional_lm'):
+    raise ValueError(
+      f'output_bias=True is a bias on the untied output projection of a causal_lm or '
+      f'encoder_decoder; this config has tie_output={c.tie_output}, family={c.family!r}'
+    )
   if not c.output_head and (c.family != 'bidirectional_lm' or c.num_classes):
     raise ValueError(
       'output_head=False (hidden states out) is for family=bidirectional_lm with num_classes=0'
