@@ -254,6 +254,7 @@ def sweep_metadata(sweep: Sweep, seeds: int, revision: str = 'unknown') -> dict:
       'metrics': list(sweep.metrics),
       'rules': list(sweep.rules),
       'preconditions': list(sweep.preconditions),
+      'nulls': list(sweep.nulls),
       'measure': sweep.measure_name,
       'measure_args': sweep.measure_args,
       'train': sweep.train,
@@ -428,7 +429,7 @@ def regenerate(
 
 
 def rejudge(workdir: str, allow_dirty: bool = False) -> str:
-  """Replaces the claim, description, compared metrics, rules, preconditions and plots recorded in
+  """Replaces the claim, description, compared metrics, rules, preconditions, nulls and plots in
   sweep.json by those its sweep file states now, and records the revision they come from
   (`rules_revision`): the recorded numbers stay as they were run; only the judging (and the words)
   change. Returns that revision.
@@ -445,6 +446,7 @@ def rejudge(workdir: str, allow_dirty: bool = False) -> str:
     metrics=list(sweep.metrics),
     rules=list(sweep.rules),
     preconditions=list(sweep.preconditions),
+    nulls=list(sweep.nulls),
     plots=list(sweep.plots),
     rules_revision=revision,
   )
