@@ -23,9 +23,10 @@ or not:
 
 A sweep also declares its nulls: what a model that learns nothing scores (`Null`: an untrained
 model, the task's best strategy without the skill the claim is about, or an analytic value with
-its reason), as `values[variant][metric] -> one number`. `judge` evaluates every rule on each
-null too: a rule that also holds on a null is BY_CONSTRUCTION, never counted as reproduced, and
-a sweep whose rules that held all hold by construction is VACUOUS.
+its reason), as `values[variant][metric] -> one number`, or AS_RECORDED for a metric that an
+untrained model scores as the runs did (one measured at step 0). `judge` evaluates every rule on
+each null too: a rule that also holds on a null is BY_CONSTRUCTION, never counted as reproduced,
+and a sweep whose rules that held all hold by construction is VACUOUS.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ NOT_RUN = 'not run'
 INCONCLUSIVE = 'inconclusive at this budget'
 BY_CONSTRUCTION = 'holds by construction'  # it holds on a null too: it could not have failed
 VACUOUS = 'vacuous'  # every rule that held holds by construction
+AS_RECORDED = 'as recorded'  # a null's value: the runs' own (measured before any training)
 
 Table = Mapping[str, Mapping[str, Sequence[float]]]  # variant -> metric -> per-seed values
 
@@ -733,14 +735,29 @@ def check_nulls(
         if metrics is not None and metric not in metrics:
           raise ValueError(f'null {name!r} names metric {metric!r}; the compared metrics are: '
                            f'{", ".join(metrics)}')  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int | float):
-          raise ValueError(f'null {name!r}: {variant} {metric}={value!r} must be a number')
+        if value != AS_RECORDED and (isinstance(value, bool) or not isinstance(value, int | float)):
+          raise ValueError(
+            f'null {name!r}: {variant} {metric}={value!r} must be a number or {AS_RECORDED!r}'
+          )
   for rule in rules:
     if rule.get('chance') is not None and rule['chance'] not in names:
       raise ValueError(
         f'rule {rule.get("text") or rule["kind"]!r} has chance={rule["chance"]!r}; the '
         f"sweep's nulls are: {', '.join(names) or 'none'}"
       )
+
+
+def resolve_null(null: Mapping[str, Any], table: Table) -> dict:
+  """The null with each AS_RECORDED value replaced by the runs' mean (dropped when none ran)."""
+  values = {}
+  for variant, row in null['values'].items():
+    for metric, value in row.items():
+      if value == AS_RECORDED:
+        recorded = _values(table, variant, metric)
+        value = mean_std(recorded)[0] if recorded else None
+      if value is not None:
+        values.setdefault(variant, {})[metric] = float(value)
+  return {**null, 'values': values}
 
 
 def on_null(rule: Mapping[str, Any], table: Table, null: Mapping[str, Any]) -> Verdict | None:
@@ -784,6 +801,7 @@ def judge(
   """(the preconditions' verdicts, the rules' verdicts). A rule whose precondition (the ones its
   `requires` names, else all) did not hold is INCONCLUSIVE, its own outcome given in words; each
   rule is also evaluated on every null (`against_nulls`)."""
+  nulls = [resolve_null(n, table) for n in nulls]
   named = {n['name']: n['values'] for n in nulls}
   pre = {p['name']: evaluate(p, table, named) for p in preconditions}
   found = []

@@ -343,3 +343,18 @@ def test_largest_step_tells_a_jump_from_a_smooth_curve():
     verdicts.check_rule(dict(kind='largest_step', metric='exact', variants=sizes))
   with pytest.raises(ValueError, match="expect_at='s1'; a step leads to one of s2, s3"):
     verdicts.check_rule({**first, 'expect_at': 's1'})
+
+
+def test_a_null_as_recorded_takes_the_runs_own_values_measured_before_training():
+  # Measured at step 0, an init's statistics are what an untrained model scores: an ordering of
+  # them follows from the init's definition.
+  table = {'scaled': {'growth': [1.05, 1.07]}, 'plain': {'growth': [2.1, 2.2]}}
+  same = {'growth': verdicts.AS_RECORDED}
+  at_init = dict(name='at init', reason='step 0', values={'scaled': same, 'plain': same})
+  rule = dict(kind='ordering', metric='growth', variants=['scaled', 'plain'])
+  _, (verdict,) = verdicts.judge([rule], table, nulls=[at_init])
+  assert verdict.status == verdicts.BY_CONSTRUCTION and 'scaled 1.06, plain 2.15' in verdict.null
+  resolved = verdicts.resolve_null(at_init, {'scaled': table['scaled']})
+  assert resolved['values'] == {'scaled': {'growth': pytest.approx(1.06)}}  # plain never ran
+  with pytest.raises(ValueError, match="must be a number or 'as recorded'"):
+    verdicts.check_nulls([{**at_init, 'values': {'scaled': {'growth': 'recorded'}}}])
