@@ -351,6 +351,20 @@ def _rule_text(rule: Mapping) -> str:
   return ', '.join(f'{k}={v!r}' for k, v in rule.items() if k not in ('text', 'name'))
 
 
+def regenerate_command(workdir: str, meta: Mapping, seeds: int) -> str:
+  """The command that reruns a sweep into `workdir` at the current commit: for a committed
+  folder (results root/<name>) `experiments.regenerate`, which replaces runs from another commit
+  (`experiments.sweep` refuses to mix them), else `experiments.sweep`."""
+  parent, name = os.path.split(os.path.normpath(workdir))
+  if name == meta['name'] and parent.replace(os.sep, '/') in results_lib.RESULT_ROOTS:
+    gpu = ' --gpu' if parent.endswith('_gpu') else ''
+    return f'python -m experiments.regenerate --only={name}{gpu}'
+  return (
+    f'python -m experiments.sweep --sweep={meta["path"]} --workdir={workdir} '
+    f'--seeds={meta.get("seeds", seeds)} --scale={meta["scale"]}'
+  )
+
+
 def write_report(workdir: str) -> str:
   """Writes workdir/report.md (and its PNGs) for one sweep, or an index over sub-sweeps.
 
@@ -371,10 +385,7 @@ def write_report(workdir: str) -> str:
   seeds = sorted({r['seed'] for r in results})
   wall = sum(r.get('wall_time_s') or 0 for r in results)
   backend = sorted({f'{r.get("backend")} ({r.get("device")})' for r in results})
-  command = (
-    f'python -m experiments.sweep --sweep={meta["path"]} --workdir={workdir} '
-    f'--seeds={meta.get("seeds", len(seeds))} --scale={meta["scale"]}'
-  )
+  command = regenerate_command(workdir, meta, len(seeds))
   lines = [
     f'# {meta["name"]}',
     '',
@@ -386,6 +397,8 @@ def write_report(workdir: str) -> str:
     f'total wall time {wall / 60:.1f} min on {", ".join(backend)}. Regenerate with',
     '',
     f'```bash\n{command}\npython -m experiments.report --workdir={workdir}\n```',
+    '',
+    'The second line alone writes this report again from the recorded runs, in seconds.',
     '',
   ]
   if meta.get('description'):

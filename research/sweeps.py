@@ -27,6 +27,7 @@ import ml_collections
 
 from research import report, spec
 from research.results import (
+  RESULT_ROOTS,
   SWEEP_JSON,
   append_result,
   config_dict,
@@ -48,8 +49,6 @@ from transformer.training.workdir import load_run
 WORKER_MODULE = 'experiments.sweep'  # `python -m` entry point that runs one (variant, seed)
 # The checkout whose code runs: the one holding this package.
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Regenerating writes here, so changes under these (relative to the checkout) leave it clean.
-RESULT_ROOTS = ('docs/results', 'docs/results_gpu')
 
 
 # The source revision -----------------------------------------------------------------------
