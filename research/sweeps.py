@@ -48,7 +48,7 @@ from transformer.training.workdir import load_run
 
 WORKER_MODULE = 'experiments.sweep'  # `python -m` entry point that runs one (variant, seed)
 # The checkout whose code runs: the one holding this package.
-SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # The source revision -----------------------------------------------------------------------

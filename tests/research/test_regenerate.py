@@ -230,3 +230,10 @@ def test_seed_passes_give_named_variants_more_seeds_and_the_rest_the_default():
   assert sweeps.seed_passes(sweep, plan) == [(rest, 1), (['cos3e-3_w100', 'rsqrt'], 5)]
   with pytest.raises(ValueError, match="unknown variant 'nope'"):
     sweeps.seed_passes(sweep, {'nope': 2})
+
+
+def test_the_source_revision_is_that_of_the_checkout_holding_research():
+  # A clone's own root: the revision a sweep records is that of the code that ran.
+  assert os.path.samefile(sweeps.SOURCE_DIR, ROOT)
+  head = subprocess.run(['git', '-C', ROOT, 'rev-parse', 'HEAD'], capture_output=True, text=True)
+  assert sweeps.source_state()[0] == head.stdout.strip()
