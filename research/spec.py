@@ -14,7 +14,7 @@ from typing import Any
 
 import ml_collections
 
-from research import measures, report, verdicts
+from research import measures, nulls, report, verdicts
 from transformer.config.experiment import Config
 from transformer.training import optim
 from transformer.training.state import optim_config
@@ -318,7 +318,7 @@ def check_sweep(sweep: Sweep) -> None:
     sweep.preconditions, sweep.rules, sweep.all_variants, list(sweep.metrics)
   )
   read = [*sweep.metrics, *(m for r in sweep.rules for m in verdicts.rule_metrics(r))]
-  verdicts.check_nulls(sweep.nulls, [*sweep.rules, *sweep.preconditions], sweep.all_variants, read)
+  nulls.check_nulls(sweep.nulls, [*sweep.rules, *sweep.preconditions], sweep.all_variants, read)
   if sweep.measure is not None:
     resolve_measure(sweep)
   report.check_plots(sweep.plots)

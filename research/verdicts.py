@@ -24,7 +24,8 @@ or not:
 A sweep also declares its nulls: what a model that learns nothing scores (`Null`: an untrained
 model, the task's best strategy without the skill the claim is about, or an analytic value with
 its reason), as `values[variant][metric] -> one number`, or AS_RECORDED for a metric that an
-untrained model scores as the runs did (one measured at step 0). `judge` evaluates every rule on
+untrained model scores as the runs did (one measured at step 0); `research.nulls` checks them.
+`judge` evaluates every rule on
 each null too: a rule that also holds on a null is BY_CONSTRUCTION, never counted as reproduced,
 and a sweep whose rules that held all hold by construction is VACUOUS.
 """
@@ -38,13 +39,14 @@ from typing import Any
 
 import numpy as np
 
+from research.nulls import resolve_null
+
 REPRODUCED = 'reproduced'
 NOT_REPRODUCED = 'not reproduced at this scale'
 NOT_RUN = 'not run'
 INCONCLUSIVE = 'inconclusive at this budget'
 BY_CONSTRUCTION = 'holds by construction'  # it holds on a null too: it could not have failed
 VACUOUS = 'vacuous'  # every rule that held holds by construction
-AS_RECORDED = 'as recorded'  # a null's value: the runs' own (measured before any training)
 
 Table = Mapping[str, Mapping[str, Sequence[float]]]  # variant -> metric -> per-seed values
 
@@ -711,55 +713,6 @@ def evaluate(
 
 
 # Nulls -----------------------------------------------------------------------------------------
-def check_nulls(
-  nulls: Sequence[Mapping[str, Any]],
-  rules: Sequence[Mapping[str, Any]] = (),
-  variants: Sequence[str] | None = None,
-  metrics: Sequence[str] | None = None,
-) -> None:
-  """Raises one ValueError for a null without a unique name, a reason or numeric values, one that
-  names an unknown variant or metric, and for a rule whose `chance` names no null."""
-  names = []
-  for null in nulls:
-    name = null.get('name') if isinstance(null, Mapping) else None
-    if not isinstance(name, str) or not name or name in names:
-      raise ValueError(f'null {null!r} needs a name (a string) unlike the other nulls')
-    if sorted(null) != ['name', 'reason', 'values'] or not str(null['reason']).strip():
-      raise ValueError(f"null {name!r} needs exactly 'name', 'reason' (in words) and 'values'")
-    names.append(name)
-    for variant, row in null['values'].items():
-      if variants is not None and variant not in variants:
-        raise ValueError(f'null {name!r} names variant {variant!r}; the variants are: '
-                         f'{", ".join(variants)}')  # fmt: skip
-      for metric, value in row.items():
-        if metrics is not None and metric not in metrics:
-          raise ValueError(f'null {name!r} names metric {metric!r}; the compared metrics are: '
-                           f'{", ".join(metrics)}')  # fmt: skip
-        if value != AS_RECORDED and (isinstance(value, bool) or not isinstance(value, int | float)):
-          raise ValueError(
-            f'null {name!r}: {variant} {metric}={value!r} must be a number or {AS_RECORDED!r}'
-          )
-  for rule in rules:
-    if rule.get('chance') is not None and rule['chance'] not in names:
-      raise ValueError(
-        f'rule {rule.get("text") or rule["kind"]!r} has chance={rule["chance"]!r}; the '
-        f"sweep's nulls are: {', '.join(names) or 'none'}"
-      )
-
-
-def resolve_null(null: Mapping[str, Any], table: Table) -> dict:
-  """The null with each AS_RECORDED value replaced by the runs' mean (dropped when none ran)."""
-  values = {}
-  for variant, row in null['values'].items():
-    for metric, value in row.items():
-      if value == AS_RECORDED:
-        recorded = _values(table, variant, metric)
-        value = mean_std(recorded)[0] if recorded else None
-      if value is not None:
-        values.setdefault(variant, {})[metric] = float(value)
-  return {**null, 'values': values}
-
-
 def on_null(rule: Mapping[str, Any], table: Table, null: Mapping[str, Any]) -> Verdict | None:
   """The rule evaluated on the null's values (one 'seed' each), or None when the null does not
   record every value the rule compares in `table`."""

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
+from research import nulls, verdicts
 from research import results as results_lib
-from research import verdicts
 
 R, N, X = verdicts.REPRODUCED, verdicts.NOT_REPRODUCED, verdicts.NOT_RUN
 I = verdicts.INCONCLUSIVE  # noqa: E741
@@ -180,51 +180,51 @@ def test_ordering_with_seeds_is_judged_against_their_noise():
 
 def test_values_at_chance_make_any_rule_inconclusive():
   # Chance is a null's value of the same variant and metric, not one number for all.
-  nulls = {'guess': {'full': {'acc': 1 / 26}, 'window': {'acc': 1 / 26}}}
+  declared = {'guess': {'full': {'acc': 1 / 26}, 'window': {'acc': 1 / 26}}}
   rule = dict(kind='greater', metric='acc', a='full', b='window', rel_margin=0.1, chance='guess')
   both = {'full': {'acc': [0.046]}, 'window': {'acc': [0.0376]}}
-  assert verdicts.evaluate(rule, both, nulls).status == R  # one seed: 0.046 is beyond 10% of it
+  assert verdicts.evaluate(rule, both, declared).status == R  # one seed: 0.046 is beyond 10% of it
   rule['chance_tolerance'] = 0.01  # the binomial standard error of ~400 answers
-  verdict = verdicts.evaluate(rule, both, nulls)
+  verdict = verdicts.evaluate(rule, both, declared)
   assert (
     verdict.status == I
     and "at chance (the null 'guess')" in verdict.text
     and 'had it counted: reproduced' in (verdict.text)
   )
   learned = {'full': {'acc': [0.95]}, 'window': {'acc': [0.0376]}}
-  assert verdicts.evaluate(rule, learned, nulls).status == R
+  assert verdicts.evaluate(rule, learned, declared).status == R
   # With seeds: within 2 standard errors of chance.
   seeded = {'full': {'acc': [0.03, 0.045, 0.04]}, 'window': {'acc': [0.035, 0.04, 0.037]}}
-  assert verdicts.evaluate(rule, seeded, nulls).status == I
+  assert verdicts.evaluate(rule, seeded, declared).status == I
   wide = {**rule, 'chance_tolerance': 0.2}
-  assert verdicts.evaluate(wide, learned, nulls).status == R  # 0.95 is still far from chance
-  assert verdicts.evaluate({**wide, 'kind': 'less'}, both, nulls).status == I
+  assert verdicts.evaluate(wide, learned, declared).status == R  # 0.95 is still far from chance
+  assert verdicts.evaluate({**wide, 'kind': 'less'}, both, declared).status == I
   # A null of its own per variant: full at 0.76 is at its null (elimination) here.
   elimination = {'e': {'full': {'acc': 0.76}, 'window': {'acc': 0.0376}}}
   at_its_null = {'full': {'acc': [0.755]}, 'window': {'acc': [0.0376]}}
   assert verdicts.evaluate({**rule, 'chance': 'e'}, at_its_null, elimination).status == I
-  assert verdicts.evaluate(rule, at_its_null, nulls).status == R  # far above 1/26
+  assert verdicts.evaluate(rule, at_its_null, declared).status == R  # far above 1/26
   with pytest.raises(ValueError, match='chance_tolerance needs chance'):
     verdicts.evaluate({'kind': 'less', 'metric': 'acc', 'a': 'x', 'b': 'y',
                        'chance_tolerance': 0.1}, both)  # fmt: skip
   with pytest.raises(ValueError, match="must name one of the sweep's nulls"):
-    verdicts.evaluate({**rule, 'chance': 1 / 26}, both, nulls)
+    verdicts.evaluate({**rule, 'chance': 1 / 26}, both, declared)
   with pytest.raises(ValueError, match="chance='gone', which is not one of the sweep's nulls"):
-    verdicts.evaluate({**rule, 'chance': 'gone'}, both, nulls)
+    verdicts.evaluate({**rule, 'chance': 'gone'}, both, declared)
 
 
 def test_a_rule_that_holds_on_a_null_holds_by_construction():
   table = {'full': {'acc': [1.0, 0.99, 1.0]}, 'lin': {'acc': [0.40, 0.41, 0.39]},
            'w': {'acc': [0.04, 0.05, 0.04]}}  # fmt: skip
   # Elimination (keep the bag of values, drop the answered ones) scores 0.40 without a lookup.
-  nulls = [
+  declared = [
     dict(name='none', reason='sees nothing', values={v: {'acc': 1 / 26} for v in table}),
     dict(name='elim', reason='no lookup', values={v: {'acc': 0.40} for v in table}),
   ]
   window = dict(kind='at_most', metric='acc', variants=['w'], value=0.1)
   gap = dict(kind='greater', metric='acc', a='full', b='lin')
   above = dict(kind='at_least', metric='acc', variants=['lin'], value=0.35)
-  _, found = verdicts.judge([window, gap, above], table, nulls=nulls)
+  _, found = verdicts.judge([window, gap, above], table, nulls=declared)
   assert [v.status for v in found] == [verdicts.BY_CONSTRUCTION, R, verdicts.BY_CONSTRUCTION]
   assert 'none: holds' in found[0].null and 'elim: fails' in found[0].null
   assert 'elim: holds' in found[2].null  # 0.40 >= 0.35 without any lookup
@@ -233,18 +233,18 @@ def test_a_rule_that_holds_on_a_null_holds_by_construction():
   assert verdicts.overall([found[0], found[2]]) == verdicts.VACUOUS
   assert verdicts.overall([found[0], verdicts.Verdict(N, '', {})]) == N
   # A rule fails on the data: a null that passes does not change that.
-  _, (low,) = verdicts.judge([{**above, 'value': 0.5}], table, nulls=[{**nulls[1], 'values': {
+  _, (low,) = verdicts.judge([{**above, 'value': 0.5}], table, nulls=[{**declared[1], 'values': {
     'lin': {'acc': 0.6}}}])  # fmt: skip
   assert low.status == N and 'holds' in low.null
-  # A null without the compared values says so; a sweep without nulls too.
-  _, (partial,) = verdicts.judge([gap], table, nulls=[{**nulls[1], 'values': {'w': {'acc': 0}}}])
+  # A null without the compared values says so; a sweep without declared too.
+  _, (partial,) = verdicts.judge([gap], table, nulls=[{**declared[1], 'values': {'w': {'acc': 0}}}])
   assert partial.status == R and partial.null == 'no null records the values it compares'
   assert verdicts.judge([gap], table)[1][0].null == 'the sweep declares no null'
 
 
 def test_nulls_are_checked_before_any_work():
   ok = dict(name='elim', reason='no lookup', values={'a': {'acc': 0.4}})
-  verdicts.check_nulls([ok], [dict(kind='less', metric='acc', a='a', b='b', chance='elim')],
+  nulls.check_nulls([ok], [dict(kind='less', metric='acc', a='a', b='b', chance='elim')],
                        ['a', 'b'], ['acc'])  # fmt: skip
   cases = [
     ([ok, ok], [], 'needs a name'),
@@ -254,9 +254,9 @@ def test_nulls_are_checked_before_any_work():
     ([{**ok, 'values': {'a': {'acc': 'x'}}}], [], "a acc='x' must be a number"),
     ([ok], [dict(kind='less', metric='acc', a='a', b='b', chance='guess')], 'nulls are: elim'),
   ]
-  for nulls, rules, message in cases:
+  for declared, rules, message in cases:
     with pytest.raises(ValueError, match=message):
-      verdicts.check_nulls(nulls, rules, ['a', 'b'], ['acc'])
+      nulls.check_nulls(declared, rules, ['a', 'b'], ['acc'])
 
 
 def test_rel_margin_counts_at_several_seeds_when_it_is_the_larger():
@@ -349,12 +349,12 @@ def test_a_null_as_recorded_takes_the_runs_own_values_measured_before_training()
   # Measured at step 0, an init's statistics are what an untrained model scores: an ordering of
   # them follows from the init's definition.
   table = {'scaled': {'growth': [1.05, 1.07]}, 'plain': {'growth': [2.1, 2.2]}}
-  same = {'growth': verdicts.AS_RECORDED}
+  same = {'growth': nulls.AS_RECORDED}
   at_init = dict(name='at init', reason='step 0', values={'scaled': same, 'plain': same})
   rule = dict(kind='ordering', metric='growth', variants=['scaled', 'plain'])
   _, (verdict,) = verdicts.judge([rule], table, nulls=[at_init])
   assert verdict.status == verdicts.BY_CONSTRUCTION and 'scaled 1.06, plain 2.15' in verdict.null
-  resolved = verdicts.resolve_null(at_init, {'scaled': table['scaled']})
+  resolved = nulls.resolve_null(at_init, {'scaled': table['scaled']})
   assert resolved['values'] == {'scaled': {'growth': pytest.approx(1.06)}}  # plain never ran
   with pytest.raises(ValueError, match="must be a number or 'as recorded'"):
-    verdicts.check_nulls([{**at_init, 'values': {'scaled': {'growth': 'recorded'}}}])
+    nulls.check_nulls([{**at_init, 'values': {'scaled': {'growth': 'recorded'}}}])
