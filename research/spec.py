@@ -49,7 +49,8 @@ class Sweep:
       none) is inconclusive at this budget. Their metrics must be among `metrics`.
     nulls: what a model that learns nothing scores, each a dict of `name`, `reason` (in words:
       an untrained model, the task's best strategy without the skill under test, or an analytic
-      value and why) and `values` ({variant: {metric: number}}). Every rule is evaluated on them
+      value and why) and `values` ({variant: {metric: number, or 'as recorded' for one measured
+      before any training}}); `research.nulls` checks them. Every rule is evaluated on them
       too; one that also holds on a null holds by construction and is not counted. A rule's
       `chance` names one of them.
     measure: a function `measure(ctx: MeasureContext, **measure_args) -> dict` run after training
