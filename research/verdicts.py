@@ -177,7 +177,8 @@ def check_rule(rule: Mapping[str, Any], variants: Sequence[str] | None = None) -
   if chance is not None and not isinstance(chance, str):
     raise ValueError(
       f"chance={chance!r} must name one of the sweep's nulls (chance is what a model that learns "
-      'nothing scores, not 1/vocabulary)'
+      'nothing scores, not 1/vocabulary); runs judged by older rules: python -m '
+      'experiments.report --workdir=DIR --rejudge'
     )
   for key in ('chance_tolerance', 'margin_std'):
     value = rule.get(key)
