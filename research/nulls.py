@@ -8,7 +8,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-AS_RECORDED = 'as recorded'  # a null's value: the runs' own (measured before any training)
+# A null's value: the runs' own mean (a metric measured before any training), or with ': METRIC'
+# that of another metric of the same variant (e.g. uniform attention scores what chance is).
+AS_RECORDED = 'as recorded'
 
 
 def check_nulls(
@@ -35,9 +37,12 @@ def check_nulls(
         if metrics is not None and metric not in metrics:
           raise ValueError(f'null {name!r} names metric {metric!r}; the compared metrics are: '
                            f'{", ".join(metrics)}')  # fmt: skip
-        if value != AS_RECORDED and (isinstance(value, bool) or not isinstance(value, int | float)):
+        if _recorded(metric, value) is None and (
+          isinstance(value, bool) or not isinstance(value, int | float)
+        ):
           raise ValueError(
-            f'null {name!r}: {variant} {metric}={value!r} must be a number or {AS_RECORDED!r}'
+            f'null {name!r}: {variant} {metric}={value!r} must be a number, {AS_RECORDED!r} or '
+            f"'{AS_RECORDED}: METRIC'"
           )
   for rule in rules:
     if rule.get('chance') is not None and rule['chance'] not in names:
@@ -47,13 +52,23 @@ def check_nulls(
       )
 
 
+def _recorded(metric: str, value: Any) -> str | None:
+  """The metric whose recorded mean an AS_RECORDED value stands for, else None."""
+  if value == AS_RECORDED:
+    return metric
+  if isinstance(value, str) and value.startswith(f'{AS_RECORDED}: '):
+    return value[len(AS_RECORDED) + 2 :].strip() or None
+  return None
+
+
 def resolve_null(null: Mapping[str, Any], table: Mapping[str, Mapping[str, Sequence]]) -> dict:
   """The null with each AS_RECORDED value replaced by the runs' mean (dropped when none ran)."""
   values = {}
   for variant, row in null['values'].items():
     for metric, value in row.items():
-      if value == AS_RECORDED:
-        recorded = [v for v in (table.get(variant) or {}).get(metric) or [] if v is not None]
+      source = _recorded(metric, value)
+      if source is not None:
+        recorded = [v for v in (table.get(variant) or {}).get(source) or [] if v is not None]
         recorded = [float(v) for v in recorded if not math.isnan(v)]  # NaN: not recorded
         value = sum(recorded) / len(recorded) if recorded else None
       if value is not None:

@@ -356,5 +356,10 @@ def test_a_null_as_recorded_takes_the_runs_own_values_measured_before_training()
   assert verdict.status == verdicts.BY_CONSTRUCTION and 'scaled 1.06, plain 2.15' in verdict.null
   resolved = nulls.resolve_null(at_init, {'scaled': table['scaled']})
   assert resolved['values'] == {'scaled': {'growth': pytest.approx(1.06)}}  # plain never ran
-  with pytest.raises(ValueError, match="must be a number or 'as recorded'"):
+  # Uniform attention puts on the gold tokens the share that chance is: another metric's value.
+  uniform = dict(name='uniform', reason='r', values={'scaled': {'growth': 'as recorded: chance'}})
+  chance = {'scaled': {'chance': [0.2, 0.3]}}
+  assert nulls.resolve_null(uniform, chance)['values'] == {'scaled': {'growth': 0.25}}
+  nulls.check_nulls([uniform])
+  with pytest.raises(ValueError, match="must be a number, 'as recorded' or 'as recorded: METRIC'"):
     nulls.check_nulls([{**at_init, 'values': {'scaled': {'growth': 'recorded'}}}])
