@@ -8,6 +8,14 @@ prepare MB/s and tokens/s with 1 and 2 workers; `experiments.train` (gpt_tiny) f
 its first step on the prepared shards, and its peak RSS; the same on --repeat times the shards
 (dataset.json lists each shard --repeat times); loader tokens/s on one core; and the share of
 corpus tokens that reach the model in one epoch (token histograms of the targets vs the shards).
+
+  python -m experiments.bench_data --part=first_use --dir=/tmp/bench_data --size_mb=200 [--rounds=3]
+
+times a corpus's first use instead (`bench/first_use.py`), in alternating rounds: sparrow's
+preparation with SentencePiece (512 pieces) trained on a sample, sparrow's with a pretrained
+GPT-2-shaped tokenizer.json (`data.tokenizer_path`), and nanoGPT's prepare.py approach with that
+tokenizer (tiktoken if installed) on one process per core; medians and ratios to nanoGPT's.
+--corpus=FILE uses a text file of yours (a document per line) instead of the generated one.
 """
 
 import json
@@ -26,9 +34,12 @@ _DIR = flags.DEFINE_string('dir', '/tmp/bench_data', 'Where the corpus and shard
 _SIZE = flags.DEFINE_integer('size_mb', 200, 'Corpus size in MB.')
 _REPEAT = flags.DEFINE_integer('repeat', 10, 'Start-up and RSS also on the shards this many times.')
 _CHUNK = flags.DEFINE_integer('chunk_mb', 16, 'MB of text per shard (data.prepare_chunk_mb).')
+_PART = flags.DEFINE_enum('part', 'scale', ['scale', 'first_use'], 'What to measure (see above).')
+_CORPUS = flags.DEFINE_string('corpus', '', 'A text file to use instead of the generated corpus.')
+_ROUNDS = flags.DEFINE_integer('rounds', 3, 'first_use: rounds of each approach, alternating.')
 _VOCAB = 8000  # SentencePiece vocabulary of the benchmark's tokenizer
 _SAMPLE = 20_000  # documents it is trained on
-_ROUNDS = 2  # start-up measurements of each size
+_STARTS = 2  # start-up measurements of each size
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -152,10 +163,13 @@ def main():
 
   root = _DIR.value
   os.makedirs(root, exist_ok=True)
-  corpus = os.path.join(root, f'corpus_{_SIZE.value}mb.txt')
-  _corpus(corpus, _SIZE.value)
+  corpus = _CORPUS.value or os.path.join(root, f'corpus_{_SIZE.value}mb.txt')
+  if not _CORPUS.value:
+    _corpus(corpus, _SIZE.value)
   size = os.path.getsize(corpus)
   rows = [('corpus', f'{size / 1e6:.0f} MB', corpus)]
+  if _PART.value == 'first_use':
+    return _print(rows + _first_use(root, corpus, size))
   tokenizer = os.path.join(root, 'tokenizer')
   if not os.path.exists(tokenizer):
     start = time.time()
@@ -178,7 +192,7 @@ def main():
   rows.append(('train tokens', f'{meta["tokens"]:,} in {len(shards)} shards', out))
   big = _repeated(out, os.path.join(root, f'x{_REPEAT.value}'), _REPEAT.value)
   tokens = {out: meta['tokens'], big: meta['tokens'] * _REPEAT.value}
-  for round_ in range(_ROUNDS):  # alternating, so that both sizes meet the same machine load
+  for round_ in range(_STARTS):  # alternating, so that both sizes meet the same machine load
     for prepared in (out, big):
       workdir = os.path.join(root, 'run')
       shutil.rmtree(workdir, ignore_errors=True)
@@ -201,9 +215,58 @@ def main():
   share = _share_of_text_task(corpus, tokenizer, root, 128)
   note = f"task='text', first {_SAMPLE:,} documents"
   rows.append(('the same with documents cut at 128', f'{100 * share:.2f}%', note))
+  _print(rows)
+
+
+def _print(rows: list[tuple[str, str, str]]) -> None:
   width = max(len(r[0]) for r in rows)
   for name, value, note in rows:
     print(f'{name:<{width}}  {value}  {note}'.rstrip())
+
+
+def _first_use(root: str, corpus: str, size: int) -> list[tuple[str, str, str]]:
+  """Each approach's seconds from the text to the tokens on disk, medians of alternating rounds."""
+  from bench import first_use
+  from transformer import data
+
+  gpt2 = first_use.gpt2_shaped(corpus, os.path.join(root, 'gpt2_shaped'))
+  encoder, cores = first_use.encoder(gpt2)[0], len(os.sched_getaffinity(0))
+
+  def sparrow(tokenizer_path: str) -> tuple[int, float]:
+    cfg = data.default_config()
+    cfg.update(dict(task='corpus', train_path=corpus, tokenizer='sentencepiece', vocab_size=512))
+    cfg.tokenizer_path = tokenizer_path
+    out = os.path.join(root, 'first_use')
+    shutil.rmtree(out, ignore_errors=True)
+    meta, trained = first_use.sparrow_prepare(cfg, out)
+    return meta['tokens'], trained
+
+  def nanogpt() -> tuple[int, float]:
+    out = os.path.join(root, 'nanogpt_train.bin')
+    return first_use.nanogpt_prepare(corpus, gpt2, out, cores), 0.0
+
+  approaches = {
+    'sparrow, SentencePiece 512 trained on a sample': lambda: sparrow(''),
+    'sparrow, GPT-2-shaped tokenizer.json (tokenizer_path)': lambda: sparrow(gpt2),
+    f"nanoGPT's approach ({encoder}, {cores} processes)": nanogpt,
+  }
+  runs = {name: [] for name in approaches}
+  for _ in range(_ROUNDS.value):  # alternating, so that every approach meets the same load
+    for name, run in approaches.items():
+      start = time.time()
+      tokens, trained = run()
+      runs[name].append((time.time() - start, tokens, trained))
+  medians = {name: float(np.median([r[0] for r in got])) for name, got in runs.items()}
+  reference = medians[list(approaches)[-1]]
+  rows = []
+  for name, got in runs.items():
+    took, tokens = medians[name], got[0][1]
+    each = ', '.join(f'{r[0]:.1f}' for r in got)
+    note = f'{size / took / 1e6:.1f} MB/s, {tokens / 1e6:.1f}M tokens, rounds {each} s'
+    if any(r[2] for r in got):
+      note += f'; training the tokenizer {np.median([r[2] for r in got]):.1f} s'
+    rows.append((name, f'{took:.1f} s, x{took / reference:.2f}', note))
+  return rows
 
 
 if __name__ == '__main__':
