@@ -21,7 +21,7 @@ from transformer.data import sources
 
 TEXT_KEY = 'text'
 _JSONL = ('.jsonl', '.jsonl.gz', '.jsonl.zst', '.json.gz', '.json.zst')
-_SAMPLE_PIECES = 64  # pieces a tokenizer's sample is drawn from: bounds what `sample` opens
+SAMPLE_PIECES = 64  # pieces a tokenizer's sample is drawn from: bounds what `sample` opens
 
 
 def kind(path: str) -> str:
@@ -164,7 +164,7 @@ def sample(
   whole, a compressed file from its start). At most 64 pieces are drawn.
   """
   rng = np.random.default_rng(seed)
-  drawn = sorted(rng.choice(len(pieces), min(len(pieces), _SAMPLE_PIECES), replace=False))
+  drawn = sorted(rng.choice(len(pieces), min(len(pieces), SAMPLE_PIECES), replace=False))
   texts, total = [], 0
   for left, index in zip(range(len(drawn), 0, -1), drawn):
     share, taken = (budget - total) // left, 0

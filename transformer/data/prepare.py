@@ -141,14 +141,14 @@ def _described(tokenizer: Tokenizer) -> str:
   return f'{tokenizer.kind}, {tokenizer.vocab_size:,} ids'
 
 
-def sample_bytes(vocab_size: int) -> int:
+def _sample_bytes(vocab_size: int) -> int:
   """How much text a SentencePiece tokenizer of `vocab_size` pieces is trained on."""
   return min(max(_SAMPLE_MIN_BYTES, _SAMPLE_BYTES_PER_PIECE * vocab_size), _SAMPLE_MAX_BYTES)
 
 
 def _trained(cfg, units: list[corpus.Unit], where: str, shown) -> Tokenizer:
   """SentencePiece trained on a seeded sample drawn across the corpus (`corpus.sample`)."""
-  budget, start = sample_bytes(cfg.vocab_size), time.monotonic()
+  budget, start = _sample_bytes(cfg.vocab_size), time.monotonic()
   shown.phase('sampling', budget)
   texts, nbytes = corpus.sample(
     units, budget, max_documents=cfg.spm_train_lines, cut=_SAMPLE_CHARS, seed=_SAMPLE_SEED
@@ -157,7 +157,8 @@ def _trained(cfg, units: list[corpus.Unit], where: str, shown) -> Tokenizer:
     raise ValueError(f'{where} has no documents (blank lines are skipped); nothing to prepare')
   shown.note(
     f'sampled {nbytes / 1e6:.1f} MB ({len(texts):,} documents, each cut to {_SAMPLE_CHARS} '
-    f'characters) across {len(units)} pieces, seed {_SAMPLE_SEED}, in '
+    f'characters) from {min(len(units), corpus.SAMPLE_PIECES)} of {len(units)} pieces, seed '
+    f'{_SAMPLE_SEED}, in '
     f'{progress.duration(time.monotonic() - start)}'
   )
   start, detail = time.monotonic(), f'sentencepiece, {cfg.vocab_size} pieces'
