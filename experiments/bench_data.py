@@ -225,47 +225,64 @@ def _print(rows: list[tuple[str, str, str]]) -> None:
 
 
 def _first_use(root: str, corpus: str, size: int) -> list[tuple[str, str, str]]:
-  """Each approach's seconds from the text to the tokens on disk, medians of alternating rounds."""
+  """Each approach's seconds from the text to the tokens on disk, and `experiments.train`'s from
+  its launch to its first step on a corpus it has not seen: medians of alternating rounds."""
   from bench import first_use
   from transformer import data
 
   gpt2 = first_use.gpt2_shaped(corpus, os.path.join(root, 'gpt2_shaped'))
   encoder, cores = first_use.encoder(gpt2)[0], len(os.sched_getaffinity(0))
 
-  def sparrow(tokenizer_path: str) -> tuple[int, float]:
+  def sparrow(tokenizer_path: str) -> tuple[float, int, float]:
     cfg = data.default_config()
     cfg.update(dict(task='corpus', train_path=corpus, tokenizer='sentencepiece', vocab_size=512))
     cfg.tokenizer_path = tokenizer_path
     out = os.path.join(root, 'first_use')
     shutil.rmtree(out, ignore_errors=True)
+    start = time.time()
     meta, trained = first_use.sparrow_prepare(cfg, out)
-    return meta['tokens'], trained
+    return time.time() - start, meta['tokens'], trained
 
-  def nanogpt() -> tuple[int, float]:
-    out = os.path.join(root, 'nanogpt_train.bin')
-    return first_use.nanogpt_prepare(corpus, gpt2, out, cores), 0.0
+  def nanogpt() -> tuple[float, int, float]:
+    start = time.time()
+    tokens = first_use.nanogpt_prepare(corpus, gpt2, os.path.join(root, 'nanogpt.bin'), cores)
+    return time.time() - start, tokens, 0.0
 
+  def train() -> tuple[float, int, float]:
+    workdir = os.path.join(root, 'first_use_run')
+    shutil.rmtree(workdir, ignore_errors=True)
+    command = [
+      sys.executable, '-m', 'experiments.train', '--config=configs/gpt_tiny.py',
+      '--config.data.task=corpus', f'--config.data.train_path={corpus}',
+      '--config.data.eval_batches=1', '--config.train.eval_decode_examples=0',
+      '--config.train.steps=1', '--config.train.log_every=1', f'--workdir={workdir}',
+    ]  # fmt: skip
+    return _start_and_rss(command)[0], 0, 0.0
+
+  nanogpt_name = f"nanoGPT's approach ({encoder}, {cores} processes)"
   approaches = {
     'sparrow, SentencePiece 512 trained on a sample': lambda: sparrow(''),
     'sparrow, GPT-2-shaped tokenizer.json (tokenizer_path)': lambda: sparrow(gpt2),
-    f"nanoGPT's approach ({encoder}, {cores} processes)": nanogpt,
+    nanogpt_name: nanogpt,
+    'experiments.train gpt_tiny, launch to step 1': train,
   }
   runs = {name: [] for name in approaches}
   for _ in range(_ROUNDS.value):  # alternating, so that every approach meets the same load
     for name, run in approaches.items():
-      start = time.time()
-      tokens, trained = run()
-      runs[name].append((time.time() - start, tokens, trained))
+      runs[name].append(run())
   medians = {name: float(np.median([r[0] for r in got])) for name, got in runs.items()}
-  reference = medians[list(approaches)[-1]]
   rows = []
   for name, got in runs.items():
     took, tokens = medians[name], got[0][1]
-    each = ', '.join(f'{r[0]:.1f}' for r in got)
-    note = f'{size / took / 1e6:.1f} MB/s, {tokens / 1e6:.1f}M tokens, rounds {each} s'
+    note = f'rounds {", ".join(f"{r[0]:.1f}" for r in got)} s'
+    if tokens:
+      note = f'{size / took / 1e6:.1f} MB/s, {tokens / 1e6:.1f}M tokens, {note}'
+      took_text = f'{took:.1f} s, x{took / medians[nanogpt_name]:.2f}'
+    else:
+      took_text = f'{took:.1f} s'
     if any(r[2] for r in got):
       note += f'; training the tokenizer {np.median([r[2] for r in got]):.1f} s'
-    rows.append((name, f'{took:.1f} s, x{took / reference:.2f}', note))
+    rows.append((name, took_text, note))
   return rows
 
 
