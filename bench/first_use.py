@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import random
 import time
 
 import numpy as np
@@ -21,6 +22,30 @@ GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 EOT = '<|endoftext|>'
 _TRAIN_DOCUMENTS = 30_000  # documents the GPT-2-shaped tokenizer is trained on (once)
 _CHUNK_BYTES = 4 * 10**6  # text sent to a worker at a time
+
+
+def english_like(plays: str, out: str, size_mb: int) -> None:
+  """Writes `size_mb` MB of English-like documents, one a line, from Shakespeare's plays
+  (`python -m experiments.shakespeare`): runs of 3-40 consecutive lines, two words of half the
+  lines swapped and the words of 30% shuffled, so that no document repeats (seeded)."""
+  with open(plays, encoding='utf-8') as f:
+    lines = [line.strip() for line in f if line.strip()]
+  rng, written = random.Random(0), 0
+  with open(out + '.tmp', 'w', encoding='utf-8') as f:
+    while written < size_mb * 10**6:
+      start, document = rng.randrange(len(lines) - 40), []
+      for line in lines[start : start + rng.randint(3, 40)]:
+        words = line.split()
+        if rng.random() < 0.5:
+          i, j = rng.randrange(len(words)), rng.randrange(len(words))
+          words[i], words[j] = words[j], words[i]
+        if rng.random() < 0.3:
+          rng.shuffle(words)
+        document.append(' '.join(words))
+      text = ' '.join(document) + '\n'
+      f.write(text)
+      written += len(text.encode('utf-8'))
+  os.replace(out + '.tmp', out)
 
 
 def gpt2_shaped(corpus: str, directory: str) -> str:

@@ -15,7 +15,9 @@ times a corpus's first use instead (`bench/first_use.py`), in alternating rounds
 preparation with SentencePiece (512 pieces) trained on a sample, sparrow's with a pretrained
 GPT-2-shaped tokenizer.json (`data.tokenizer_path`), and nanoGPT's prepare.py approach with that
 tokenizer (tiktoken if installed) on one process per core; medians and ratios to nanoGPT's.
---corpus=FILE uses a text file of yours (a document per line) instead of the generated one.
+--corpus=FILE uses a text file of yours (a document per line) instead of the generated one, and
+--plays=input.txt (`python -m experiments.shakespeare --out=input.txt`) English-like documents
+made of the plays' lines (`bench/first_use.py:english_like`).
 """
 
 import json
@@ -36,6 +38,9 @@ _REPEAT = flags.DEFINE_integer('repeat', 10, 'Start-up and RSS also on the shard
 _CHUNK = flags.DEFINE_integer('chunk_mb', 16, 'MB of text per shard (data.prepare_chunk_mb).')
 _PART = flags.DEFINE_enum('part', 'scale', ['scale', 'first_use'], 'What to measure (see above).')
 _CORPUS = flags.DEFINE_string('corpus', '', 'A text file to use instead of the generated corpus.')
+_PLAYS = flags.DEFINE_string(
+  'plays', '', "Shakespeare's plays (experiments.shakespeare): the corpus is made of their lines."
+)
 _ROUNDS = flags.DEFINE_integer('rounds', 3, 'first_use: rounds of each approach, alternating.')
 _VOCAB = 8000  # SentencePiece vocabulary of the benchmark's tokenizer
 _SAMPLE = 20_000  # documents it is trained on
@@ -164,7 +169,13 @@ def main():
   root = _DIR.value
   os.makedirs(root, exist_ok=True)
   corpus = _CORPUS.value or os.path.join(root, f'corpus_{_SIZE.value}mb.txt')
-  if not _CORPUS.value:
+  if _PLAYS.value:
+    from bench import first_use
+
+    corpus = os.path.join(root, f'english_{_SIZE.value}mb.txt')
+    if not os.path.exists(corpus):
+      first_use.english_like(_PLAYS.value, corpus, _SIZE.value)
+  elif not _CORPUS.value:
     _corpus(corpus, _SIZE.value)
   size = os.path.getsize(corpus)
   rows = [('corpus', f'{size / 1e6:.0f} MB', corpus)]
