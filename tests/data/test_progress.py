@@ -37,6 +37,9 @@ def test_a_line_at_start_then_one_each_interval_with_its_fields():
                    'eta': '15s'}  # fmt: skip
   shown.tick()
   assert len(lines) == 2  # the line just written counts
+  shown.phase('encoding', None, done=lambda: done[0])  # a size not known before it is read
+  clock.now += 10
+  assert lines[-1].startswith('prepare: encoding, 40.0/? MB, ') and shown.line().endswith('ETA ?')
 
 
 def test_a_phase_without_counters_states_its_size_and_an_estimate():

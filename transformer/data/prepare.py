@@ -322,7 +322,8 @@ def _encode(todo: list[tuple], out: str, workers: int, shown, *, done: int, piec
     _, documents, tokens = counters.values()
     return f'{finished[0]}/{pieces} pieces, {documents:,} documents, {tokens:,} tokens'
 
-  shown.phase('encoding', todo_bytes, done=lambda: counters.values()[0], detail=detail)
+  done_bytes = lambda: counters.values()[0]
+  shown.phase('encoding', todo_bytes or None, done=done_bytes, detail=detail)  # TFDS: unknown
   if workers <= 1:
     _init_worker(out, counters)
     for job in todo:

@@ -103,8 +103,8 @@ class Progress:
     else:
       done = self._done()
       rate = done / elapsed
-      known = rate > 0 and self._total is not None
-      eta = duration((self._total - done) / rate) if known else '?'
+      known = rate > 0 and self._total is not None and done <= self._total
+      eta = duration((self._total - done) / rate) if known else '?'  # past a compressed total
       text = f'{self._phase}, {done / 1e6:.1f}/{size} MB, {rate / 1e6:.1f} MB/s, ETA {eta}'
     detail = self._detail()
     return f'prepare: {text}' + (f' ({detail})' if detail else '')
