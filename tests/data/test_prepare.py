@@ -295,8 +295,8 @@ def test_prepare_data_command(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   done = subprocess.run(command, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.startswith('prepare: starting')  # before JAX loads
   lines = done.stderr.splitlines()
-  assert lines[0].startswith('prepare: starting')  # before JAX loads
   assert any(
     re.match(r'prepare: encoding, [\d.]+/[\d.]+ MB, [\d.]+ MB/s, ETA ', line) for line in lines
   )
