@@ -8,6 +8,16 @@ prepare MB/s and tokens/s with 1 and 2 workers; `experiments.train` (gpt_tiny) f
 its first step on the prepared shards, and its peak RSS; the same on --repeat times the shards
 (dataset.json lists each shard --repeat times); loader tokens/s on one core; and the share of
 corpus tokens that reach the model in one epoch (token histograms of the targets vs the shards).
+
+  python -m experiments.bench_data --part=first_use --dir=/tmp/bench_data --size_mb=200 [--rounds=3]
+
+times a corpus's first use instead (`bench/first_use.py`), in alternating rounds: sparrow's
+preparation with SentencePiece (512 pieces) trained on a sample, sparrow's with a pretrained
+GPT-2-shaped tokenizer.json (`data.tokenizer_path`), and nanoGPT's prepare.py approach with that
+tokenizer (tiktoken if installed) on one process per core; medians and ratios to nanoGPT's.
+--corpus=FILE uses a text file of yours (a document per line) instead of the generated one, and
+--plays=input.txt (`python -m experiments.shakespeare --out=input.txt`) English-like documents
+made of the plays' lines (`bench/first_use.py:english_like`).
 """
 
 import json
@@ -26,9 +36,15 @@ _DIR = flags.DEFINE_string('dir', '/tmp/bench_data', 'Where the corpus and shard
 _SIZE = flags.DEFINE_integer('size_mb', 200, 'Corpus size in MB.')
 _REPEAT = flags.DEFINE_integer('repeat', 10, 'Start-up and RSS also on the shards this many times.')
 _CHUNK = flags.DEFINE_integer('chunk_mb', 16, 'MB of text per shard (data.prepare_chunk_mb).')
+_PART = flags.DEFINE_enum('part', 'scale', ['scale', 'first_use'], 'What to measure (see above).')
+_CORPUS = flags.DEFINE_string('corpus', '', 'A text file to use instead of the generated corpus.')
+_PLAYS = flags.DEFINE_string(
+  'plays', '', "Shakespeare's plays (experiments.shakespeare): the corpus is made of their lines."
+)
+_ROUNDS = flags.DEFINE_integer('rounds', 3, 'first_use: rounds of each approach, alternating.')
 _VOCAB = 8000  # SentencePiece vocabulary of the benchmark's tokenizer
 _SAMPLE = 20_000  # documents it is trained on
-_ROUNDS = 2  # start-up measurements of each size
+_STARTS = 2  # start-up measurements of each size
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -152,10 +168,19 @@ def main():
 
   root = _DIR.value
   os.makedirs(root, exist_ok=True)
-  corpus = os.path.join(root, f'corpus_{_SIZE.value}mb.txt')
-  _corpus(corpus, _SIZE.value)
+  corpus = _CORPUS.value or os.path.join(root, f'corpus_{_SIZE.value}mb.txt')
+  if _PLAYS.value:
+    from bench import first_use
+
+    corpus = os.path.join(root, f'english_{_SIZE.value}mb.txt')
+    if not os.path.exists(corpus):
+      first_use.english_like(_PLAYS.value, corpus, _SIZE.value)
+  elif not _CORPUS.value:
+    _corpus(corpus, _SIZE.value)
   size = os.path.getsize(corpus)
   rows = [('corpus', f'{size / 1e6:.0f} MB', corpus)]
+  if _PART.value == 'first_use':
+    return _print(rows + _first_use(root, corpus, size))
   tokenizer = os.path.join(root, 'tokenizer')
   if not os.path.exists(tokenizer):
     start = time.time()
@@ -178,7 +203,7 @@ def main():
   rows.append(('train tokens', f'{meta["tokens"]:,} in {len(shards)} shards', out))
   big = _repeated(out, os.path.join(root, f'x{_REPEAT.value}'), _REPEAT.value)
   tokens = {out: meta['tokens'], big: meta['tokens'] * _REPEAT.value}
-  for round_ in range(_ROUNDS):  # alternating, so that both sizes meet the same machine load
+  for round_ in range(_STARTS):  # alternating, so that both sizes meet the same machine load
     for prepared in (out, big):
       workdir = os.path.join(root, 'run')
       shutil.rmtree(workdir, ignore_errors=True)
@@ -201,9 +226,75 @@ def main():
   share = _share_of_text_task(corpus, tokenizer, root, 128)
   note = f"task='text', first {_SAMPLE:,} documents"
   rows.append(('the same with documents cut at 128', f'{100 * share:.2f}%', note))
+  _print(rows)
+
+
+def _print(rows: list[tuple[str, str, str]]) -> None:
   width = max(len(r[0]) for r in rows)
   for name, value, note in rows:
     print(f'{name:<{width}}  {value}  {note}'.rstrip())
+
+
+def _first_use(root: str, corpus: str, size: int) -> list[tuple[str, str, str]]:
+  """Each approach's seconds from the text to the tokens on disk, and `experiments.train`'s from
+  its launch to its first step on a corpus it has not seen: medians of alternating rounds."""
+  from bench import first_use
+  from transformer import data
+
+  gpt2 = first_use.gpt2_shaped(corpus, os.path.join(root, 'gpt2_shaped'))
+  encoder, cores = first_use.encoder(gpt2)[0], len(os.sched_getaffinity(0))
+
+  def sparrow(tokenizer_path: str) -> tuple[float, int, float]:
+    cfg = data.default_config()
+    cfg.update(dict(task='corpus', train_path=corpus, tokenizer='sentencepiece', vocab_size=512))
+    cfg.tokenizer_path = tokenizer_path
+    out = os.path.join(root, 'first_use')
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.time()
+    meta, trained = first_use.sparrow_prepare(cfg, out)
+    return time.time() - start, meta['tokens'], trained
+
+  def nanogpt() -> tuple[float, int, float]:
+    start = time.time()
+    tokens = first_use.nanogpt_prepare(corpus, gpt2, os.path.join(root, 'nanogpt.bin'), cores)
+    return time.time() - start, tokens, 0.0
+
+  def train() -> tuple[float, int, float]:
+    workdir = os.path.join(root, 'first_use_run')
+    shutil.rmtree(workdir, ignore_errors=True)
+    command = [
+      sys.executable, '-m', 'experiments.train', '--config=configs/gpt_tiny.py',
+      '--config.data.task=corpus', f'--config.data.train_path={corpus}',
+      '--config.data.eval_batches=1', '--config.train.eval_decode_examples=0',
+      '--config.train.steps=1', '--config.train.log_every=1', f'--workdir={workdir}',
+    ]  # fmt: skip
+    return _start_and_rss(command)[0], 0, 0.0
+
+  nanogpt_name = f"nanoGPT's approach ({encoder}, {cores} processes)"
+  approaches = {
+    'sparrow, SentencePiece 512 trained on a sample': lambda: sparrow(''),
+    'sparrow, GPT-2-shaped tokenizer.json (tokenizer_path)': lambda: sparrow(gpt2),
+    nanogpt_name: nanogpt,
+    'experiments.train gpt_tiny, launch to step 1': train,
+  }
+  runs = {name: [] for name in approaches}
+  for _ in range(_ROUNDS.value):  # alternating, so that every approach meets the same load
+    for name, run in approaches.items():
+      runs[name].append(run())
+  medians = {name: float(np.median([r[0] for r in got])) for name, got in runs.items()}
+  rows = []
+  for name, got in runs.items():
+    took, tokens = medians[name], got[0][1]
+    note = f'rounds {", ".join(f"{r[0]:.1f}" for r in got)} s'
+    if tokens:
+      note = f'{size / took / 1e6:.1f} MB/s, {tokens / 1e6:.1f}M tokens, {note}'
+      took_text = f'{took:.1f} s, x{took / medians[nanogpt_name]:.2f}'
+    else:
+      took_text = f'{took:.1f} s'
+    if any(r[2] for r in got):
+      note += f'; training the tokenizer {np.median([r[2] for r in got]):.1f} s'
+    rows.append((name, took_text, note))
+  return rows
 
 
 if __name__ == '__main__':

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from experiments import supervisor
+
 _DEBUG = flags.DEFINE_bool('debug', False, 'Show full tracebacks instead of one-line errors.')
 # Errors that a user's input or machine causes (ConnectionError: a dataset that could not be
 # downloaded); anything else is a bug and keeps its traceback.
@@ -69,8 +71,11 @@ def _with_huge_pages(main: Callable[[], None]) -> None:
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
-def run(main: Callable[[], None]) -> None:
+def run(main: Callable[[], None], first_line: str = '') -> None:
   """Runs `main` under absl; user errors print `error: ...` and exit with status 2.
+
+  `first_line` goes to stdout at once, before the config (which imports JAX, about 2 s) is read,
+  so that a long command says within a second that it started; stderr stays for what went wrong.
 
   On Linux it first starts the command again with huge pages for large host buffers (see
   `huge_page_tunables`): a CPU training step of the default ran 1.34x faster
@@ -82,6 +87,8 @@ def run(main: Callable[[], None]) -> None:
   """
 
   _with_huge_pages(main)
+  if first_line and not os.environ.get(supervisor.SUPERVISED_ENV):  # its parent said it
+    print(first_line, flush=True)
 
   def wrapped(argv):
     if len(argv) > 1:

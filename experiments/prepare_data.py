@@ -15,7 +15,9 @@ from experiments import cli
 
 _CONFIG = cli.define_config()
 _OUT = flags.DEFINE_string('out', None, 'Output directory; default config.data.prepared_dir.')
-_WORKERS = flags.DEFINE_integer('workers', None, 'Processes; default config.data.prepare_workers.')
+_WORKERS = flags.DEFINE_integer(
+  'workers', None, 'Processes; default config.data.prepare_workers (0: one per core).'
+)
 
 
 def main():
@@ -33,4 +35,4 @@ def main():
 
 
 if __name__ == '__main__':
-  cli.run(main)
+  cli.run(main, first_line='prepare: starting (JAX and the config load in a few seconds)')

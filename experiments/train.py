@@ -51,4 +51,4 @@ def _multi_process() -> bool:
 
 
 if __name__ == '__main__':
-  cli.run(main)
+  cli.run(main, first_line='train: starting (JAX and the config load in a few seconds)')

@@ -51,7 +51,7 @@ FROZEN_BASE = {
     'numbers_max': 999_999,
     'pack': False,
     'prepare_chunk_mb': 16,
-    'prepare_workers': 1,
+    'prepare_workers': 0,
     'prepared_dir': '',
     'recall_filler': 'random',
     'recall_gap': 64,

@@ -4,6 +4,7 @@ layout written here by hand; bad inputs are one clear error."""
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -136,6 +137,27 @@ def test_byte_ranges_cut_at_line_starts(tmp_path):
     assert [d for u in units for d in corpus.documents(u)] == docs, chunk
 
 
+def test_sample_is_bounded_seeded_and_spans_the_corpus(tmp_path):
+  docs = [f'doc{i:04d} ' + 'x' * 91 for i in range(2000)]  # 100 bytes a line, numbered
+  path = tmp_path / 'c.txt'
+  path.write_text(''.join(d + '\n' for d in docs))
+  pieces = corpus.units([str(path)], 10_000)  # 20 pieces
+  texts, nbytes = corpus.sample(pieces, 20_000, max_documents=10**6, cut=50)
+  assert nbytes == sum(len(t) for t in texts) and 20_000 <= nbytes < 20_000 + 50 * len(pieces)
+  assert all(t == docs[int(t.split()[0][3:])][:50] for t in texts)  # whole documents, cut
+  numbers = [int(t.split()[0][3:]) for t in texts]
+  assert len({n // 100 for n in numbers}) == len(pieces)  # some of every piece
+  assert corpus.sample(pieces, 20_000, max_documents=10**6, cut=50) == (texts, nbytes)
+  few, _ = corpus.sample(pieces, 20_000, max_documents=7, cut=50)
+  assert len(few) == 7
+  many = corpus.units([str(path)], 1000)  # 200 pieces: 64 of them drawn, by the seed
+  drawn = lambda seed: {
+    int(t.split()[0][3:]) // 10
+    for t in corpus.sample(many, 6400, max_documents=10**6, cut=50, seed=seed)[0]
+  }
+  assert len(drawn(0)) == 64 and drawn(0) == drawn(0) != drawn(1)
+
+
 @pytest.mark.parametrize(
   'line, message',
   [
@@ -191,6 +213,12 @@ def test_two_workers_and_a_resume_give_the_same_shards(tmp_path):
       assert (
         open(os.path.join(one, name), 'rb').read() == open(os.path.join(two, name), 'rb').read()
       )
+  # The stream of a serial encode, one document at a time (every 200th of each piece held out).
+  tokenizer = data.load_tokenizer(os.path.join(two, 'tokenizer'))
+  kept = [d for part in range(3) for i, d in enumerate(docs[part * 1000 : (part + 1) * 1000])
+          if i % 200 != 199]  # fmt: skip
+  want = [t for d in kept for t in [SEPARATOR, *tokenizer.encode(d)]]
+  np.testing.assert_array_equal(_stream(two, 'train'), want)
   # An interruption: dataset.json never written, one shard gone, one left half-written.
   before = _stream(one, 'train')
   os.remove(os.path.join(one, prepare.DATASET))
@@ -267,10 +295,15 @@ def test_prepare_data_command(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   done = subprocess.run(command, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stderr[-2000:]
-  assert 'prepare: 1/1 pieces, 400 documents' in done.stderr and 'MB/s, ETA' in done.stderr
+  assert done.stdout.startswith('prepare: starting')  # before JAX loads
+  lines = done.stderr.splitlines()
+  assert any(
+    re.match(r'prepare: encoding, [\d.]+/[\d.]+ MB, [\d.]+ MB/s, ETA ', line) for line in lines
+  )
+  assert any('(1/1 pieces, 400 documents' in line for line in lines)
   assert prepare.is_prepared(str(tmp_path / 'out'))
-  bad = command[:3] + ['--config.data.prepare_workers=0', f'--out={tmp_path / "o2"}']
+  bad = command[:3] + ['--config.data.prepare_workers=-1', f'--out={tmp_path / "o2"}']
   done = subprocess.run(bad, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
-    'error: data.prepare_workers=0 must be an integer >= 1'
+    'error: data.prepare_workers=-1 must be an integer >= 0'
   )

@@ -42,7 +42,7 @@ _REFUSED = {
   'data.grammar_repeat': [-0.1, 1.5, float('nan'), '0.5'],
   'data.vocab_size': [0, 6],
   'data.mlm_prob': [0.0, 1.5, float('nan')],
-  'data.prepare_workers': [0, -1],
+  'data.prepare_workers': [-1],
   'data.prepare_chunk_mb': [0],
   'data.eval_batches': [-2],
 }
@@ -58,6 +58,7 @@ _ACCEPTED = {  # the smallest values that work
   'data.max_length': 2,
   'data.mlm_prob': 1.0,
   'data.eval_batches': -1,
+  'data.prepare_workers': 0,  # one per core
 }
 
 

@@ -43,7 +43,7 @@ DATA_MIN_INT = {
   'repeat_subset': 1,
   'grammar_seed': 0,
   'vocab_size': 7,  # more than the 5 special ids + 1
-  'prepare_workers': 1,
+  'prepare_workers': 0,  # 0 = one per core
   'prepare_chunk_mb': 1,
   'eval_batches': -1,  # -1 = auto
 }
@@ -83,9 +83,7 @@ class DataConfig:
   # corpus: train_path/eval_path are globs of text, .jsonl(.gz/.zst) or Parquet files (prepared
   # once into token shards, then streamed), or of llm.c .bin shards (read in place).
   prepared_dir: str = ''  # corpus: where the token shards are prepared; '' = <workdir>/corpus
-  prepare_workers: int = (
-    1  # corpus: processes that tokenise the corpus (experiments.train's prepare)
-  )
+  prepare_workers: int = 0  # corpus: processes that tokenise it; 0 = one per core (>= 32 MB)
   prepare_chunk_mb: int = 16  # corpus: MB of plain text per shard (a .gz/.zst file, row group: one)
   tokenizer_path: str = ''  # corpus: an existing SentencePiece .model or HF tokenizer.json to use
   # streams: eval batches from the start of the eval split; 0 = all of it, -1 = all of it up to
@@ -109,7 +107,7 @@ class DataConfig:
   vocab_multiple: int = (
     1  # the model's vocabulary is the tokenizer's rounded up to a multiple of this
   )
-  spm_train_lines: int = 1_000_000  # sentencepiece: trains on the first this many training examples
+  spm_train_lines: int = 1_000_000  # sentencepiece: trains on at most this many training examples
   # LM families: tokens per row; None = model.max_length (set the context once, there); a
   # shorter one trains below the model's context. encoder_decoder ignores it
   max_length: int | None = None

@@ -15,10 +15,13 @@ import json
 import os
 from collections.abc import Iterator
 
+import numpy as np
+
 from transformer.data import sources
 
 TEXT_KEY = 'text'
 _JSONL = ('.jsonl', '.jsonl.gz', '.jsonl.zst', '.json.gz', '.json.zst')
+SAMPLE_PIECES = 64  # pieces a tokenizer's sample is drawn from: bounds what `sample` opens
 
 
 def kind(path: str) -> str:
@@ -148,6 +151,30 @@ def documents(unit: Unit) -> Iterator[str]:
     if type(e).__name__ != 'ZstdError':
       raise
     raise ValueError(f'{unit.path}: unreadable zstd data ({e})') from None
+
+
+def sample(
+  pieces: list[Unit], budget: int, *, max_documents: int, cut: int, seed: int = 0
+) -> tuple[list[str], int]:
+  """A bounded sample to train a tokenizer on: (documents, their UTF-8 bytes).
+
+  Up to `budget` bytes and `max_documents` documents, each cut to `cut` characters, taken from the
+  start of pieces drawn with `seed`; each drawn piece gives an equal share of what is left, so the
+  sample spans the corpus and reads little more of it than it keeps (a Parquet row group is read
+  whole, a compressed file from its start). At most 64 pieces are drawn.
+  """
+  rng = np.random.default_rng(seed)
+  drawn = sorted(rng.choice(len(pieces), min(len(pieces), SAMPLE_PIECES), replace=False))
+  texts, total = [], 0
+  for left, index in zip(range(len(drawn), 0, -1), drawn):
+    share, taken = (budget - total) // left, 0
+    for text in documents(pieces[index]):
+      if taken >= share or len(texts) >= max_documents:
+        break
+      texts.append(text[:cut])
+      taken += len(texts[-1].encode('utf-8'))
+    total += taken
+  return texts, total
 
 
 def _json_text(line: str, where: str) -> str:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from transformer import util
-from transformer.data import corpus, shards, sources, stream
+from transformer.data import corpus, progress, shards, sources, stream
 from transformer.data.tokenizers import (
   ByteTokenizer,
   IdsTokenizer,
@@ -37,9 +37,15 @@ from transformer.data.tokenizers import (
 DATASET = 'dataset.json'  # written last: the list of shards, their counts and the vocabulary
 _PLAN = 'plan.json'  # written first: the inputs and knobs this directory is being prepared from
 HOLD_OUT_EVERY = 200  # without eval_path, every 200th document of each piece is held out
-_SAMPLE_CHARS = 4096  # characters of each document in the tokenizer's training sample
-_SAMPLE_TOTAL_CHARS = 10**8  # and of the whole sample (SentencePiece holds it in memory)
+# A SentencePiece tokenizer is trained on a sample of the corpus: 2 KB of text per piece, within
+# [4 MB, 100 MB] (4 MB for 512 pieces trains in a few seconds), of documents cut to 4096
+# characters (SentencePiece skips longer sentences), drawn with a fixed seed.
+_SAMPLE_BYTES_PER_PIECE, _SAMPLE_MIN_BYTES, _SAMPLE_MAX_BYTES = 2000, 4 * 10**6, 10**8
+_SAMPLE_CHARS = 4096
+_SAMPLE_SEED = 0
+_TRAIN_RATE = 1e6  # bytes/s the trainer gets through on one slow core: the ETA while it trains
 _BATCH = 1024  # documents tokenised at a time
+_POOL_MIN_BYTES = 32 * 10**6  # workers=0 starts processes from here: each first imports JAX (~2 s)
 
 
 class NoRoomError(ValueError):
@@ -110,28 +116,21 @@ def separator_id(tokenizer: Tokenizer) -> int:
   return int(eos)
 
 
-def _tokenizer(cfg, units: list[corpus.Unit], out: str, where: str) -> Tokenizer:
+def _tokenizer(cfg, units: list[corpus.Unit], out: str, where: str, shown) -> Tokenizer:
   """The saved tokenizer of `out` (a resume), the one at tokenizer_path, or a newly trained one."""
   cache = os.path.join(out, 'tokenizer')
   if os.path.exists(cache):
-    return load_tokenizer(cache)
+    tokenizer = load_tokenizer(cache)
+    shown.note(f'tokenizer: {_described(tokenizer)}, saved in {cache} (a resume)')
+    return tokenizer
   if cfg.tokenizer_path:
     tokenizer = tokenizer_from_file(cfg.tokenizer_path)
+    shown.note(f'tokenizer: {_described(tokenizer)}, from {cfg.tokenizer_path}')
   elif cfg.tokenizer == 'byte':
     tokenizer = ByteTokenizer()
+    shown.note(f'tokenizer: {_described(tokenizer)}')
   elif cfg.tokenizer == 'sentencepiece':
-    sample, chars = [], 0  # a bounded sample: the first spm_train_lines documents, cut short
-    for unit in units:
-      for text in corpus.documents(unit):
-        sample.append(text[:_SAMPLE_CHARS])
-        chars += len(sample[-1])
-        if len(sample) >= cfg.spm_train_lines or chars >= _SAMPLE_TOTAL_CHARS:
-          break
-      if len(sample) >= cfg.spm_train_lines or chars >= _SAMPLE_TOTAL_CHARS:
-        break
-    if not sample:
-      raise ValueError(f'{where} has no documents (blank lines are skipped); nothing to prepare')
-    tokenizer = train_sentencepiece(sample, cfg.vocab_size)
+    tokenizer = _trained(cfg, units, where, shown)
   else:
     raise ValueError(
       f'tokenizer={cfg.tokenizer!r} needs data.tokenizer_path (a tokenizer.json or SentencePiece '
@@ -140,6 +139,38 @@ def _tokenizer(cfg, units: list[corpus.Unit], out: str, where: str) -> Tokenizer
   separator_id(tokenizer)
   save_whole(tokenizer, cache)
   return load_tokenizer(cache)
+
+
+def _described(tokenizer: Tokenizer) -> str:
+  return f'{tokenizer.kind}, {tokenizer.vocab_size:,} ids'
+
+
+def _sample_bytes(vocab_size: int) -> int:
+  """How much text a SentencePiece tokenizer of `vocab_size` pieces is trained on."""
+  return min(max(_SAMPLE_MIN_BYTES, _SAMPLE_BYTES_PER_PIECE * vocab_size), _SAMPLE_MAX_BYTES)
+
+
+def _trained(cfg, units: list[corpus.Unit], where: str, shown) -> Tokenizer:
+  """SentencePiece trained on a seeded sample drawn across the corpus (`corpus.sample`)."""
+  budget, start = _sample_bytes(cfg.vocab_size), time.monotonic()
+  shown.phase('sampling', budget)
+  texts, nbytes = corpus.sample(
+    units, budget, max_documents=cfg.spm_train_lines, cut=_SAMPLE_CHARS, seed=_SAMPLE_SEED
+  )
+  if not texts:
+    raise ValueError(f'{where} has no documents (blank lines are skipped); nothing to prepare')
+  shown.note(
+    f'sampled {nbytes / 1e6:.1f} MB ({len(texts):,} documents, each cut to {_SAMPLE_CHARS} '
+    f'characters) from {min(len(units), corpus.SAMPLE_PIECES)} of {len(units)} pieces, seed '
+    f'{_SAMPLE_SEED}, in '
+    f'{progress.duration(time.monotonic() - start)}'
+  )
+  start, detail = time.monotonic(), f'sentencepiece, {cfg.vocab_size} pieces'
+  shown.phase('training tokenizer', nbytes, detail=lambda: detail, estimate=nbytes / _TRAIN_RATE)
+  tokenizer = train_sentencepiece(texts, cfg.vocab_size)
+  took = progress.duration(time.monotonic() - start)
+  shown.note(f'tokenizer: {_described(tokenizer)}, trained on {nbytes / 1e6:.1f} MB in {took}')
+  return tokenizer
 
 
 # Work done in each process -----------------------------------------------------------------------
@@ -217,26 +248,15 @@ class _Counters:
     return tuple(self.shared)
 
 
-def _progress_line(done: int, total: int, counts, todo_bytes: int, elapsed: float) -> str:
-  nbytes, docs, tokens = counts
-  rate = nbytes / max(elapsed, 1e-9)
-  eta = (todo_bytes - nbytes) / rate if rate > 0 else float('inf')
-  eta_text = time.strftime('%H:%M:%S', time.gmtime(eta)) if eta < 86400 * 30 else '?'
-  return (
-    f'prepare: {done}/{total} pieces, {docs:,} documents, {tokens:,} tokens, '
-    f'{rate / 1e6:.1f} MB/s, ETA {eta_text}'
-  )
-
-
-def prepare(cfg, out: str, *, workers: int = 1, log: Callable[[str], None] | None = None) -> dict:
+def prepare(cfg, out: str, *, workers: int = 0, log: Callable[[str], None] | None = None) -> dict:
   """Tokenises the corpus of `cfg` (train_path, eval_path, tokenizer knobs) into shards in `out`.
 
   Returns the dataset description (also written to out/dataset.json). A directory prepared
   already is returned as is; one cut short resumes. If this call made `out` and the corpus is bad
   (an empty corpus, a jsonl line without text), `out` is removed again.
   """
-  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-    raise ValueError(f'workers={workers!r} must be an integer >= 1')
+  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+    raise ValueError(f'workers={workers!r} must be an integer >= 0 (0: one per core)')
   from_tfds = not cfg.train_path  # the TFDS split that the config names (tfds_name)
   train = [] if from_tfds else sources._paths(cfg.train_path, 'data.train_path')
   evaluation = sources._paths(cfg.eval_path, 'data.eval_path') if cfg.eval_path else []
@@ -321,7 +341,6 @@ def _prepare(cfg, out, train, evaluation, workers, log) -> dict:
     train_units, eval_units = [split(cfg.tfds_train_split)], [split(cfg.tfds_eval_split)]
     evaluation, where = [cfg.tfds_eval_split], f'TFDS {cfg.tfds_name} {cfg.tfds_train_split}'
     workers = 1  # in this process: TFDS's test mocks and its download live here
-  tokenizer = _tokenizer(cfg, train_units, out, where)
   jobs = [
     (f'train_{i:05d}.bin', u, out, '' if evaluation else f'eval_{i:05d}.bin')
     for i, u in enumerate(train_units)
@@ -331,42 +350,51 @@ def _prepare(cfg, out, train, evaluation, workers, log) -> dict:
     if name.endswith('.bin.tmp'):
       os.remove(os.path.join(out, name))
   todo = [j for j in jobs if not os.path.exists(os.path.join(out, j[0]))]
-  todo_bytes = sum(corpus.unit_bytes(j[1]) for j in todo)
   log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+  with progress.Progress(log) as shown:
+    start, total = time.monotonic(), sum(corpus.unit_bytes(j[1]) for j in jobs)
+    shown.note(f'{where}: {total / 1e6:.1f} MB in {len(jobs)} pieces, into {out}')
+    tokenizer = _tokenizer(cfg, train_units, out, where, shown)
+    _encode(todo, out, workers, shown, done=len(jobs) - len(todo), pieces=len(jobs))
+    meta = _write_dataset(out, jobs, tokenizer, cfg, evaluation)
+    took = time.monotonic() - start
+    shown.note(
+      f'done in {progress.duration(took)}: {meta["input_bytes"] / 1e6:.1f} MB, '
+      f'{meta["documents"]:,} documents, {meta["tokens"]:,} train tokens in {out}'
+    )
+  return meta
+
+
+def _encode(todo: list[tuple], out: str, workers: int, shown, *, done: int, pieces: int) -> None:
+  """Writes the shards of the pieces in `todo` on `workers` processes (this one if 1; 0: one per
+  core for a corpus of 32 MB or more), with a progress line at least every interval."""
+  todo_bytes, start = sum(corpus.unit_bytes(j[1]) for j in todo), time.monotonic()
+  if not workers:  # one per core, where the corpus repays starting them
+    workers = len(os.sched_getaffinity(0)) if todo_bytes >= _POOL_MIN_BYTES else 1
+  workers = min(workers, len(todo))
   context = multiprocessing.get_context('spawn')  # never fork a process that may run JAX
-  counters = _Counters(context.Array('q', 3))
-  start, last = time.time(), 0.0
-  done = len(jobs) - len(todo)
+  counters, finished = _Counters(context.Array('q', 3)), [done]
 
-  shown = None
+  def detail() -> str:
+    _, documents, tokens = counters.values()
+    return f'{finished[0]}/{pieces} pieces, {documents:,} documents, {tokens:,} tokens'
 
-  def report(final=False):
-    nonlocal last, shown
-    if (final and shown != counters.values()) or time.time() - last >= 5:
-      last, shown = time.time(), counters.values()
-      log(_progress_line(done, len(jobs), shown, todo_bytes, last - start))
-
-  if workers == 1 or len(todo) <= 1:
+  done_bytes = lambda: counters.values()[0]
+  shown.phase('encoding', todo_bytes or None, done=done_bytes, detail=detail)  # TFDS: unknown
+  if workers <= 1:
     _init_worker(out, counters)
     for job in todo:
       _prepare_unit(job)
-      done += 1
-      report()
-  elif todo:
+      finished[0] += 1
+  else:
     with context.Pool(workers, _init_worker, (out, counters)) as pool:
-      results = pool.imap_unordered(_prepare_unit, todo)
-      while True:
-        try:
-          results.next(timeout=5)
-        except multiprocessing.TimeoutError:
-          report()
-          continue
-        except StopIteration:
-          break
-        done += 1
-        report()
-  report(final=True)
-  return _write_dataset(out, jobs, tokenizer, cfg, evaluation)
+      for _ in pool.imap_unordered(_prepare_unit, todo):
+        finished[0] += 1
+  rate = counters.values()[0] / max(time.monotonic() - start, 1e-9)
+  shown.note(
+    f'encoded {todo_bytes / 1e6:.1f} MB at {rate / 1e6:.1f} MB/s on {max(workers, 1)} '
+    f'process(es) ({detail()})'
+  )
 
 
 def _write_dataset(out, jobs, tokenizer, cfg, evaluation) -> dict:

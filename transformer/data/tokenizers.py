@@ -299,22 +299,22 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int) -> SentencePieceT
   lines = [line for line in lines if line.strip()]
   if not lines:
     raise ValueError('cannot train SentencePiece on an empty corpus')
-  with open(os.devnull, 'w') as devnull:
-    spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(lines),
-      model_writer=model,
-      vocab_size=vocab_size,
-      hard_vocab_limit=False,  # tiny corpora give a smaller vocabulary instead of an error
-      pad_id=PAD_ID,
-      bos_id=BOS_ID,
-      eos_id=EOS_ID,
-      unk_id=UNK_ID,
-      user_defined_symbols=[MASK_PIECE],  # lands on the free id 3 = MASK_ID
-      split_digits=True,
-      num_threads=1,  # single-threaded training is reproducible across machines
-      minloglevel=2,
-      logstream=devnull,
-    )
+  # minloglevel silences its log; its logstream would point this process's stderr (fd 2) at
+  # that stream while it trains, hiding every other thread's lines (preparation's progress).
+  spm.SentencePieceTrainer.train(
+    sentence_iterator=iter(lines),
+    model_writer=model,
+    vocab_size=vocab_size,
+    hard_vocab_limit=False,  # tiny corpora give a smaller vocabulary instead of an error
+    pad_id=PAD_ID,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    unk_id=UNK_ID,
+    user_defined_symbols=[MASK_PIECE],  # lands on the free id 3 = MASK_ID
+    split_digits=True,
+    num_threads=1,  # single-threaded training is reproducible across machines
+    minloglevel=2,
+  )
   return SentencePieceTokenizer(model.getvalue(), requested_vocab_size=vocab_size)
 
 
