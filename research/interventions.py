@@ -228,7 +228,7 @@ def direct_logit_attribution(
     x = np.asarray(x, np.float64)
     if cfg.norm == 'layernorm':
       x = x - x.mean(-1, keepdims=True)
-    return ((x * scale * w) * direction).sum(-1)
+    return ((x / scale * w) * direction).sum(-1)
 
   parts = {'embed': through(cache['blocks.0.hook_resid_pre'][:, position])}
   for layer in range(L):

@@ -55,7 +55,7 @@ def test_positional_qk_circuit_is_the_score_when_tokens_carry_nothing():
 
 def test_ov_circuit_gives_direct_logit_attribution_where_a_head_sees_one_token():
   # At position 0 a causal head attends to that token alone, so its direct logit attribution
-  # is the OV circuit's row times the final norm's cached 1 / RMS.
+  # is the OV circuit's row divided by the final norm's cached RMS (hook_scale).
   cfg, params = _model(num_layers=1, use_bias=False)
   ids = _ids(np.random.default_rng(2))
   good, bad = 5, 11
@@ -65,7 +65,7 @@ def test_ov_circuit_gives_direct_logit_attribution_where_a_head_sees_one_token()
   first = np.asarray(ids)[:, 0]
   for head in range(cfg.num_heads):
     ov = circuits.ov_circuit(cfg, params, 0, head)
-    want = scale * (ov[first, good] - ov[first, bad])
+    want = (ov[first, good] - ov[first, bad]) / scale
     np.testing.assert_allclose(parts[f'blocks.0.attn.head_{head}'], want, rtol=1e-4, atol=1e-5)
   assert 'blocks.0.mlp' not in parts  # attention only
 
