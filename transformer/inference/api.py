@@ -452,31 +452,50 @@ class Model:
     return np.asarray(logits), {k: np.asarray(v) for k, v in cache.items()}
 
   def run_with_hooks(
-    self, text: str | Any, hooks: dict | None = None, *, source: str | None = None
+    self,
+    text: str | Any,
+    hooks: dict | None = None,
+    *,
+    fwd_hooks: list | None = None,
+    source: str | None = None,
   ) -> np.ndarray:
-    """Logits with `hooks` applied: {hook name: fn(activation, name) -> activation}, each of
-    which may read its activation or return a replacement (e.g. zero one head's hook_z).
-    Pure and jit-compiled once per set of hook functions."""
+    """Logits with hooks applied: TransformerLens's `fwd_hooks=[(name or predicate on names,
+    fn), ...]`, or `hooks={name: fn}`. Each fn is called as fn(activation, hook), `hook.name`
+    and `hook.layer()` saying where, and returns a replacement (e.g. one head's hook_z zeroed)
+    or None to leave it unchanged.
+
+    The forward is traced at every call, so a hook sees the globals and variables it reads as
+    they are now; the compile is reused whenever the traced program is the same (see
+    docs/dissect.md: a hook that indexes with a jnp array compiles once for a whole sweep)."""
     inputs = self._hook_inputs(text, source, 'run_with_hooks')
-    return np.asarray(hooks_lib.run_jit(self.cfg, self.weights, inputs, hooks=hooks or {})[0])
+    both = [*(hooks or {}).items(), *(fwd_hooks or [])]
+    return np.asarray(hooks_lib.run_jit(self.cfg, self.weights, inputs, hooks=both)[0])
 
   def _hook_inputs(self, text: Any, source: Any, method: str) -> dict[str, np.ndarray]:
-    """Model inputs for one text or token rows: bos + ids (decoder side), source ids + eos."""
+    """Model inputs for one text or token rows. A text starts as in training: a causal LM's
+    after `prompt_prefix` (the tokenizer's bos, or nothing where the model had none), an
+    imported BERT's with the tokenizer's special tokens, else after bos; a source ends in eos."""
 
     def ids(value, prefix):
       if isinstance(value, str):
+        if prefix is None:  # the tokenizer adds its own ([CLS] ... [SEP])
+          return np.asarray([self.tokenizer.encode(value, add_special_tokens=True)], np.int32)
         return np.asarray([prefix + self._encode(value)], np.int32)
       value = np.asarray(value)
       return _int_array(value[None] if value.ndim == 1 else value, 'text')
 
-    if self.cfg.family == 'encoder_decoder':
+    family = self.cfg.family
+    if family == 'encoder_decoder':
       if source is None:
         raise ValueError(f'EncoderDecoder.{method} needs source=... (the encoder input)')
       src = ids(source, [])
       if isinstance(source, str):
         src = np.concatenate([src, [[data.EOS_ID]]], axis=1)
       return {'inputs': src, 'decoder_inputs': ids(text, [data.BOS_ID])}
-    return {'inputs': ids(text, [data.BOS_ID])}
+    if family == 'causal_lm':
+      return {'inputs': ids(text, self.prompt_prefix())}
+    hf_tokenizer = getattr(self.tokenizer, 'kind', None) == 'hf'
+    return {'inputs': ids(text, None if hf_tokenizer else [data.BOS_ID])}
 
   # Helpers ---------------------------------------------------------------------------------------
   def _encode(self, text: str) -> list[int]:
