@@ -253,20 +253,24 @@ def test_one_compile_serves_a_sweep_over_a_jnp_index():
   cfg, _, params = _tiny()
   inputs = {'inputs': jnp.asarray(_ids(9, T=5) % 49 + 1)}
   name = 'blocks.0.attn.hook_z'
+  clean = {'inputs': jnp.asarray(_ids(19, T=5) % 49 + 1)}
+  source = np.asarray(hooks.run(cfg, params, clean, names=[name])[1][name])
+  clean_z = jnp.asarray(source)  # as docs/dissect.md's sweep: what the hook reads are arrays
   before = len(hooks._PROGRAMS)
   outs = []
   for head in range(3):
     index = jnp.asarray(head)  # an array: a constant passed in, not a literal of the program
-    outs.append(
-      hooks.run_jit(
-        cfg, params, inputs, hooks=[(name, lambda z, hook, i=index: z.at[:, :, i].set(0.0))]
-      )[0]
-    )
+
+    def patch(z, hook, i=index):
+      return z.at[:, :, i].set(clean_z[:, :, i])
+
+    outs.append(hooks.run_jit(cfg, params, inputs, hooks=[(name, patch)])[0])
     assert len(hooks._PROGRAMS) == before + 1
   for head, got in enumerate(outs):
-    zero = {name: lambda z, _, h=head: z.at[:, :, h].set(0.0)}
-    want = hooks.run(cfg, params, inputs, hooks=zero)[0]
+    put = {name: lambda z, _, h=head: z.at[:, :, h].set(source[:, :, h])}
+    want = hooks.run(cfg, params, inputs, hooks=put)[0]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  assert np.abs(np.asarray(outs[0]) - np.asarray(outs[1])).max() > 1e-4
 
 
 def test_transformerlens_fwd_hooks_filters_hook_objects_and_none():
