@@ -403,6 +403,7 @@ def test_hook_methods_start_a_text_with_the_tokenizers_bos(hf_models, tmp_path, 
   # As generate and score do: the imported GPT-2's own bos (config.json's bos_token_id, not
   # sparrow's id 1), or nothing for a model trained without one.
   import transformer
+  from research import dissect
   from research import interventions as iv
 
   directory = _copy(hf_models, tmp_path)
@@ -427,6 +428,7 @@ def test_hook_methods_start_a_text_with_the_tokenizers_bos(hf_models, tmp_path, 
   assert _relative_error(logits, theirs) <= 1e-4
   detectors = iv.head_detectors(m.cfg, m.params, length=4, batch=1, prefix=m.prompt_prefix())
   assert detectors['induction'].shape == (m.cfg.num_layers, m.cfg.num_heads)
+  assert dissect._tokens(m, 'w1 w2 w3') == want_ids  # experiments.inspect's --text
 
 
 # Bad input -------------------------------------------------------------------------------------
