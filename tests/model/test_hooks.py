@@ -213,15 +213,16 @@ def test_pattern_scores_and_norm_scale_are_writable():
   got, want = (hooks.run(cfg, params, {'inputs': ids}, hooks=h)[0] for h in (result, z))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   assert np.abs(np.asarray(got) - hooks.run(cfg, params, {'inputs': ids})[0]).max() > 1e-3
-  # Twice the divisor halves the normalised value before the norm's bias (TransformerLens's LN
-  # freezing replaces it the same way).
-  names = ['ln_final.hook_normalized']
+  # Twice the divisor halves the normalised value (TransformerLens's LN freezing replaces it the
+  # same way), and the output's distance from the bias.
+  names = ['ln_final.hook_normalized', 'ln_final.hook_out']
   _, plain = hooks.run(cfg, params, {'inputs': ids}, names=names)
   double = {'ln_final.hook_scale': lambda s, _: 2 * s}
   _, got = hooks.run(cfg, params, {'inputs': ids}, names=names, hooks=double)
+  np.testing.assert_allclose(got[names[0]], plain[names[0]] / 2, rtol=1e-6, atol=1e-7)
   bias = np.asarray(params['decoder']['stack']['final_norm']['bias'])
   np.testing.assert_allclose(
-    got[names[0]] - bias, (plain[names[0]] - bias) / 2, rtol=1e-5, atol=1e-6
+    got[names[1]] - bias, (plain[names[1]] - bias) / 2, rtol=1e-5, atol=1e-6
   )
 
 
@@ -323,7 +324,7 @@ def test_names_of_every_family():
   )
   assert 'decoder.blocks.0.hook_cross_attn_out' in names and 'decoder.ln_final.hook_scale' in names
   assert 'decoder.blocks.0.ln_cross.hook_normalized' in names
-  assert names[-1] == 'decoder.ln_final.hook_normalized'
+  assert names[-1] == 'decoder.ln_final.hook_out'
   assert not any(n.startswith('encoder.') and 'cross' in n for n in names)
   model = models.build(enc_dec)
   params = model.init(jax.random.PRNGKey(0), **model.dummy_inputs())['params']
@@ -338,7 +339,7 @@ def test_the_final_norm_scale_rebuilds_the_final_hidden_state():
   cfg, model, params = _tiny(activation='gelu')
   ids = jnp.asarray(_ids(5, T=6) % 49 + 1)
   last = f'blocks.{cfg.num_layers - 1}.hook_resid_post'
-  picked = [last, 'ln_final.hook_scale', 'ln_final.hook_normalized']
+  picked = [last, 'ln_final.hook_scale', 'ln_final.hook_normalized', 'ln_final.hook_out']
   _, cache = hooks.run(cfg, params, {'inputs': ids}, names=picked)
   x = np.asarray(cache[last], np.float64)
   norm = params['decoder']['stack']['final_norm']
@@ -347,8 +348,10 @@ def test_the_final_norm_scale_rebuilds_the_final_hidden_state():
   # TransformerLens's value: the divisor sqrt(var + eps), computed here independently.
   np.testing.assert_allclose(scale, np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps),
                              rtol=1e-6)  # fmt: skip
+  # hook_normalized is before the norm's weight and bias, as in TransformerLens; hook_out after.
+  np.testing.assert_allclose(cache['ln_final.hook_normalized'], x / scale, rtol=1e-5, atol=1e-5)
   rebuilt = x / scale * norm['scale'] + norm['bias']
-  np.testing.assert_allclose(rebuilt, cache['ln_final.hook_normalized'], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(rebuilt, cache['ln_final.hook_out'], rtol=1e-5, atol=1e-5)
 
 
 def test_an_imported_bert_post_ln_matches_pytorchs_attentions_and_hidden_states(tmp_path):
@@ -390,9 +393,12 @@ def test_an_imported_bert_post_ln_matches_pytorchs_attentions_and_hidden_states(
   for key in modules:
     x, y = seen[key]
     if key.endswith('ln') or key.endswith('ln1'):
-      np.testing.assert_allclose(cache[f'{key}.hook_normalized'], y, rtol=2e-4, atol=2e-4)
+      np.testing.assert_allclose(cache[f'{key}.hook_out'], y, rtol=2e-4, atol=2e-4)
       want = _tl_scale(x, config.layer_norm_eps, centre=True)
       np.testing.assert_allclose(cache[f'{key}.hook_scale'], want, rtol=2e-5)
+      centred = x - x.mean(-1, keepdims=True)
+      np.testing.assert_allclose(cache[f'{key}.hook_normalized'], centred / want, rtol=2e-4,
+                                 atol=2e-5)  # fmt: skip
     else:
       np.testing.assert_allclose(cache[key], np.broadcast_to(y, cache[key].shape), rtol=2e-4,
                                  atol=2e-5)  # fmt: skip
@@ -477,9 +483,12 @@ def test_embeddings_norms_and_head_results_equal_pytorchs(models_both, name):
   else:
     assert 'hook_pos_embed' not in cache  # RoPE acts inside attention
   for norm, (x, y) in ((k, seen[k]) for k in norms):
-    np.testing.assert_allclose(cache[f'{norm}.hook_normalized'], y, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(cache[f'{norm}.hook_out'], y, rtol=2e-4, atol=2e-4)
     want = _tl_scale(x, eps, centre=name == 'gpt2')
     np.testing.assert_allclose(cache[f'{norm}.hook_scale'], want, rtol=2e-5)
+    # TransformerLens's hook_normalized: divided by the scale, before the weight and bias.
+    x = x - x.mean(-1, keepdims=True) if name == 'gpt2' else x
+    np.testing.assert_allclose(cache[f'{norm}.hook_normalized'], x / want, rtol=2e-4, atol=2e-5)
   for layer in range(cfg.num_layers):
     z, out = seen[f'out_{layer}']  # the heads merged [B, T, N * H], and the attention's output
     proj = torch_models.out_proj(model, layer)

@@ -385,7 +385,7 @@ class Model:
         raise ValueError('token_types are for bidirectional_lm models')
       inputs['token_types'] = _int_array(token_types, 'token_types')
     blocks = [f'blocks.{i}.hook_resid_post' for i in range(self.cfg.num_layers)]
-    last = 'ln_final.hook_normalized' if self.cfg.norm_placement == 'pre' else blocks[-1]
+    last = 'ln_final.hook_out' if self.cfg.norm_placement == 'pre' else blocks[-1]
     names = ['blocks.0.hook_resid_pre', *blocks, last] if layers else [last]
     _, seen = hooks_lib.run_xla(self.cfg, self.weights, inputs, names)
     final = seen[last].astype(np.float32)

@@ -15,7 +15,9 @@ encoder-only model, with l the layer:
   blocks.{l}.hook_resid_pre     [B, T, D]  the block's input (layer 0: the embeddings)
   blocks.{l}.ln1.hook_scale     [B, T, 1]  the norm's divisor sqrt(var + eps) (RMSNorm: of the mean
                                            square; none with norm='batchnorm')
-  blocks.{l}.ln1.hook_normalized  [B, T, D]  the norm's output: the attention's input with pre-LN
+  blocks.{l}.ln1.hook_normalized  [B, T, D]  the input divided by hook_scale (LayerNorm: centred
+                                           first), before the weight and bias; float32
+  blocks.{l}.ln1.hook_out       [B, T, D]  the norm's output: the attention's input with pre-LN
   blocks.{l}.attn.hook_q        [B, T, N, H]  queries, before RoPE (and k, v: [B, S, K, H])
   blocks.{l}.attn.hook_k, blocks.{l}.attn.hook_v
   blocks.{l}.attn.hook_rot_q    [B, T, N, H]  queries after RoPE (RoPE models; and hook_rot_k)
@@ -27,28 +29,29 @@ encoder-only model, with l the layer:
                                            the attention's output their sum plus the bias
   blocks.{l}.hook_attn_out      [B, T, D]  the attention's output, added to the residual stream
   blocks.{l}.hook_resid_mid     [B, T, D]  the residual stream between attention and MLP
-  blocks.{l}.ln2.hook_scale, blocks.{l}.ln2.hook_normalized  the MLP's norm
+  blocks.{l}.ln2.hook_scale, hook_normalized, hook_out  the MLP's norm
   blocks.{l}.mlp.hook_pre       [B, T, F]  before the activation (SwiGLU: the gate; the linear
   blocks.{l}.mlp.hook_pre_linear           half is hook_pre_linear)
   blocks.{l}.mlp.hook_post      [B, T, F]  after it
   blocks.{l}.hook_mlp_out       [B, T, D]
   blocks.{l}.hook_resid_post    [B, T, D]  the block's output
-  ln_final.hook_scale           [B, T, 1]  the final norm's divisor (pre-LN models)
-  ln_final.hook_normalized      [B, T, D]  the final hidden state (pre-LN models)
+  ln_final.hook_scale, hook_normalized  the final norm (pre-LN models)
+  ln_final.hook_out             [B, T, D]  the final hidden state (pre-LN models)
 
 A BERT-style model (bidirectional_lm) names its embeddings as TransformerLens's HookedEncoder
 does: embed.hook_embed, embed.hook_pos_embed, embed.hook_token_type_embed and the embeddings'
-norm embed.ln.hook_scale and embed.ln.hook_normalized. Pre-LN: hook_resid_mid = hook_resid_pre +
+norm embed.ln.hook_scale, hook_normalized and hook_out. Pre-LN: hook_resid_mid = hook_resid_pre +
 hook_attn_out. Post-LN (BERT, the 2017 paper): ln1 and ln2 normalise the sums after attention
-and MLP, and hook_resid_mid is ln1's output.
+and MLP, and hook_resid_mid is ln1's hook_out.
 
 An encoder-decoder prefixes `encoder.` and `decoder.` to every name (each stack has its own
 embeddings and, pre-LN, its own ln_final). Its decoder blocks add the cross attention between the
-self attention and the MLP: decoder.blocks.{l}.ln_cross.hook_scale and hook_normalized (pre-LN:
-the decoder stream the queries come from), decoder.blocks.{l}.cross_attn.hook_q (queries from
-the decoder), hook_k and hook_v (keys and values from the encoder's output, [B, S, K, H]),
-hook_attn_scores and hook_pattern ([B, N, T, S]: decoder queries over encoder keys), hook_z,
-hook_result, and decoder.blocks.{l}.hook_cross_attn_out, added to the residual stream.
+self attention and the MLP: decoder.blocks.{l}.ln_cross.hook_scale, hook_normalized and hook_out
+(pre-LN: the decoder stream the queries come from), decoder.blocks.{l}.cross_attn.hook_q
+(queries from the decoder), hook_k and hook_v (keys and values from the encoder's output,
+[B, S, K, H]), hook_attn_scores and hook_pattern ([B, N, T, S]: decoder queries over encoder
+keys), hook_z, hook_result, and decoder.blocks.{l}.hook_cross_attn_out, added to the residual
+stream.
 
 Each name is a `HookPoint` declared in the module where its activation is made (models.py,
 layers.py, attention.py, primitives.py); `run` intercepts those calls, so nothing here computes
@@ -109,9 +112,10 @@ def patterns_and_scores(name: str) -> bool:
 
 
 def _norm_names(cfg: ModelConfig, norm: str) -> list[str]:
-  """A norm's hook names: its divisor (none with batchnorm, whose divisor is per feature), then
-  its output."""
-  return ([f'{norm}.hook_scale'] if cfg.norm != 'batchnorm' else []) + [f'{norm}.hook_normalized']
+  """A norm's hook names: its divisor (none with batchnorm, whose divisor is per feature), the
+  normalised input (before the weight and bias), and its output."""
+  scale = [f'{norm}.hook_scale'] if cfg.norm != 'batchnorm' else []
+  return scale + [f'{norm}.hook_normalized', f'{norm}.hook_out']
 
 
 def _embedding_names(cfg: ModelConfig, prefix: str) -> list[str]:

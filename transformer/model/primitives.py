@@ -103,12 +103,14 @@ class Norm(nn.Module):
     scale = jnp.sqrt(var)
     hooked = HookPoint(name='hook_scale')(scale)
     y = x32 * jax.lax.rsqrt(var) if hooked is scale else x32 / hooked
+    # hook_normalized: before the weight and bias, float32, as in TransformerLens.
+    y = HookPoint(name='hook_normalized')(y)
     ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
     y = y * self.param('scale', ones, (features,), self.param_dtype)
     if self.kind == 'layernorm' and self.use_bias:
       zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
       y = y + self.param('bias', zeros, (features,), self.param_dtype)
-    return HookPoint(name='hook_normalized')(y.astype(self.dtype))  # x's shape, compute dtype
+    return HookPoint(name='hook_out')(y.astype(self.dtype))  # x's shape, compute dtype
 
 
 # Running statistics: new = MOMENTUM * old + (1 - MOMENTUM) * the batch's. PyTorch's default
@@ -175,9 +177,10 @@ class BatchNorm(nn.Module):
         stats[0].value = m * stats[0].value + (1 - m) * jax.lax.stop_gradient(mean)
         stats[1].value = m * stats[1].value + (1 - m) * jax.lax.stop_gradient(var)
     y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)  # [B, T, D]
+    y = HookPoint(name='hook_normalized')(y)  # before the weight and bias, as Norm's
     ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
     y = y * self.param('scale', ones, (features,), self.param_dtype)
     if self.use_bias:
       zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
       y = y + self.param('bias', zeros, (features,), self.param_dtype)
-    return HookPoint(name='hook_normalized')(y.astype(self.dtype))  # x's shape, compute dtype
+    return HookPoint(name='hook_out')(y.astype(self.dtype))  # x's shape, compute dtype
