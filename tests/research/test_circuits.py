@@ -148,7 +148,8 @@ def test_the_corruption_report_of_an_attention_only_model_has_no_mlp_maps(tmp_pa
 
   cfg, params = _model(num_layers=1)
   tokenizer = SimpleNamespace(decode=lambda ids: ' '.join(f'w{i}' for i in ids))
-  model = SimpleNamespace(cfg=cfg, params=params, tokenizer=tokenizer)
+  # What the report reads of an inference.Model: its config, weights, tokenizer and prefix.
+  model = SimpleNamespace(cfg=cfg, params=params, tokenizer=tokenizer, prompt_prefix=lambda: [1])
   clean, corrupt = [3, 9, 1, 4], [3, 9, 2, 4]
   labels = ([f'w{i}' for i in clean], [f'w{i}' for i in corrupt])
   interventions.corruption_report(model, clean, corrupt, labels, str(tmp_path))
