@@ -60,9 +60,11 @@ def main():
   import jax
 
   from bench import torch_reference
+  from transformer import sharding
   from transformer.model import models
   from transformer.training.run import Run
 
+  sharding.use_every_core()  # as experiments.train: on CPU, the batch split over the cores
   config = _CONFIG.value
   torch = None
   if _COMPARE.value == 'torch':
@@ -113,7 +115,7 @@ def main():
     peak = max(peak, torch_peak)
   tokens_per_step = batch_size * length
   flops = models.flops_per_token(cfg, length)['train'] * tokens_per_step
-  devices = jax.device_count()
+  devices = run.partitioner.mesh.devices.size
 
   def summary(name):
     per_round = [float(np.median(times)) for times, _ in blocks[name]]

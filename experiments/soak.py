@@ -43,7 +43,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXIT_PREEMPTED = 75  # training.faults.EXIT_PREEMPTED (not imported: this process stays light)
 RSS_LIMIT = 0.05  # allowed RSS growth after warm-up
 JUDGE_SECONDS = 60  # a process's RSS is judged only with this much of it after warm-up
-EXPECTED = {'checkpoints', 'config.json', 'git_revision.txt', 'metrics.jsonl', 'tensorboard'}
+EXPECTED = {
+  'checkpoints',
+  'config.json',
+  'git_revision.txt',
+  'metrics.jsonl',
+  'revisions.jsonl',
+  'tensorboard',
+}
 
 
 class Trainer:
@@ -311,8 +318,8 @@ def main(argv):
       '(within 1e-6); VmRSS, sampled every second, grows by at most 5% after warm-up (35 s after '
       'the first step, past the first checkpoint): the 90th percentile of the second half of the '
       'samples against that of the first half, for processes with 60 s or more of them; the '
-      'workdirs hold only config.json, git_revision.txt, metrics.jsonl, tokenizer/, tensorboard/ '
-      '(event files) and checkpoints/ (the kept steps, no temp dirs).'
+      'workdirs hold only config.json, git_revision.txt, revisions.jsonl, metrics.jsonl, '
+      'tokenizer/, tensorboard/ (event files) and checkpoints/ (the kept steps, no temp dirs).'
     )
     if _MINUTES.value < 20:
       note += (

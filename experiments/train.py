@@ -37,6 +37,7 @@ def main():
     sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   if not _multi_process():
     cli.compilation_cache()  # a relaunch skips compiling
+    sharding.use_every_core()  # on CPU: the batch split over one device per core
   config = _CONFIG.value
   train_and_evaluate(config, _WORKDIR.value or os.path.join('runs', config.name))
 

@@ -57,6 +57,30 @@ def recall_accuracy(ctx) -> dict[str, float]:
   }
 
 
+def elimination_accuracy(
+  pairs: int, gap: int, queries: int, filler: str = 'constant', count: int = 20_000, seed: int = 0
+) -> list[float]:
+  """The recall null: the expected value accuracy, per query position, of a model without any
+  key-to-value lookup that keeps the bag of values from the pairs, drops those already answered
+  and guesses a most frequent one of the rest (in a random query order each remaining value is
+  equally likely to be asked next). Averaged over `count` examples of the task's own generator.
+
+  Returns:
+    one expected accuracy per query position, first query first.
+  """
+  rng = np.random.default_rng([seed, 3])  # not the train ([seed, 1]) or eval ([seed, 2]) stream
+  texts = recall.sample(rng, count, pairs, gap, queries, 'random', filler)
+  codes = np.frombuffer(''.join(texts).encode(), np.uint8).reshape(count, -1)  # [N, chars]
+  values = codes[:, 1 : 2 * pairs : 2] - ord(recall.VALUES[0])  # [N, pairs]
+  asked = codes[:, 2 * pairs + gap + 1 :: 2] - ord(recall.VALUES[0])  # [N, queries] the answers
+  bag = (values[:, :, None] == np.arange(len(recall.VALUES))).sum(1)  # [N, 26] multiplicities
+  expected = []
+  for j in range(queries):
+    expected.append(float(np.mean(bag.max(1) / (pairs - j))))  # a most frequent one is right
+    bag[np.arange(count), asked[:, j]] -= 1  # answered: out of the bag
+  return expected
+
+
 def step_cost(config: ml_collections.ConfigDict, length: int, steps: int = 3) -> dict[str, float]:
   """Median training-step time (ms, after one warm-up) and XLA's compiled temp memory (MiB) of
   `config`'s model at batch 1 and `length` tokens, on random tokens. Compressed attention pools

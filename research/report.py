@@ -241,7 +241,8 @@ def _table3(
 def _judged(meta: Mapping, results: Sequence[Mapping]):
   """(the preconditions' verdicts, the rules' verdicts) of a sweep's recorded numbers."""
   table = results_lib.metric_table(results)
-  return verdicts.judge(meta.get('rules') or [], table, meta.get('preconditions') or [])
+  rules, pre = meta.get('rules') or [], meta.get('preconditions') or []
+  return verdicts.judge(rules, table, pre, meta.get('nulls') or [])
 
 
 def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str, list[str]]:
@@ -253,19 +254,22 @@ def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str,
   not_run = sum(v.status == verdicts.NOT_RUN for v in found)
   unsure = sum(v.status == verdicts.INCONCLUSIVE for v in found)
   held = [v.rule.get('text') or v.rule['kind'] for v in found if v.status == verdicts.REPRODUCED]
+  built = sum(v.status == verdicts.BY_CONSTRUCTION for v in found)
   notes = []
   failed = [p.rule['name'] for p in pre if p.status != verdicts.REPRODUCED]
   if failed:
     notes.append(f'precondition not met: {"; ".join(failed)}')
   if held and status != verdicts.REPRODUCED:  # a partial result is still a result
     notes.append(f'{len(held)} of {len(found)} rules held: {"; ".join(held)}')
+  if built:  # they held on a null too: they could not have failed
+    notes.append(f'{built} of {len(found)} rules hold by construction and do not count')
   if unsure and status != verdicts.INCONCLUSIVE:
     notes.append(f'{unsure} of {len(found)} rules inconclusive at this budget')
   if not_run and status != verdicts.NOT_RUN:
     notes.append(f'{not_run} of {len(found)} rules could not run here: no verdict on them')
   note = '; '.join(notes)
   line = f'**Verdict: {status}.**' + (f' {note} (see below).' if note else '')
-  lines = [f'**Claim.** {meta.get("claim") or "(not stated)"}', '', line, '']
+  lines = [f'**Claim.** {meta.get("claim") or "(not stated)"}', '', line, '', *_null_lines(meta)]
 
   def why_not_run(v):
     if v.status != verdicts.NOT_RUN:
@@ -290,11 +294,25 @@ def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str,
   for i, v in enumerate(found):
     said = f' ({v.rule["text"]})' if v.rule.get('text') else ''
     lines.append(
-      f'{i + 1}. **{v.status}**{said}: {v.text}{why_not_run(v)}. Rule: `{_rule_text(v.rule)}`.'
+      f'{i + 1}. **{v.status}**{said}: {v.text}{why_not_run(v)}. Null: {v.null}. '
+      f'Rule: `{_rule_text(v.rule)}`.'
     )
   if not found:
     lines.append('The sweep states no rule: no verdict.')
   return status, note, lines
+
+
+def _null_lines(meta: Mapping) -> list[str]:
+  """The sweep's nulls in words, before the rules that are judged on them."""
+  nulls = meta.get('nulls') or []
+  if not nulls:
+    return ['The sweep declares no null: no rule is checked against one that learns nothing.', '']
+  lines = [
+    'Nulls (what a model that learns nothing scores; a rule that holds on one too holds by '
+    'construction and does not count):',
+    '',
+  ]
+  return lines + [f'- **{n["name"]}**: {n["reason"]}' for n in nulls] + ['']
 
 
 def _rules_note(meta: Mapping, results: Sequence[Mapping]) -> str:
@@ -333,6 +351,20 @@ def _rule_text(rule: Mapping) -> str:
   return ', '.join(f'{k}={v!r}' for k, v in rule.items() if k not in ('text', 'name'))
 
 
+def regenerate_command(workdir: str, meta: Mapping, seeds: int) -> str:
+  """The command that reruns a sweep into `workdir` at the current commit: for a committed
+  folder (results root/<name>) `experiments.regenerate`, which replaces runs from another commit
+  (`experiments.sweep` refuses to mix them), else `experiments.sweep`."""
+  parent, name = os.path.split(os.path.normpath(workdir))
+  if name == meta['name'] and parent.replace(os.sep, '/') in results_lib.RESULT_ROOTS:
+    gpu = ' --gpu' if parent.endswith('_gpu') else ''
+    return f'python -m experiments.regenerate --only={name}{gpu}'
+  return (
+    f'python -m experiments.sweep --sweep={meta["path"]} --workdir={workdir} '
+    f'--seeds={meta.get("seeds", seeds)} --scale={meta["scale"]}'
+  )
+
+
 def write_report(workdir: str) -> str:
   """Writes workdir/report.md (and its PNGs) for one sweep, or an index over sub-sweeps.
 
@@ -353,10 +385,7 @@ def write_report(workdir: str) -> str:
   seeds = sorted({r['seed'] for r in results})
   wall = sum(r.get('wall_time_s') or 0 for r in results)
   backend = sorted({f'{r.get("backend")} ({r.get("device")})' for r in results})
-  command = (
-    f'python -m experiments.sweep --sweep={meta["path"]} --workdir={workdir} '
-    f'--seeds={meta.get("seeds", len(seeds))} --scale={meta["scale"]}'
-  )
+  command = regenerate_command(workdir, meta, len(seeds))
   lines = [
     f'# {meta["name"]}',
     '',
@@ -368,6 +397,8 @@ def write_report(workdir: str) -> str:
     f'total wall time {wall / 60:.1f} min on {", ".join(backend)}. Regenerate with',
     '',
     f'```bash\n{command}\npython -m experiments.report --workdir={workdir}\n```',
+    '',
+    'The second line alone writes this report again from the recorded runs, in seconds.',
     '',
   ]
   if meta.get('description'):

@@ -19,6 +19,9 @@ from transformer.training import checkpoint
 
 RESULTS = 'results.jsonl'
 SWEEP_JSON = 'sweep.json'
+# The committed results (CPU, then one GPU), one sweep per folder: experiments.regenerate writes
+# them, so changes under these (relative to the checkout) leave its tree clean.
+RESULT_ROOTS = ('docs/results', 'docs/results_gpu')
 
 
 def config_dict(config: ml_collections.ConfigDict) -> dict:

@@ -14,7 +14,7 @@ from typing import Any
 
 import ml_collections
 
-from research import measures, report, verdicts
+from research import measures, nulls, report, verdicts
 from transformer.config.experiment import Config
 from transformer.training import optim
 from transformer.training.state import optim_config
@@ -23,7 +23,7 @@ SWEEPS_DIR = os.path.join('configs', 'sweeps')
 _NAME = re.compile(r'[A-Za-z0-9_.+=-]+')  # variant names become directory names
 _FIELDS = (
   'name', 'claim', 'base', 'overrides', 'variants', 'axes', 'metrics', 'rule', 'rules', 'measure',
-  'measure_args', 'train', 'eval_variants', 'plots', 'description', 'preconditions',
+  'measure_args', 'train', 'eval_variants', 'plots', 'description', 'preconditions', 'nulls',
 )  # fmt: skip
 
 # The paper's rsqrt schedule (peak 0.0051 at step 300), which several sweeps' results were run
@@ -47,6 +47,12 @@ class Sweep:
     preconditions: rules with a `name` that must hold for the rules to count, such as "full
       attention learns the task"; a rule that `requires` a failed one (or any, when it lists
       none) is inconclusive at this budget. Their metrics must be among `metrics`.
+    nulls: what a model that learns nothing scores, each a dict of `name`, `reason` (in words:
+      an untrained model, the task's best strategy without the skill under test, or an analytic
+      value and why) and `values` ({variant: {metric: number, or 'as recorded' for one measured
+      before any training}}); `research.nulls` checks them. Every rule is evaluated on them
+      too; one that also holds on a null holds by construction and is not counted. A rule's
+      `chance` names one of them.
     measure: a function `measure(ctx: MeasureContext, **measure_args) -> dict` run after training
       (or instead of it when `train` is False): a name defined in the sweep file or in
       `research.measures.MEASURES`. Its numbers join the run's metrics; a list under the key
@@ -69,6 +75,7 @@ class Sweep:
   metrics: tuple[str, ...] = ('eval.loss',)
   rules: tuple[dict, ...] = ()
   preconditions: tuple[dict, ...] = ()
+  nulls: tuple[dict, ...] = ()
   measure: str | Callable | None = None
   measure_args: dict[str, Any] = dataclasses.field(default_factory=dict)
   train: bool = True
@@ -203,6 +210,7 @@ def _from_spec(spec: dict, path: str, scale: int, module: Any) -> Sweep:
     metrics=(metrics,) if isinstance(metrics, str) else tuple(metrics),
     rules=tuple(dict(r) for r in rules),
     preconditions=tuple(dict(r) for r in spec.get('preconditions') or ()),
+    nulls=tuple(dict(n) for n in spec.get('nulls') or ()),
     measure=spec.get('measure'),
     measure_args=dict(spec.get('measure_args') or {}),
     train=bool(spec.get('train', True)),
@@ -310,6 +318,8 @@ def check_sweep(sweep: Sweep) -> None:
   verdicts.check_preconditions(
     sweep.preconditions, sweep.rules, sweep.all_variants, list(sweep.metrics)
   )
+  read = [*sweep.metrics, *(m for r in sweep.rules for m in verdicts.rule_metrics(r))]
+  nulls.check_nulls(sweep.nulls, [*sweep.rules, *sweep.preconditions], sweep.all_variants, read)
   if sweep.measure is not None:
     resolve_measure(sweep)
   report.check_plots(sweep.plots)

@@ -27,6 +27,7 @@ import ml_collections
 
 from research import report, spec
 from research.results import (
+  RESULT_ROOTS,
   SWEEP_JSON,
   append_result,
   config_dict,
@@ -47,9 +48,7 @@ from transformer.training.workdir import load_run
 
 WORKER_MODULE = 'experiments.sweep'  # `python -m` entry point that runs one (variant, seed)
 # The checkout whose code runs: the one holding this package.
-SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Regenerating writes here, so changes under these (relative to the checkout) leave it clean.
-RESULT_ROOTS = ('docs/results', 'docs/results_gpu')
+SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # The source revision -----------------------------------------------------------------------
@@ -254,6 +253,7 @@ def sweep_metadata(sweep: Sweep, seeds: int, revision: str = 'unknown') -> dict:
       'metrics': list(sweep.metrics),
       'rules': list(sweep.rules),
       'preconditions': list(sweep.preconditions),
+      'nulls': list(sweep.nulls),
       'measure': sweep.measure_name,
       'measure_args': sweep.measure_args,
       'train': sweep.train,
@@ -428,7 +428,7 @@ def regenerate(
 
 
 def rejudge(workdir: str, allow_dirty: bool = False) -> str:
-  """Replaces the claim, description, compared metrics, rules, preconditions and plots recorded in
+  """Replaces the claim, description, compared metrics, rules, preconditions, nulls and plots in
   sweep.json by those its sweep file states now, and records the revision they come from
   (`rules_revision`): the recorded numbers stay as they were run; only the judging (and the words)
   change. Returns that revision.
@@ -445,6 +445,7 @@ def rejudge(workdir: str, allow_dirty: bool = False) -> str:
     metrics=list(sweep.metrics),
     rules=list(sweep.rules),
     preconditions=list(sweep.preconditions),
+    nulls=list(sweep.nulls),
     plots=list(sweep.plots),
     rules_revision=revision,
   )

@@ -13,12 +13,21 @@ A verdict can also be INCONCLUSIVE ("inconclusive at this budget"), never counte
 or not:
 - a gap rule (`less`, `greater`, `ordering`, `monotone`) with >= 2 seeds per variant whose gap
   lies within the seeds' noise (`margin_std` pooled stds): neither shown nor refuted;
-- a rule with `chance=c` whose every compared value is indistinguishable from c (within
-  `chance_tolerance`, and within 2 standard errors over seeds; one seed and no tolerance: 10% of
-  c): an ordering among runs that learned nothing says nothing;
+- a rule with `chance=NULL` whose every compared value is indistinguishable from that null's
+  value of the same variant and metric (within `chance_tolerance`, and within 2 standard errors
+  over seeds; one seed and no tolerance: 10% of it): an ordering among runs that learned nothing
+  says nothing;
 - a rule whose precondition does not hold (`judge`): a sweep's `preconditions` are rules with a
   `name`, such as "full attention learns the task"; a rule depends on the ones its `requires`
   lists, or on all of them when it has no `requires` (`requires=[]`: on none).
+
+A sweep also declares its nulls: what a model that learns nothing scores (`Null`: an untrained
+model, the task's best strategy without the skill the claim is about, or an analytic value with
+its reason), as `values[variant][metric] -> one number`, or AS_RECORDED for a metric that an
+untrained model scores as the runs did (one measured at step 0); `research.nulls` checks them.
+`judge` evaluates every rule on
+each null too: a rule that also holds on a null is BY_CONSTRUCTION, never counted as reproduced,
+and a sweep whose rules that held all hold by construction is VACUOUS.
 """
 
 from __future__ import annotations
@@ -30,10 +39,14 @@ from typing import Any
 
 import numpy as np
 
+from research.nulls import resolve_null
+
 REPRODUCED = 'reproduced'
 NOT_REPRODUCED = 'not reproduced at this scale'
 NOT_RUN = 'not run'
 INCONCLUSIVE = 'inconclusive at this budget'
+BY_CONSTRUCTION = 'holds by construction'  # it holds on a null too: it could not have failed
+VACUOUS = 'vacuous'  # every rule that held holds by construction
 
 Table = Mapping[str, Mapping[str, Sequence[float]]]  # variant -> metric -> per-seed values
 
@@ -91,6 +104,7 @@ class Verdict:
   text: str  # the comparison with its numbers, in words
   rule: dict
   numbers: dict = dataclasses.field(default_factory=dict)
+  null: str = ''  # the rule on the sweep's nulls, in words (`judge`)
 
   @property
   def reproduced(self) -> bool:
@@ -159,12 +173,19 @@ def check_rule(rule: Mapping[str, Any], variants: Sequence[str] | None = None) -
     raise ValueError(f"where={where!r} must be {{'metric': a metric, 'value': a number}}")
   if rule.get('direction', 'increasing') not in ('increasing', 'decreasing'):
     raise ValueError(f"direction={rule['direction']!r} must be 'increasing' or 'decreasing'")
-  for key in ('chance', 'chance_tolerance', 'margin_std'):
+  chance = rule.get('chance')
+  if chance is not None and not isinstance(chance, str):
+    raise ValueError(
+      f"chance={chance!r} must name one of the sweep's nulls (chance is what a model that learns "
+      'nothing scores, not 1/vocabulary); runs judged by older rules: python -m '
+      'experiments.report --workdir=DIR --rejudge'
+    )
+  for key in ('chance_tolerance', 'margin_std'):
     value = rule.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
       raise ValueError(f'{key}={value!r} must be a number')
   if rule.get('chance_tolerance') is not None and 'chance' not in rule:
-    raise ValueError('chance_tolerance needs chance (the value of the metric at chance)')
+    raise ValueError('chance_tolerance needs chance (the null whose values are chance)')
   requires = rule.get('requires')
   if requires is not None and (
     isinstance(requires, str) or not all(isinstance(n, str) for n in requires)
@@ -193,7 +214,7 @@ def check_preconditions(
       raise ValueError(f'precondition {name!r} has requires: preconditions do not chain')
     names.append(name)
     if metrics is not None:
-      for metric in _rule_metrics(pre):
+      for metric in rule_metrics(pre):
         if metric not in metrics:
           raise ValueError(
             f'precondition {name!r} names metric {metric!r}, which the sweep does not record; '
@@ -210,7 +231,7 @@ def check_preconditions(
         )
 
 
-def _rule_metrics(rule: Mapping[str, Any]) -> list[str]:
+def rule_metrics(rule: Mapping[str, Any]) -> list[str]:
   """The metrics a rule reads (its `where` condition included)."""
   found = [rule[k] for k in ('metric', 'metric_a', 'metric_b', 'x', 'y') if k in rule]
   found += list(rule.get('metrics') or [])
@@ -284,11 +305,15 @@ def _less_or_greater(rule: Mapping, table: Table) -> Verdict:
     ok = sign * (mb - ma) > 0
     text = f'{lhs} {word} {rhs} (an infinite value is a run that diverged or could not run)'
     return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
-  gap = sign * (mb - ma)
+  gap = sign * (mb - ma) + 0.0  # + 0.0: no "-0" in the report
+  noise = math.inf  # one seed: no std, so no band of noise
   if len(va) >= 2 and len(vb) >= 2:
     k = float(rule.get('margin_std', 2.0))
-    margin = k * math.sqrt((sa**2 + sb**2) / 2)
+    margin = noise = k * math.sqrt((sa**2 + sb**2) / 2)
     how = f'{k:g} pooled std over seeds'
+    if 'rel_margin' in rule and float(rule['rel_margin']) * abs(mb) > margin:  # the larger one
+      margin = float(rule['rel_margin']) * abs(mb)
+      how = f'{float(rule["rel_margin"]):.0%} of {b}, above {k:g} pooled std over seeds'
   else:
     rel = float(rule.get('rel_margin', 0.02))
     margin = rel * abs(mb)
@@ -296,7 +321,7 @@ def _less_or_greater(rule: Mapping, table: Table) -> Verdict:
   numbers.update(gap=gap, margin=margin)
   ok = gap > margin
   text = f'{lhs} {word} {rhs}: gap {fmt(gap)} {">" if ok else "<="} margin {fmt(margin)} ({how})'
-  if not ok and len(va) >= 2 and len(vb) >= 2 and gap >= -margin:  # neither way beyond noise
+  if not ok and abs(gap) <= noise < math.inf:  # neither way beyond the seeds' noise
     return Verdict(INCONCLUSIVE, f"{text}, within the seeds' noise", dict(rule), numbers)
   return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
 
@@ -636,16 +661,21 @@ def _compared(rule: Mapping, table: Table) -> list[tuple[str, str]]:
   return [(v, rule['metric']) for v in names]
 
 
-def _at_chance(rule: Mapping, table: Table) -> str | None:
-  """Words saying that every value the rule compares is indistinguishable from rule['chance'],
-  or None when one is not (or the rule names no chance level)."""
-  if rule.get('chance') is None:
+def _at_chance(rule: Mapping, table: Table, nulls: Mapping[str, Mapping]) -> str | None:
+  """Words saying that every value the rule compares is indistinguishable from the value of the
+  null rule['chance'] for the same variant and metric, or None when one is not (or the rule
+  names no chance)."""
+  name = rule.get('chance')
+  if name is None:
     return None
-  chance = float(rule['chance'])
+  if name not in nulls:
+    shown = ', '.join(nulls) or 'none'
+    raise ValueError(f"rule has chance={name!r}, which is not one of the sweep's nulls: {shown}")
   shown = []
   for variant, metric in _compared(rule, table):
     values = _values(table, variant, metric)
-    if not values:
+    chance = (nulls[name].get(variant) or {}).get(metric)
+    if not values or chance is None:
       continue
     mean, std = mean_std(values)
     tolerance = rule.get('chance_tolerance')
@@ -656,14 +686,17 @@ def _at_chance(rule: Mapping, table: Table) -> str | None:
       tolerance = 0.1 * abs(chance)
     if not abs(mean - chance) <= float(tolerance):
       return None
-    shown.append(f'{variant} {fmt(mean, std)}')
+    shown.append(f'{variant} {fmt(mean, std)} (null {fmt(chance)})')
   if not shown:
     return None
-  return f'every compared value is at chance ({fmt(chance)}): {", ".join(shown)}'
+  return f'every compared value is at chance (the null {name!r}): {", ".join(shown)}'
 
 
-def evaluate(rule: Mapping[str, Any], table: Table) -> Verdict:
-  """Applies one rule (see `KINDS`) to `table[variant][metric] -> per-seed values`."""
+def evaluate(
+  rule: Mapping[str, Any], table: Table, nulls: Mapping[str, Mapping] | None = None
+) -> Verdict:
+  """Applies one rule (see `KINDS`) to `table[variant][metric] -> per-seed values`; `nulls`
+  (name -> values[variant][metric]) are the chance levels a rule's `chance` may name."""
   check_rule(rule)
   kept = rule
   if rule.get('where') is not None:
@@ -673,24 +706,61 @@ def evaluate(rule: Mapping[str, Any], table: Table) -> Verdict:
   verdict = _missing(kept, table) or _EVALUATORS[rule['kind']](kept, table)
   verdict = dataclasses.replace(verdict, rule=dict(rule))
   if verdict.status in (REPRODUCED, NOT_REPRODUCED):
-    chance = _at_chance(rule, table)
+    chance = _at_chance(rule, table, nulls or {})
     if chance is not None:
       text = f'{chance}; had it counted: {verdict.status}, {verdict.text}'
       return dataclasses.replace(verdict, status=INCONCLUSIVE, text=text)
   return verdict
 
 
+# Nulls -----------------------------------------------------------------------------------------
+def on_null(rule: Mapping[str, Any], table: Table, null: Mapping[str, Any]) -> Verdict | None:
+  """The rule evaluated on the null's values (one 'seed' each), or None when the null does not
+  record every value the rule compares in `table`."""
+  values = null['values']
+  if any(m not in (values.get(v) or {}) for v, m in _compared(rule, table)):
+    return None
+  if rule.get('where') is not None and any(
+    rule['where']['metric'] not in (values.get(v) or {}) for v, _ in _compared(rule, table)
+  ):
+    return None
+  plain = {k: v for k, v in rule.items() if k not in ('chance', 'chance_tolerance', 'requires')}
+  verdict = evaluate(plain, {v: {m: [x] for m, x in row.items()} for v, row in values.items()})
+  return None if verdict.status == NOT_RUN else verdict
+
+
+def against_nulls(verdict: Verdict, table: Table, nulls: Sequence[Mapping[str, Any]]) -> Verdict:
+  """The verdict with the rule's outcome on each null in words; a rule that held is
+  BY_CONSTRUCTION when it holds on a null too."""
+  if not nulls:
+    return dataclasses.replace(verdict, null='the sweep declares no null')
+  found = [(n['name'], on_null(verdict.rule, table, n)) for n in nulls]
+  found = [(name, v) for name, v in found if v is not None]
+  if not found:
+    return dataclasses.replace(verdict, null='no null records the values it compares')
+  words = {REPRODUCED: 'holds', NOT_REPRODUCED: 'fails'}
+  null = '; '.join(f'{name}: {words.get(v.status, v.status)}, {v.text}' for name, v in found)
+  status = verdict.status
+  if status == REPRODUCED and any(v.status == REPRODUCED for _, v in found):
+    status = BY_CONSTRUCTION
+  return dataclasses.replace(verdict, status=status, null=null)
+
+
 def judge(
   rules: Sequence[Mapping[str, Any]],
   table: Table,
   preconditions: Sequence[Mapping[str, Any]] = (),
+  nulls: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[list[Verdict], list[Verdict]]:
   """(the preconditions' verdicts, the rules' verdicts). A rule whose precondition (the ones its
-  `requires` names, else all) did not hold is INCONCLUSIVE, its own outcome given in words."""
-  pre = {p['name']: evaluate(p, table) for p in preconditions}
+  `requires` names, else all) did not hold is INCONCLUSIVE, its own outcome given in words; each
+  rule is also evaluated on every null (`against_nulls`)."""
+  nulls = [resolve_null(n, table) for n in nulls]
+  named = {n['name']: n['values'] for n in nulls}
+  pre = {p['name']: evaluate(p, table, named) for p in preconditions}
   found = []
   for rule in rules:
-    verdict = evaluate(rule, table)
+    verdict = evaluate(rule, table, named)
     needs = list(pre) if rule.get('requires') is None else rule['requires']  # []: none
     failed = [n for n in needs if pre[n].status != REPRODUCED]
     if failed and verdict.status != NOT_RUN:
@@ -701,16 +771,17 @@ def judge(
         f'{verdict.text}'
       )
       verdict = dataclasses.replace(verdict, status=INCONCLUSIVE, text=text)
-    found.append(verdict)
+    found.append(against_nulls(verdict, table, nulls))
   return list(pre.values()), found
 
 
 def overall(verdicts: Sequence[Verdict]) -> str:
   """A claim's status from its rules: not reproduced if any rule fails, else inconclusive if any
-  rule is, else reproduced if any rule ran (rules that could not run are listed with it), else
-  not run."""
+  rule is, else reproduced if any rule held that could have failed (rules that could not run or
+  hold by construction are listed with it), else vacuous if rules held by construction only,
+  else not run."""
   statuses = [v.status for v in verdicts]
   for status in (NOT_REPRODUCED, INCONCLUSIVE, REPRODUCED):
     if status in statuses:
       return status
-  return NOT_RUN
+  return VACUOUS if BY_CONSTRUCTION in statuses else NOT_RUN

@@ -123,6 +123,7 @@ FROZEN_BASE = {
     'num_heads': 8,
     'num_kv_heads': Ref(None, int),
     'num_layers': 6,
+    'output_bias': False,
     'output_head': True,
     'pad_id': 0,
     'param_dtype': 'float32',

@@ -269,3 +269,43 @@ def test_transformer_load_of_a_2x2x2_run_in_a_fresh_one_device_process(worker):
   assert (devices, step) == (1, 3)
   saved = np.asarray(results['logits']['saved'])
   np.testing.assert_allclose(np.asarray(logits), saved, rtol=1e-5, atol=1e-5)
+
+
+_EVERY_CORE = """
+import json, os, sys
+cores = int(sys.argv[1])
+os.sched_getaffinity = lambda pid: set(range(cores))  # a machine with this many cores
+from transformer import sharding
+import jax
+made = sharding.use_every_core()
+picks = {
+  str(rows): [None if d is None else len(d) for d in (
+    sharding.default_devices((-1, 1, 1), rows), sharding.default_devices((1, 2, 1), rows))]
+  for rows in ([12, 64], [7, 64], [])
+}
+print(json.dumps([made, jax.device_count(), picks]))
+"""
+
+
+@pytest.mark.parametrize('cores,xla_flags', [(8, ''), (1, ''), (8, 'count')])
+def test_use_every_core_splits_the_default_mesh_over_the_cores_the_batches_divide(cores, xla_flags):
+  """8 cores: 8 CPU devices; a batch of 12 rows (eval 64) runs on 4 of them, 7 rows on 1, and a
+  mesh the config names keeps all 8 (None). One core, or a device count the user chose through
+  XLA_FLAGS, changes nothing."""
+  flags = '--xla_force_host_platform_device_count=2' if xla_flags else ''
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': flags}
+  proc = subprocess.run(
+    [sys.executable, '-c', _EVERY_CORE, str(cores)],
+    capture_output=True, text=True, timeout=120, cwd=ROOT, env=env,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  made, devices, picks = json.loads(proc.stdout.strip().splitlines()[-1])
+  if xla_flags:
+    assert (made, devices) == (1, 2)
+    assert picks == {'[12, 64]': [None, None], '[7, 64]': [None, None], '[]': [None, None]}
+  elif cores == 1:
+    assert (made, devices) == (1, 1)
+    assert picks['[12, 64]'] == [None, None]
+  else:
+    assert (made, devices) == (8, 8)
+    assert picks == {'[12, 64]': [4, None], '[7, 64]': [1, None], '[]': [8, None]}

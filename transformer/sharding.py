@@ -95,6 +95,43 @@ def mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, int, int]:
   return shape
 
 
+_CORES_AS_DEVICES = False  # use_every_core() made one CPU device per core
+
+
+def use_every_core() -> int:
+  """On CPU, one JAX device per core this process may run on; returns the count (1: unchanged).
+
+  XLA:CPU runs a device's program one op after another and splits only large ops over threads,
+  so a small model's step leaves the other cores idle. With one device per core, a run whose
+  mesh is the default splits its batch over them (`default_devices`), each a shard of the same
+  global batch: the same data, gradients averaged across the shards (floating-point sums in
+  another order). Call before anything touches a device; does nothing when a device count was
+  chosen (`XLA_FLAGS=--xla_force_host_platform_device_count`, `jax_num_cpu_devices`), and
+  nothing to GPUs and TPUs, which stay the default devices where present.
+  """
+  global _CORES_AS_DEVICES
+  chosen = 'xla_force_host_platform_device_count' in os.environ.get('XLA_FLAGS', '')
+  if chosen or jax.config.jax_num_cpu_devices != -1:
+    return 1
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+  if (cores or 1) > 1:
+    jax.config.update('jax_num_cpu_devices', cores)
+    _CORES_AS_DEVICES = True
+  return cores or 1
+
+
+def default_devices(mesh_shape: Sequence[int], rows: Sequence[int]) -> list | None:
+  """The devices a run lays its mesh over when it names none: None (all of them), except after
+  `use_every_core` with the default mesh (-1, 1, 1) in one process: as many CPU devices as
+  divide every batch's `rows` (12 rows on 8 cores: 6 devices)."""
+  default = tuple(mesh_shape) == (-1, 1, 1) and jax.process_count() == 1
+  if not (_CORES_AS_DEVICES and default and jax.default_backend() == 'cpu'):
+    return None
+  devices = jax.devices()
+  count = max(n for n in range(1, len(devices) + 1) if all(r % n == 0 for r in rows))
+  return devices[:count]
+
+
 def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A ('data', 'fsdp', 'tensor') mesh over `devices` (default: every device of every process)."""
   devices = list(jax.devices() if devices is None else devices)

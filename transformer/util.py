@@ -3,12 +3,17 @@ writes, whether a workdir has checkpoints and a headless pyplot."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
 from typing import Any
 
 import jax
+
+# errno values that mean "the file system has no room": full disk, quota, per-file size limit.
+NO_SPACE = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded'}
+NO_SPACE[errno.EFBIG] = 'File too large'
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:
@@ -89,3 +94,34 @@ def release_host_memory() -> bool:
 
 
 _LIBC: Any = None
+
+
+def no_space_reason(error: BaseException | str) -> str | None:
+  """'No space left on device' (or quota, file size) if `error` or its causes say so, else None.
+
+  orbax's tensorstore writes report the errno only in their message (`[os_error_code='28']`).
+  """
+  seen, todo = set(), [error]
+  while todo:
+    item = todo.pop()
+    if item is None or id(item) in seen:
+      continue
+    seen.add(id(item))
+    if isinstance(item, OSError) and item.errno in NO_SPACE:
+      return NO_SPACE[item.errno]
+    text = str(item)
+    for code, reason in NO_SPACE.items():
+      if reason in text or f"os_error_code='{code}'" in text:
+        return reason
+    if isinstance(item, BaseException):
+      todo += [item.__cause__, item.__context__]
+  return None
+
+
+def byte_size(num_bytes: float) -> str:
+  """`num_bytes` for a reader: '512 bytes', '3.2 MiB'."""
+  for unit in ('bytes', 'KiB', 'MiB', 'GiB'):
+    if num_bytes < 1024 or unit == 'GiB':
+      return f'{num_bytes:.0f} {unit}' if unit == 'bytes' else f'{num_bytes:.1f} {unit}'
+    num_bytes /= 1024
+  return f'{num_bytes:.1f} TiB'

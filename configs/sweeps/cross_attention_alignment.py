@@ -38,5 +38,16 @@ def get_sweep(scale: int = 1) -> dict:
     variants={'default': {}},
     measure='alignment',
     metrics=['align.score', 'align.best_head', 'align.chance', 'eval.bleu'],
+    nulls=[
+      dict(
+        name='uniform attention',
+        reason='a model that learned nothing attends about '
+        'uniformly over the visible source tokens, and so puts on the gold ones the share '
+        'that align.chance is, as recorded',
+        values={
+          'default': {'align.score': 'as recorded: align.chance', 'align.chance': 'as recorded'}
+        },
+      ),
+    ],  # fmt: skip
     rules=rules,
   )

@@ -70,6 +70,14 @@ def get_sweep(scale: int = 1) -> dict:
     },
     metrics=['eval.exact_match', 'eval.loss', 'eval.accuracy', 'eval.bleu'],
     preconditions=preconditions,  # fmt: skip
+    nulls=[
+      dict(
+        name='untrained',
+        reason='a model that learned nothing spells no answer exactly: '
+        'exact match 0 at every size (an analytic value), so no step carries a jump',
+        values={size: {'eval.exact_match': 0.0} for size in sizes},
+      ),
+    ],  # fmt: skip
     rules=rules,  # fmt: skip
     plots=plots,  # fmt: skip
   )

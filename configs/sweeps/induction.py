@@ -95,5 +95,10 @@ def get_sweep(scale: int = 1) -> dict:
       'phase.lag', 'in_context.final', 'in_context.start',
     ],
     preconditions=[forms('attn2'), forms('mlp2')],
+    nulls=[
+      dict(name='untrained', reason='a model at init has no induction head: its best induction '
+           'score is the chance level of the probe, about 1/37 (an analytic value, not a forward '
+           'pass)', values={v: {'induction.final': 1 / 37} for v in ('attn1', 'attn2', 'mlp2')}),
+    ],  # fmt: skip
     rules=rules,
   )  # fmt: skip

@@ -139,5 +139,29 @@ def get_sweep(scale: int = 1) -> dict:
       'ood.chain_held_out_prob',
     ],  # fmt: skip
     preconditions=[*[learns(p) for p in _POSITIONS], fits],
+    nulls=[
+      dict(
+        name='untrained',
+        reason='a model that learned nothing spells no number exactly: '
+        'exact match 0 at every length (an analytic value)',
+        values={p: {f'ood.exact@{d}': 0.0 for d in _DIGITS[1:]} for p in _POSITIONS},
+      ),
+      dict(
+        name='training chain',
+        reason='a model that learned exactly the transitions seen in '
+        'training (the training chain, smoothed by 1e-9) gives a held-out transition '
+        'probability 1e-9, a loss of ln(1e9) = 20.7 nats, and fits the seen ones as the runs '
+        "did; the true chain's own numbers are the task's, as recorded",
+        values={
+          'grammar': {
+            'ood.loss_held_out': 20.7,
+            'ood.held_out_prob': 1e-9,
+            'ood.loss_seen': 'as recorded',
+            'ood.chain_nll_held_out': 'as recorded',
+            'ood.chain_held_out_prob': 'as recorded',
+          }
+        },
+      ),
+    ],  # fmt: skip
     rules=rules,
   )

@@ -103,5 +103,18 @@ def get_sweep(scale: int = 1) -> dict:
       'train.max_jump',
     ],
     preconditions=preconditions,
+    nulls=[
+      dict(
+        name='at init',
+        reason='init.branch_ratio and init.growth are measured at step 0, '
+        'before any training: an untrained model scores exactly what the runs recorded, so '
+        "their ordering follows from the inits' definitions",
+        values={
+          f'{d}_{name}': {'init.branch_ratio': 'as recorded', 'init.growth': 'as recorded'}
+          for d in ('12L', '24L')
+          for name in _INITS
+        },
+      ),
+    ],  # fmt: skip
     rules=rules,
   )

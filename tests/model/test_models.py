@@ -249,6 +249,18 @@ def test_remat_and_scan_match_plain(family, remat):
   )
 
 
+def test_output_bias_adds_a_learned_bias_to_the_untied_head():
+  cfg = tiny('causal_lm', tie_output=False)
+  model, params = init(cfg)
+  biased, biased_params = init(cfg.replace(output_bias=True))
+  assert biased_params['head']['logits']['bias'].shape == (cfg.vocab_size,)
+  bias = np.random.default_rng(1).normal(size=cfg.vocab_size).astype(np.float32)
+  with_bias = {**params, 'head': {'logits': {**params['head']['logits'], 'bias': bias}}}
+  x = tokens(np.random.default_rng(0), (2, 8))
+  out = biased.apply({'params': with_bias}, x)
+  np.testing.assert_allclose(out, model.apply({'params': params}, x) + bias, atol=1e-5)
+
+
 # Precision and initialisation ----------------------------------------------------------------
 def test_bfloat16_compute_keeps_float32_params_and_is_close():
   cfg = tiny('causal_lm')
@@ -298,12 +310,20 @@ def test_scaled_init_shrinks_residual_outputs():
     (dict(norm='groupnorm'), "norm='groupnorm' is not valid"),
     (dict(remat='some'), "remat='some' is not valid"),
     (dict(attention_impl='flash'), "attention_impl='flash' is not valid"),
-    (dict(d_ff=-4), 'd_ff=-4 must be a non-negative integer'),
+    (dict(d_ff=-4), 'd_ff=-4 must be an integer >= 0'),
     (dict(num_layers=0), 'num_layers=0 must be a positive integer'),
     (dict(vocab_size=-1), 'vocab_size=-1 must be a positive integer'),
     (dict(dropout_rate=1.5), 'dropout_rate=1.5 must be in [0, 1)'),
     (dict(window=(-1, 0)), 'window=(-1, 0) must be a pair'),
     (dict(dtype='float8'), "dtype='float8' is not valid"),
+    (dict(rope_theta=0.0), 'rope_theta=0.0 must be a finite number > 0'),
+    (dict(norm_eps=float('nan')), 'norm_eps=nan must be a finite number > 0'),
+    (dict(rope_scaling_factor=0.5), 'rope_scaling_factor=0.5 must be a finite number >= 1.0'),
+    (dict(pad_id=-1), 'pad_id=-1 must be an integer >= 0'),
+    (dict(num_decoder_layers=-2), 'num_decoder_layers=-2 must be an integer >= 0'),
+    (dict(num_classes=-1), 'num_classes=-1 must be an integer >= 0'),
+    (dict(output_bias=True), 'output_bias=True is a bias on the untied output projection'),
+    (dict(output_bias=1, tie_output=False), 'output_bias=1 must be True or False'),
   ],
 )
 def test_bad_config_raises_one_clear_error(overrides, message):

@@ -1,4 +1,7 @@
-"""Tests of research.long_context: the step cost that the long_context sweep fits."""
+"""Tests of research.long_context: the step cost that the long_context sweep fits, and the
+recall null (elimination) against its exact expectation."""
+
+import math
 
 import pytest
 
@@ -28,3 +31,33 @@ def test_step_memory_of_full_attention_is_quadratic_and_of_linear_attention_line
   short, long = (long_context.step_cost(_config(**model), T, steps=1) for T in (256, 1024))
   assert short['ms'] > 0 and long['ms'] > 0
   assert low < long['mib'] / short['mib'] < high, (short, long)
+
+
+def _expected_mode_share(m: int, letters: int = 26) -> float:
+  """E[largest multiplicity among m uniform draws from `letters`] / m, exactly: P(max < k) counts
+  the sequences whose every letter occurs under k times, m! [x^m] (sum_{i<k} x^i / i!)^letters."""
+  from fractions import Fraction
+
+  def below(k):  # P(max < k)
+    poly = [Fraction(1)]
+    term = [Fraction(1, math.factorial(i)) for i in range(min(k, m + 1))]
+    for _ in range(letters):
+      poly = [sum(poly[j] * term[d - j] for j in range(len(poly)) if 0 <= d - j < len(term))
+              for d in range(m + 1)]  # fmt: skip
+    return poly[m] * math.factorial(m) / Fraction(letters) ** m
+
+  return float(sum(1 - below(k) for k in range(1, m + 1)) / m)
+
+
+def test_elimination_scores_the_most_frequent_value_left_in_the_bag():
+  # 2 pairs: the first answer is right when both values agree (1/26), else half the time.
+  first = 1 / 26 + 25 / 26 * 0.5
+  assert _expected_mode_share(2) == pytest.approx(first)
+  for pairs in (2, 4, 8):
+    found = long_context.elimination_accuracy(pairs, 8, pairs, count=20_000)
+    exact = [_expected_mode_share(pairs - j) for j in range(pairs)]  # j answers are out
+    assert found == pytest.approx(exact, abs=0.01)
+    assert found[-1] == 1.0  # the last value left is the answer
+  # Asking only some of the pairs leaves the others in the bag: the last answer is a guess.
+  some = long_context.elimination_accuracy(4, 8, 2, count=20_000)
+  assert some == pytest.approx([_expected_mode_share(4), _expected_mode_share(3)], abs=0.01)

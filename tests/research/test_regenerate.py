@@ -191,32 +191,6 @@ def _readme_and_docs() -> str:
   return '\n'.join(text)
 
 
-def test_the_seeds_table_covers_every_sweep_and_the_readme_agrees():
-  names = {os.path.basename(p)[:-3] for p in spec.available_sweeps()}
-  assert set(regenerate_cli.SEEDS) == names
-  readme = _readme_and_docs()
-  pattern = (
-    r'--sweep=configs/sweeps/(\w+)\.py --workdir=docs/results/(\w+) --seeds=(\d+)'
-    r'(?: --variants=([\w.,-]+))?'
-  )
-  found = re.findall(pattern, readme)
-  assert {name for name, *_ in found} == names
-  passes = {}
-  for name, workdir, seeds, variants in found:
-    assert workdir == name
-    passes.setdefault(name, set()).add((variants, int(seeds)))
-  for name, plan in regenerate_cli.SEEDS.items():
-    sweep = spec.load_sweep(os.path.join(ROOT, 'configs', 'sweeps', f'{name}.py'))
-    want = {(','.join(v) if v else '', n) for v, n in sweeps.seed_passes(sweep, plan)}
-    if len(want) > 1:  # the docs name the rest by omission: the pass over every variant
-      want = {('', n) if v == ','.join(_rest(sweep, plan)) else (v, n) for v, n in want}
-    assert passes[name] == want, name
-
-
-def _rest(sweep, plan):
-  return [v for v in sweep.all_variants if v not in plan and v not in sweep.eval_variants]
-
-
 # Every sweep sets its GPU_SCALE, and must load at that scale.
 _GPU_SCALED = tuple(sorted(regenerate_cli.SEEDS))  # fmt: skip
 
@@ -256,3 +230,10 @@ def test_seed_passes_give_named_variants_more_seeds_and_the_rest_the_default():
   assert sweeps.seed_passes(sweep, plan) == [(rest, 1), (['cos3e-3_w100', 'rsqrt'], 5)]
   with pytest.raises(ValueError, match="unknown variant 'nope'"):
     sweeps.seed_passes(sweep, {'nope': 2})
+
+
+def test_the_source_revision_is_that_of_the_checkout_holding_research():
+  # A clone's own root: the revision a sweep records is that of the code that ran.
+  assert os.path.samefile(sweeps.SOURCE_DIR, ROOT)
+  head = subprocess.run(['git', '-C', ROOT, 'rev-parse', 'HEAD'], capture_output=True, text=True)
+  assert sweeps.source_state()[0] == head.stdout.strip()

@@ -396,6 +396,35 @@ def test_a_claim_that_fails_one_rule_still_names_the_rules_that_held():
   assert (status, note) == (verdicts.REPRODUCED, '')
 
 
+def test_the_report_shows_each_rules_null_and_calls_a_sweep_vacuous_without_a_counted_rule():
+  results = [
+    {'variant': v, 'seed': 0, 'status': 'ok', 'metrics': {'acc': x}}
+    for v, x in (('full', 1.0), ('window', 0.04))
+  ]
+  rules = [
+    dict(kind='at_most', metric='acc', variants=['window'], value=0.1, text='window at chance'),
+    dict(kind='greater', metric='acc', a='full', b='window', text='full recalls more'),
+  ]
+  guess = dict(name='guess', reason='sees no pair', values={'full': {'acc': 0.04},
+                                                            'window': {'acc': 0.04}})  # fmt: skip
+  meta = {'claim': 'c', 'rules': rules, 'nulls': [guess]}
+  status, note, lines = report._verdict_lines(meta, results)
+  assert (status, note) == (
+    verdicts.REPRODUCED,
+    '1 of 2 rules hold by construction and do not count',
+  )
+  assert '- **guess**: sees no pair' in lines
+  held = 'Null: guess: holds, acc <= 0.1 for each of window 0.04.'
+  assert any(line.startswith('1. **holds by construction**') and held in line for line in lines)
+  assert any(
+    line.startswith('2. **reproduced**') and 'Null: guess: fails' in line for line in lines
+  )
+  status, note, _ = report._verdict_lines({**meta, 'rules': rules[:1]}, results)
+  assert status == verdicts.VACUOUS
+  _, _, lines = report._verdict_lines({'claim': 'c', 'rules': rules}, results)
+  assert 'The sweep declares no null: no rule is checked against one that learns nothing.' in lines
+
+
 def test_preconditions_load_with_the_sweep_and_show_in_the_report(tmp_path):
   pre = (
     "    preconditions=[dict(name='learns', kind='at_most', metric='eval.loss', "

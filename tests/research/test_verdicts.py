@@ -1,6 +1,6 @@
 """The per-run metrics (oscillation, learned, spikes) on hand-built curves; the rule options
-`floor` (fit_power_law) and `where` (any rule); and inconclusive verdicts (noise, chance,
-preconditions), on numbers with known answers."""
+`floor` (fit_power_law) and `where` (any rule); inconclusive verdicts (noise, chance,
+preconditions) and rules that hold by construction (on a null), on numbers with known answers."""
 
 import json
 import math
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
+from research import nulls, verdicts
 from research import results as results_lib
-from research import verdicts
 
 R, N, X = verdicts.REPRODUCED, verdicts.NOT_REPRODUCED, verdicts.NOT_RUN
 I = verdicts.INCONCLUSIVE  # noqa: E741
@@ -179,28 +179,94 @@ def test_ordering_with_seeds_is_judged_against_their_noise():
 
 
 def test_values_at_chance_make_any_rule_inconclusive():
-  chance = 1 / 26
-  rule = dict(kind='greater', metric='acc', a='full', b='window', rel_margin=0.1, chance=chance)
+  # Chance is a null's value of the same variant and metric, not one number for all.
+  declared = {'guess': {'full': {'acc': 1 / 26}, 'window': {'acc': 1 / 26}}}
+  rule = dict(kind='greater', metric='acc', a='full', b='window', rel_margin=0.1, chance='guess')
   both = {'full': {'acc': [0.046]}, 'window': {'acc': [0.0376]}}
-  assert verdicts.evaluate(rule, both).status == R  # one seed: 0.046 is beyond 10% of chance
+  assert verdicts.evaluate(rule, both, declared).status == R  # one seed: 0.046 is beyond 10% of it
   rule['chance_tolerance'] = 0.01  # the binomial standard error of ~400 answers
-  verdict = verdicts.evaluate(rule, both)
+  verdict = verdicts.evaluate(rule, both, declared)
   assert (
     verdict.status == I
-    and 'at chance' in verdict.text
+    and "at chance (the null 'guess')" in verdict.text
     and 'had it counted: reproduced' in (verdict.text)
   )
   learned = {'full': {'acc': [0.95]}, 'window': {'acc': [0.0376]}}
-  assert verdicts.evaluate(rule, learned).status == R
+  assert verdicts.evaluate(rule, learned, declared).status == R
   # With seeds: within 2 standard errors of chance.
   seeded = {'full': {'acc': [0.03, 0.045, 0.04]}, 'window': {'acc': [0.035, 0.04, 0.037]}}
-  assert verdicts.evaluate(rule, seeded).status == I
+  assert verdicts.evaluate(rule, seeded, declared).status == I
   wide = {**rule, 'chance_tolerance': 0.2}
-  assert verdicts.evaluate(wide, learned).status == R  # 0.95 is still far from chance
-  assert verdicts.evaluate({**wide, 'kind': 'less'}, both).status == I
+  assert verdicts.evaluate(wide, learned, declared).status == R  # 0.95 is still far from chance
+  assert verdicts.evaluate({**wide, 'kind': 'less'}, both, declared).status == I
+  # A null of its own per variant: full at 0.76 is at its null (elimination) here.
+  elimination = {'e': {'full': {'acc': 0.76}, 'window': {'acc': 0.0376}}}
+  at_its_null = {'full': {'acc': [0.755]}, 'window': {'acc': [0.0376]}}
+  assert verdicts.evaluate({**rule, 'chance': 'e'}, at_its_null, elimination).status == I
+  assert verdicts.evaluate(rule, at_its_null, declared).status == R  # far above 1/26
   with pytest.raises(ValueError, match='chance_tolerance needs chance'):
     verdicts.evaluate({'kind': 'less', 'metric': 'acc', 'a': 'x', 'b': 'y',
                        'chance_tolerance': 0.1}, both)  # fmt: skip
+  with pytest.raises(ValueError, match="must name one of the sweep's nulls"):
+    verdicts.evaluate({**rule, 'chance': 1 / 26}, both, declared)
+  with pytest.raises(ValueError, match="chance='gone', which is not one of the sweep's nulls"):
+    verdicts.evaluate({**rule, 'chance': 'gone'}, both, declared)
+
+
+def test_a_rule_that_holds_on_a_null_holds_by_construction():
+  table = {'full': {'acc': [1.0, 0.99, 1.0]}, 'lin': {'acc': [0.40, 0.41, 0.39]},
+           'w': {'acc': [0.04, 0.05, 0.04]}}  # fmt: skip
+  # Elimination (keep the bag of values, drop the answered ones) scores 0.40 without a lookup.
+  declared = [
+    dict(name='none', reason='sees nothing', values={v: {'acc': 1 / 26} for v in table}),
+    dict(name='elim', reason='no lookup', values={v: {'acc': 0.40} for v in table}),
+  ]
+  window = dict(kind='at_most', metric='acc', variants=['w'], value=0.1)
+  gap = dict(kind='greater', metric='acc', a='full', b='lin')
+  above = dict(kind='at_least', metric='acc', variants=['lin'], value=0.35)
+  _, found = verdicts.judge([window, gap, above], table, nulls=declared)
+  assert [v.status for v in found] == [verdicts.BY_CONSTRUCTION, R, verdicts.BY_CONSTRUCTION]
+  assert 'none: holds' in found[0].null and 'elim: fails' in found[0].null
+  assert 'elim: holds' in found[2].null  # 0.40 >= 0.35 without any lookup
+  assert 'none: fails' in found[1].null and 'elim: fails' in found[1].null
+  assert verdicts.overall(found) == R  # one rule could have failed and did not
+  assert verdicts.overall([found[0], found[2]]) == verdicts.VACUOUS
+  assert verdicts.overall([found[0], verdicts.Verdict(N, '', {})]) == N
+  # A rule fails on the data: a null that passes does not change that.
+  _, (low,) = verdicts.judge([{**above, 'value': 0.5}], table, nulls=[{**declared[1], 'values': {
+    'lin': {'acc': 0.6}}}])  # fmt: skip
+  assert low.status == N and 'holds' in low.null
+  # A null without the compared values says so; a sweep without declared too.
+  _, (partial,) = verdicts.judge([gap], table, nulls=[{**declared[1], 'values': {'w': {'acc': 0}}}])
+  assert partial.status == R and partial.null == 'no null records the values it compares'
+  assert verdicts.judge([gap], table)[1][0].null == 'the sweep declares no null'
+
+
+def test_nulls_are_checked_before_any_work():
+  ok = dict(name='elim', reason='no lookup', values={'a': {'acc': 0.4}})
+  nulls.check_nulls([ok], [dict(kind='less', metric='acc', a='a', b='b', chance='elim')],
+                       ['a', 'b'], ['acc'])  # fmt: skip
+  cases = [
+    ([ok, ok], [], 'needs a name'),
+    ([{**ok, 'reason': ' '}], [], "needs exactly 'name', 'reason'"),
+    ([{**ok, 'values': {'c': {'acc': 0.4}}}], [], "names variant 'c'"),
+    ([{**ok, 'values': {'a': {'loss': 0.4}}}], [], "names metric 'loss'"),
+    ([{**ok, 'values': {'a': {'acc': 'x'}}}], [], "a acc='x' must be a number"),
+    ([ok], [dict(kind='less', metric='acc', a='a', b='b', chance='guess')], 'nulls are: elim'),
+  ]
+  for declared, rules, message in cases:
+    with pytest.raises(ValueError, match=message):
+      nulls.check_nulls(declared, rules, ['a', 'b'], ['acc'])
+
+
+def test_rel_margin_counts_at_several_seeds_when_it_is_the_larger():
+  # Seeds agree closely: 2 pooled stds is 0.009, but the rule asks for 10% of b (0.04) as well.
+  table = {'a': {'acc': [0.42, 0.425, 0.43]}, 'b': {'acc': [0.40, 0.401, 0.402]}}
+  rule = dict(kind='greater', metric='acc', a='a', b='b', margin_std=2.0)
+  assert verdicts.evaluate(rule, table).status == R  # gap 0.024 > 2 pooled std
+  verdict = verdicts.evaluate({**rule, 'rel_margin': 0.1}, table)
+  assert verdict.status == N and verdict.numbers['margin'] == pytest.approx(0.0401)
+  assert '10% of b, above 2 pooled std' in verdict.text
 
 
 def test_a_failed_precondition_makes_the_rules_that_need_it_inconclusive():
@@ -277,3 +343,23 @@ def test_largest_step_tells_a_jump_from_a_smooth_curve():
     verdicts.check_rule(dict(kind='largest_step', metric='exact', variants=sizes))
   with pytest.raises(ValueError, match="expect_at='s1'; a step leads to one of s2, s3"):
     verdicts.check_rule({**first, 'expect_at': 's1'})
+
+
+def test_a_null_as_recorded_takes_the_runs_own_values_measured_before_training():
+  # Measured at step 0, an init's statistics are what an untrained model scores: an ordering of
+  # them follows from the init's definition.
+  table = {'scaled': {'growth': [1.05, 1.07]}, 'plain': {'growth': [2.1, 2.2]}}
+  same = {'growth': nulls.AS_RECORDED}
+  at_init = dict(name='at init', reason='step 0', values={'scaled': same, 'plain': same})
+  rule = dict(kind='ordering', metric='growth', variants=['scaled', 'plain'])
+  _, (verdict,) = verdicts.judge([rule], table, nulls=[at_init])
+  assert verdict.status == verdicts.BY_CONSTRUCTION and 'scaled 1.06, plain 2.15' in verdict.null
+  resolved = nulls.resolve_null(at_init, {'scaled': table['scaled']})
+  assert resolved['values'] == {'scaled': {'growth': pytest.approx(1.06)}}  # plain never ran
+  # Uniform attention puts on the gold tokens the share that chance is: another metric's value.
+  uniform = dict(name='uniform', reason='r', values={'scaled': {'growth': 'as recorded: chance'}})
+  chance = {'scaled': {'chance': [0.2, 0.3]}}
+  assert nulls.resolve_null(uniform, chance)['values'] == {'scaled': {'growth': 0.25}}
+  nulls.check_nulls([uniform])
+  with pytest.raises(ValueError, match="must be a number, 'as recorded' or 'as recorded: METRIC'"):
+    nulls.check_nulls([{**at_init, 'values': {'scaled': {'growth': 'recorded'}}}])

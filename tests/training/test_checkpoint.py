@@ -1,5 +1,6 @@
 """Tests for transformer.training.checkpoint: orbax save/restore, retention, atomicity, metadata."""
 
+import json
 import logging
 import os
 import re
@@ -602,6 +603,60 @@ def test_config_write_is_atomic(tmp_path, monkeypatch):
     checkpoint.write_run_metadata(str(tmp_path), _config(d_model=1024))
   assert (tmp_path / 'config.json').read_text() == before
   assert sorted(os.listdir(tmp_path)) == ['config.json', 'git_revision.txt']
+
+
+def test_every_revision_that_trained_a_workdir_is_recorded_with_its_steps(
+  tiny_config, monkeypatch, tmp_path
+):
+  from transformer.training.loop import train_and_evaluate
+
+  workdir, first, second = tmp_path / 'run', 'a' * 40, 'b' * 40
+  monkeypatch.setattr(checkpoint, '_git_revision', lambda: first)
+  train_and_evaluate(tiny_config('causal_lm', steps=4), str(workdir))
+  with open(workdir / checkpoint.REVISIONS, 'a') as f:
+    f.write('{"revision": "cut short by a ki')  # a kill during the append
+  monkeypatch.setattr(checkpoint, '_git_revision', lambda: second + '-dirty')
+  train_and_evaluate(tiny_config('causal_lm', steps=8), str(workdir))
+  history = checkpoint.revision_history(str(workdir))
+  ranges = [(e['revision'], e['dirty'], e['start_step'], e['end_step']) for e in history]
+  assert ranges == [(first, False, 0, 4), (second, True, 4, 8)]
+  assert (workdir / 'git_revision.txt').read_text() == second + '-dirty\n'  # the latest only
+  command = [sys.executable, '-m', 'experiments.describe', f'--workdir={workdir}']
+  done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr
+  shown = done.stdout.splitlines()
+  assert shown[-3] == f'{workdir}: trained by 2 revision(s)', done.stdout
+  assert re.fullmatch(rf'  steps 0-4 +{first}, started 20\d\d-.*', shown[-2]), shown
+  assert re.fullmatch(rf'  steps 4-8 +{second} with uncommitted changes, started .*', shown[-1])
+  os.remove(workdir / checkpoint.REVISIONS)  # a workdir from before the record: still read
+  assert checkpoint.describe_history(str(workdir)) == (
+    f'{workdir}: last trained by revision {second} with uncommitted changes (git_revision.txt; '
+    'the revisions of earlier starts were not recorded then)'
+  )
+
+
+def test_a_start_from_an_earlier_checkpoint_ends_the_ranges_before_it(tmp_path):
+  lines = [{'revision': r, 'dirty': False, 'start_step': s, 'time': 't'} for r, s in
+           [('a', 0), ('b', 6), ('c', 4)]]  # fmt: skip
+  (tmp_path / checkpoint.REVISIONS).write_text(''.join(json.dumps(x) + '\n' for x in lines))
+  os.makedirs(tmp_path / 'checkpoints' / '8')
+  history = checkpoint.revision_history(str(tmp_path))
+  # c resumed from step 4 (b's checkpoints were lost): none of b's steps are in checkpoint 8.
+  assert [(e['start_step'], e['end_step']) for e in history] == [(0, 4), (6, 6), (4, 8)]
+  assert checkpoint.revision_history(str(tmp_path / 'none')) == []
+  # Resumed from a checkpoint made before the record, with a damaged line and a cut one.
+  (tmp_path / checkpoint.REVISIONS).write_text(
+    '[1]\n' + json.dumps(lines[1]) + '\n{"revision": "c", "dirty": false, "start_st'
+  )
+  history = checkpoint.revision_history(str(tmp_path))
+  assert [(e['revision'], e['start_step'], e['end_step']) for e in history] == [
+    (None, 0, 6),
+    ('b', 6, 8),
+  ]
+  assert checkpoint.describe_history(str(tmp_path)).splitlines()[1:] == [
+    '  steps 0-6        an unrecorded revision (trained before revisions.jsonl)',
+    '  steps 6-8        b, started t',
+  ]
 
 
 def test_git_revision(tmp_path):

@@ -133,9 +133,9 @@ def wrap_train_step(monkeypatch, wrapper):
 
 
 # Preemption: a real process killed with SIGTERM ------------------------------------------------
-def _launch(workdir, env, log, flags=()):
+def _launch(workdir, env, log, flags=(), overrides=OVERRIDES):
   command = [sys.executable, '-m', 'experiments.train', '--config=configs/gpt_tiny.py', *flags]
-  command += [f'--workdir={workdir}'] + [f'--config.{k}={v}' for k, v in OVERRIDES.items()]
+  command += [f'--workdir={workdir}'] + [f'--config.{k}={v}' for k, v in overrides.items()]
   out = open(f'{log}.out', 'w')
   err = open(f'{log}.err', 'w')
   proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
@@ -214,12 +214,15 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _launch_pair(workdir, env, logs):
+def _launch_pair(workdir, env, logs, overrides=OVERRIDES):
   """The 2 processes of one `experiments.train` run (jax.distributed + gloo, 1 device each)."""
   port = _free_port()
   env = dict(env, XLA_FLAGS='--xla_force_host_platform_device_count=1')
   flags = [f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2']
-  return [_launch(workdir, env, log, [*flags, f'--process_id={i}']) for i, log in enumerate(logs)]
+  return [
+    _launch(workdir, env, log, [*flags, f'--process_id={i}'], overrides)
+    for i, log in enumerate(logs)
+  ]
 
 
 def _end_all(procs):
@@ -290,6 +293,74 @@ def test_a_lost_process_ends_the_others_cleanly_and_the_pair_resumes(compile_cac
   assert all(name.isdigit() for name in os.listdir(workdir / 'checkpoints'))
   expected = {entry['step']: entry['loss'] for entry in read_metrics(tmp_path / 'reference')}
   assert_same_losses(workdir, expected)
+
+
+def _wait_for_a_save(procs, directory, timeout=120.0):
+  """Waits until a checkpoint's temp directory (a save under way) appears in `directory`."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if os.path.isdir(directory) and any('tmp' in name for name in os.listdir(directory)):
+      return
+    assert all(proc.poll() is None for proc in procs), [proc.returncode for proc in procs]
+    time.sleep(0.002)
+  raise AssertionError(f'no save began in {directory} within {timeout} s')
+
+
+@pytest.mark.slow
+def test_kills_during_two_process_saves_resume_from_the_last_whole_checkpoint(
+  compile_cache, tmp_path
+):
+  """2 processes of `experiments.train`, the parameters sharded across them (FSDP), save every
+  2 steps. 3 times, a few steps after the pair (re)started, one of them (each at least once, in
+  a seeded order) is SIGKILLed a seeded moment after a save's temp directory appears. The
+  survivor ends as for any lost peer (status 75, one `lost peer:` line); each rerun of the pair
+  resumes from the latest listed checkpoint, with no damaged one set aside and no traceback, and
+  after the first save never from scratch. The last rerun finishes with the losses of an
+  uninterrupted pair."""
+  rng = random.Random(43)
+  # FSDP over the two processes: each writes its own shards of every checkpoint.
+  overrides = {**OVERRIDES, 'train.checkpoint_every': 2, 'train.steps': 40, 'mesh.shape': '(1,2,1)'}
+  workdir, directory = tmp_path / 'run', tmp_path / 'run' / 'checkpoints'
+  reference_logs = [tmp_path / f'ref{i}' for i in range(2)]
+  unsaved = {**overrides, 'train.checkpoint_every': 40}  # saves change no loss, and take time
+  reference = _launch_pair(tmp_path / 'reference', compile_cache, reference_logs, unsaved)
+  stopped, procs, victims = None, [], [0, 1, rng.randrange(2)]
+  rng.shuffle(victims)  # each process is killed at least once
+  try:
+    for kill, victim in enumerate(victims):
+      logs = [tmp_path / f'kill{kill}_process{i}' for i in range(2)]
+      procs = _launch_pair(workdir, compile_cache, logs, overrides)
+      _wait_for_step(procs[0], logs[0], (stopped or 0) + rng.randint(3, 9), timeout=300)
+      out = open(f'{logs[0]}.out').read()
+      assert (f'resumed from step {stopped}' in out) if stopped else ('resumed' not in out), out
+      _wait_for_a_save(procs, directory)
+      time.sleep(rng.uniform(0, 0.1))
+      procs[victim].kill()
+      code, err = _finish(procs[1 - victim], logs[1 - victim], timeout=90)
+      assert code == faults.EXIT_PREEMPTED, err
+      lines = [line for line in err.splitlines() if line.startswith('lost peer: ')]
+      assert len(lines) == 1 and lines[0].startswith(f'lost peer: process {victim} '), err
+      for dump in ['Traceback', 'Fatal Python error', 'Check failure', 'terminate called']:
+        assert dump not in err, err
+      listed = saved_steps(workdir)
+      if listed:  # the line names what the rerun resumes from
+        assert f'the last good checkpoint is {max(listed)} in ' in lines[0], (listed, lines)
+      assert stopped is None or (listed and max(listed) >= stopped), (listed, stopped)
+      stopped = max(listed) if listed else None
+    logs = [tmp_path / f'last_process{i}' for i in range(2)]
+    procs = _launch_pair(workdir, compile_cache, logs, overrides)
+    for proc, log in zip(procs + reference, logs + reference_logs):
+      code, err = _finish(proc, log, timeout=300)
+      assert code == 0 and 'Traceback' not in err, err
+  finally:
+    _end_all(procs + reference)
+  assert stopped and f'resumed from step {stopped}' in open(f'{logs[0]}.out').read()
+  assert all(name.isdigit() for name in os.listdir(directory))  # nothing set aside, no temp dir
+  expected = {entry['step']: entry['loss'] for entry in read_metrics(tmp_path / 'reference')}
+  logged = read_metrics(workdir)
+  assert [e['step'] for e in logged] == list(range(1, 41))
+  for entry in logged:
+    np.testing.assert_allclose(entry['loss'], expected[entry['step']], rtol=1e-6, atol=1e-6)
 
 
 def test_sigint_stops_like_sigterm_and_restores_the_handlers(reference, monkeypatch, tmp_path):

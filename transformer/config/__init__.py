@@ -73,6 +73,7 @@ class ModelConfig:
   scale_embeddings: bool = True  # multiply token embeddings by sqrt(d_model) (paper)
   share_embeddings: bool = True  # EncoderDecoder: one table for source and target
   tie_output: bool = True  # the output projection is the transposed target embedding
+  output_bias: bool = False  # a bias on the untied output projection (TransformerLens's b_U)
   attention_scale: bool = True  # scale logits by 1/sqrt(head_dim); False = the ablation
   attention: str = 'softmax'  # one of ATTENTIONS: softmax, or linear (Katharopoulos et al. 2020)
   linear_feature_map: str = 'elu'  # attention='linear': phi, one of LINEAR_FEATURE_MAPS
@@ -183,23 +184,33 @@ _RULES: dict[str, Any] = {
   'param_dtype': tuple(DTYPES),
   **dict.fromkeys(('embedding_norm', 'use_bias', 'scale_embeddings', 'share_embeddings'), 'bool'),
   **dict.fromkeys(('tie_output', 'attention_scale', 'scan_layers', 'qk_norm'), 'bool'),
-  **dict.fromkeys(('output_head', 'norm_bias'), 'bool'),
-  **dict.fromkeys(('rope_theta', 'rope_scaling_factor', 'norm_eps', 'init_std'), 'finite'),
-  **dict.fromkeys(('dropout_rate', 'attention_dropout_rate', 'ffn_dropout_rate'), 'finite'),
+  **dict.fromkeys(('output_head', 'norm_bias', 'output_bias'), 'bool'),
+  **dict.fromkeys(('rope_theta', 'norm_eps', 'init_std'), 'positive number'),
+  'rope_scaling_factor': 'at least 1',
+  **dict.fromkeys(('dropout_rate', 'attention_dropout_rate', 'ffn_dropout_rate'), 'rate'),
   **dict.fromkeys(('rope_low_freq_factor', 'rope_high_freq_factor'), 'finite'),
-  **dict.fromkeys(('type_vocab_size', 'num_classes'), 'int'),
-  'pad_id': 'optional int',
+  **dict.fromkeys(('type_vocab_size', 'num_classes', 'short_conv'), 'count'),
+  'd_ff': 'count',  # 0: attention-only layers
+  **dict.fromkeys(('pad_id', 'num_decoder_layers'), 'optional count'),
   **dict.fromkeys(('vocab_size', 'd_model', 'num_heads', 'num_layers', 'max_length'), 'positive'),
   'attention_chunk_size': 'positive',
   **dict.fromkeys(('num_kv_heads', 'head_dim', 'rope_original_max_length'), 'optional positive'),
 }
+
+
+def _number(test):
+  return lambda v: (
+    isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and test(v)
+  )
+
+
 _KINDS = {  # kind: (test, what the message says the value must be)
   'bool': (lambda v: isinstance(v, bool), 'be True or False'),
-  'finite': (
-    lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v),
-    'be a finite number',
-  ),
-  'int': (_is_int, 'be an integer'),
+  'finite': (_number(lambda v: True), 'be a finite number'),
+  'positive number': (_number(lambda v: v > 0), 'be a finite number > 0'),
+  'at least 1': (_number(lambda v: v >= 1), 'be a finite number >= 1.0'),
+  'rate': (_number(lambda v: 0 <= v < 1), 'be in [0, 1)'),
+  'count': (lambda v: _is_int(v) and v >= 0, 'be an integer >= 0'),
   'positive': (lambda v: _is_int(v) and v > 0, 'be a positive integer'),
 }
 
@@ -216,21 +227,11 @@ def _validate(c: ModelConfig) -> None:
       if not test(value):
         raise ValueError(f'{name}={value!r} must {must}')
   _check_sizes(c)
-  _check_ranges(c)
   _check_combinations(c)
 
 
 def _check_sizes(c: ModelConfig) -> None:
-  """Counts that may be 0 or None, and a head layout that divides evenly."""
-  if c.num_decoder_layers is not None and not (
-    _is_int(c.num_decoder_layers) and c.num_decoder_layers >= 0
-  ):
-    raise ValueError(f'num_decoder_layers={c.num_decoder_layers!r} must be a non-negative integer')
-  if not _is_int(c.d_ff) or c.d_ff < 0:
-    raise ValueError(f'd_ff={c.d_ff!r} must be a non-negative integer (0: attention-only layers)')
-  for name in ('type_vocab_size', 'num_classes'):
-    if getattr(c, name) < 0:
-      raise ValueError(f'{name}={getattr(c, name)!r} must be >= 0')
+  """A head layout that divides evenly, even widths where positions pair up dimensions."""
   if c.head_dim is None and c.d_model % c.num_heads:
     divisors = [n for n in range(1, c.d_model + 1) if c.d_model % n == 0 and n <= 64]
     raise ValueError(
@@ -246,24 +247,6 @@ def _check_sizes(c: ModelConfig) -> None:
     raise ValueError(f'position=rope needs an even head dimension, got head_dim={c.head_size}')
   if c.position == 'sinusoidal' and c.d_model % 2:
     raise ValueError(f'position=sinusoidal needs an even d_model, got d_model={c.d_model}')
-
-
-def _check_ranges(c: ModelConfig) -> None:
-  """Rates, scales, epsilons and the window lie in their valid ranges."""
-  if c.rope_scaling_factor < 1.0:
-    raise ValueError(f'rope_scaling_factor={c.rope_scaling_factor} must be >= 1.0')
-  for name in ('dropout_rate', 'attention_dropout_rate', 'ffn_dropout_rate'):
-    rate = getattr(c, name)
-    if not 0.0 <= rate < 1.0:
-      raise ValueError(f'{name}={rate} must be in [0, 1)')
-  if c.rope_theta <= 0:
-    raise ValueError(f'rope_theta={c.rope_theta} must be > 0')
-  if c.pad_id is not None and c.pad_id < 0:
-    raise ValueError(f'pad_id={c.pad_id} must be >= 0 (or None)')
-  if c.norm_eps <= 0:
-    raise ValueError(f'norm_eps={c.norm_eps} must be > 0')
-  if c.init_std <= 0:
-    raise ValueError(f'init_std={c.init_std} must be > 0')
   if c.window is not None and (len(c.window) != 2 or min(c.window) < 0):
     raise ValueError(f'window={c.window} must be a pair (left, right) of non-negative integers')
 
@@ -275,8 +258,6 @@ def _check_combinations(c: ModelConfig) -> None:
       f'attention_dropout_rate={c.attention_dropout_rate} needs the materialised probabilities of '
       f"attention_impl='xla' (or None), not {c.attention_impl!r}; set attention_dropout_rate=0"
     )
-  if isinstance(c.short_conv, bool) or not isinstance(c.short_conv, int) or c.short_conv < 0:
-    raise ValueError(f'short_conv={c.short_conv!r} must be an integer >= 0 (0 = none)')
   if c.short_conv and c.family != 'causal_lm':
     raise ValueError(
       f'short_conv={c.short_conv} is a causal convolution for a decoder-only model '
@@ -292,6 +273,11 @@ def _check_combinations(c: ModelConfig) -> None:
     raise ValueError(f'num_classes={c.num_classes} is for family=bidirectional_lm only')
   if c.qkv_bias is not None and not isinstance(c.qkv_bias, bool):
     raise ValueError(f'qkv_bias={c.qkv_bias!r} must be True, False or None (= use_bias)')
+  if c.output_bias and (c.tie_output or c.family == 'bidirectional_lm'):
+    raise ValueError(
+      f'output_bias=True is a bias on the untied output projection of a causal_lm or '
+      f'encoder_decoder; this config has tie_output={c.tie_output}, family={c.family!r}'
+    )
   if not c.output_head and (c.family != 'bidirectional_lm' or c.num_classes):
     raise ValueError(
       'output_head=False (hidden states out) is for family=bidirectional_lm with num_classes=0'

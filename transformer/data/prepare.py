@@ -42,6 +42,10 @@ _SAMPLE_TOTAL_CHARS = 10**8  # and of the whole sample (SentencePiece holds it i
 _BATCH = 1024  # documents tokenised at a time
 
 
+class NoRoomError(ValueError):
+  """No room left for the shards. What is done stays, so the same command resumes with the rest."""
+
+
 def is_prepared(out: str) -> bool:
   return os.path.exists(os.path.join(out, DATASET))
 
@@ -251,6 +255,59 @@ def prepare(cfg, out: str, *, workers: int = 1, log: Callable[[str], None] | Non
     if created:
       shutil.rmtree(out, ignore_errors=True)
     raise
+  except OSError as error:  # a full disk keeps what is done: the same command resumes from it
+    reason = util.no_space_reason(error)
+    if reason is None:
+      raise
+    raise NoRoomError(_no_room(cfg, out, reason, train, evaluation)) from error
+
+
+def _no_room(cfg, out: str, reason: str, train: list[str], evaluation: list[str]) -> str:
+  """The one line for a full disk: what was written, what is free, about how much the pieces
+  left need (at the output bytes per input byte of the shards written, or of a sample)."""
+  resume = 'and rerun the same command: it resumes with the pieces left'
+  if not os.path.isdir(out):  # not even the directory could be made
+    return f'no room to make {out}: {reason}. Free some space (or use a bigger disk) {resume}'
+  for name in os.listdir(out):  # shards cut short: their room is the resume's
+    if name.endswith('.bin.tmp'):
+      os.remove(os.path.join(out, name))
+  chunk = cfg.prepare_chunk_mb * 2**20
+  pieces = {f'train_{i:05d}.bin': u for i, u in enumerate(corpus.units(train, chunk))}
+  pieces |= {f'eval_{i:05d}.bin': u for i, u in enumerate(corpus.units(evaluation, chunk))}
+  done = [n for n in pieces if os.path.exists(os.path.join(out, n))]
+  left = [u for n, u in pieces.items() if n not in done]
+  written = sum(
+    os.path.getsize(os.path.join(out, n)) for n in os.listdir(out) if n.endswith('.bin')
+  )
+  free = shutil.disk_usage(out).free
+  head = (
+    f'no room to prepare the corpus in {out}: {reason}; written: {len(done)} of {len(pieces)} '
+    f'pieces ({util.byte_size(written)} of shards), {util.byte_size(free)} free'
+  )
+  if not train or not os.path.exists(os.path.join(out, 'tokenizer')):  # nothing to estimate from
+    return f'{head}. Free some space (or use a bigger disk) {resume}'
+  done_input = sum(corpus.unit_bytes(pieces[n]) for n in done)
+  ratio = written / done_input if done else _sampled_ratio(out, left[0])
+  need = ratio * sum(corpus.unit_bytes(u) for u in left) + shards.HEADER_BYTES * len(left)
+  more = f'Free at least {util.byte_size(need - free)} more' if need > free else 'Free some space'
+  return (
+    f'{head}; the {len(left)} pieces left need about {util.byte_size(need)} ({ratio:.2f} bytes '
+    f'of shard per byte of input). {more} (or use a bigger disk) {resume}'
+  )
+
+
+def _sampled_ratio(out: str, unit: corpus.Unit) -> float:
+  """Shard bytes per input byte of the first MiB of documents of `unit`."""
+  tokenizer = load_tokenizer(os.path.join(out, 'tokenizer'))
+  texts, nbytes = [], 0
+  for text in corpus.documents(unit):
+    texts.append(text)
+    nbytes += len(text.encode('utf-8')) + 1  # and the line's end
+    if nbytes >= 2**20:
+      break
+  tokens = sum(len(ids) + 1 for ids in tokenizer.encode_batch(texts))
+  itemsize = np.dtype(shards.token_dtype(tokenizer.vocab_size)).itemsize
+  return tokens * itemsize / max(nbytes, 1)
 
 
 def _prepare(cfg, out, train, evaluation, workers, log) -> dict:

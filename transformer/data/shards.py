@@ -44,7 +44,11 @@ class ShardWriter:
     self.path, self.dtype = path, token_dtype(vocab_size)
     self.tokens = self.documents = 0
     self._file = open(path + '.tmp', 'wb')
-    self._file.write(header(self.dtype, 0, 0).tobytes())
+    try:
+      self._file.write(header(self.dtype, 0, 0).tobytes())
+    except BaseException:
+      self.abort()
+      raise
 
   def add(self, ids: np.ndarray, documents: int) -> None:
     """Appends token ids (already range-checked) holding `documents` whole documents."""
@@ -66,7 +70,12 @@ class ShardWriter:
     os.replace(self.path + '.tmp', self.path)
 
   def abort(self) -> None:
-    self._file.close()
+    """Removes the temp file. On a full disk closing fails too (the buffer cannot be flushed),
+    so that error is dropped: the caller is already handling the one that stopped the writing."""
+    try:
+      self._file.close()
+    except OSError:
+      pass
     if os.path.exists(self.path + '.tmp'):
       os.remove(self.path + '.tmp')
 

@@ -20,6 +20,8 @@ import numpy as np
 
 from transformer import data
 from transformer.config import ModelConfig, experiment
+from transformer.inference import cache as cache_lib
+from transformer.inference import weights as weights_lib
 from transformer.model import decode, models
 from transformer.model import hooks as hooks_lib
 
@@ -31,11 +33,18 @@ LENGTH_FACTOR = 16
 SLIDE_LIMIT = 2**16  # tokens one generate call makes past the context of learned positions
 
 
-def load(workdir: str, step: int | None = None, *, param_dtype: str = 'float32') -> Model:
+def load(
+  workdir: str,
+  step: int | None = None,
+  *,
+  param_dtype: str = 'float32',
+  process_weights: bool = False,
+) -> Model:
   """The model, parameters, config and tokenizer of `workdir` (its latest checkpoint by default),
   or of a Hugging Face model folder (config.json + safetensors), converted in memory.
 
   `param_dtype` (Hugging Face folders): float32 | bfloat16 | float16 | keep (the file's dtype).
+  `process_weights`: TransformerLens's processing with its defaults (`Model.process_weights`).
 
   Raises:
     FileNotFoundError: no such workdir, no config.json in it, or no checkpoint.
@@ -47,7 +56,8 @@ def load(workdir: str, step: int | None = None, *, param_dtype: str = 'float32')
     config, cfg, params, directory = hf.convert_in_memory(workdir, param_dtype=param_dtype)
     params = jax.tree_util.tree_map(jnp.asarray, params)
     tokenizer = _hf_tokenizer(directory, os.path.join(directory, 'config.json'))
-    return Model(cfg, params, config, tokenizer, 0, workdir)
+    model = Model(cfg, params, config, tokenizer, 0, workdir)
+    return model.process_weights() if process_weights else model
   from transformer.training.workdir import load_run  # the loop's siblings; keep `import` light
 
   run, state, step = load_run(workdir, step, with_data=False)
@@ -56,7 +66,8 @@ def load(workdir: str, step: int | None = None, *, param_dtype: str = 'float32')
   if os.path.isdir(tokenizer_dir):
     tokenizer = _hf_tokenizer(tokenizer_dir, os.path.join(workdir, hf.HF_CONFIG))
   stats = getattr(state, 'batch_stats', None)  # a batchnorm model's running statistics
-  return Model(run.model_cfg, state.params, run.config, tokenizer, step, workdir, stats)
+  model = Model(run.model_cfg, state.params, run.config, tokenizer, step, workdir, stats)
+  return model.process_weights() if process_weights else model
 
 
 def _hf_tokenizer(directory: str, hf_config_path: str):
@@ -109,6 +120,24 @@ class Model:
       f'Model({self.cfg.family}, {models.count_params(self.cfg):,} parameters, step {self.step}, '
       f'workdir={self.workdir!r})'
     )
+
+  def process_weights(
+    self,
+    *,
+    fold_ln: bool = True,
+    center_writing_weights: bool = True,
+    center_unembed: bool = True,
+    fold_value_biases: bool = True,
+  ) -> Model:
+    """This model with TransformerLens's weight processing (`inference/weights.py`): the same
+    log-probabilities, the logits moved by one constant per position, the norms folded into the
+    next matrices and the residual stream centred. Pre-LN LayerNorm models with biases (GPT-2)."""
+    cfg, params = weights_lib.process_weights(
+      self.cfg, self.params, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
+      center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+    )  # fmt: skip
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+    return Model(cfg, params, self.config, self.tokenizer, self.step, self.workdir)
 
   # Text in, text out -----------------------------------------------------------------------------
   def generate(
@@ -438,18 +467,35 @@ class Model:
     return {name: m[0] for name, m in maps.items()}
 
   def run_with_cache(
-    self, text: str | Any, *, names: Any = None, source: str | None = None
-  ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """(logits, {hook name: activation}) of one forward pass, keeping only the activations that
-    `names` asks for: a list of TransformerLens-style names such as 'blocks.0.attn.hook_pattern'
-    (`transformer.model.hooks.hook_names(cfg)` lists them), a predicate on them, or None (all).
+    self,
+    text: str | Any,
+    *,
+    names: Any = None,
+    names_filter: Any = None,
+    source: str | None = None,
+    remove_batch_dim: bool = False,
+    return_type: str | None = 'logits',
+    loss_per_token: bool = False,
+    stop_at_layer: int | None = None,
+  ) -> tuple[Any, cache_lib.ActivationCache]:
+    """(logits, cache) of one forward pass, keeping only the activations that `names` (or
+    TransformerLens's `names_filter`) asks for: a list of names such as
+    'blocks.0.attn.hook_pattern' (`transformer.model.hooks.hook_names(cfg)` lists them), a
+    predicate on them, or None (all). The cache is an `ActivationCache`: a Mapping by full name
+    that also takes TransformerLens's shorthand (`cache['pattern', 0]`) and has its helpers.
 
     `text`: a string (tokenised like training input), or int token ids [T] or [B, T].
-    EncoderDecoder: the decoder side gets `text` and the encoder `source`.
+    EncoderDecoder: the decoder side gets `text` and the encoder `source`. `return_type`,
+    `loss_per_token` and `stop_at_layer` are `forward`'s; `remove_batch_dim` drops the batch
+    axis of a one-row cache.
     """
+    if names is not None and names_filter is not None:
+      raise ValueError('give names or names_filter (the same thing), not both')
+    names = names_filter if names is None else names
     inputs = self._hook_inputs(text, source, 'run_with_cache')
-    logits, cache = hooks_lib.run_jit(self.cfg, self.weights, inputs, names=names)
-    return np.asarray(logits), {k: np.asarray(v) for k, v in cache.items()}
+    out, seen = self._forward(inputs, names, None, return_type, loss_per_token, stop_at_layer)
+    cache = cache_lib.ActivationCache(seen, self)
+    return out, cache.remove_batch_dim() if remove_batch_dim else cache
 
   def run_with_hooks(
     self,
@@ -458,18 +504,97 @@ class Model:
     *,
     fwd_hooks: list | None = None,
     source: str | None = None,
-  ) -> np.ndarray:
+    return_type: str | None = 'logits',
+    loss_per_token: bool = False,
+    stop_at_layer: int | None = None,
+  ) -> Any:
     """Logits with hooks applied: TransformerLens's `fwd_hooks=[(name or predicate on names,
     fn), ...]`, or `hooks={name: fn}`. Each fn is called as fn(activation, hook), `hook.name`
     and `hook.layer()` saying where, and returns a replacement (e.g. one head's hook_z zeroed)
-    or None to leave it unchanged.
+    or None to leave it unchanged. `return_type`, `loss_per_token` and `stop_at_layer` are
+    `forward`'s.
 
     The forward is traced at every call, so a hook sees the globals and variables it reads as
     they are now; the compile is reused whenever the traced program is the same (see
     docs/dissect.md: a hook that indexes with a jnp array compiles once for a whole sweep)."""
     inputs = self._hook_inputs(text, source, 'run_with_hooks')
     both = [*(hooks or {}).items(), *(fwd_hooks or [])]
-    return np.asarray(hooks_lib.run_jit(self.cfg, self.weights, inputs, hooks=both)[0])
+    return self._forward(inputs, (), both, return_type, loss_per_token, stop_at_layer)[0]
+
+  # TransformerLens's forward and tokens ----------------------------------------------------
+  def __call__(
+    self,
+    tokens: str | list[str] | Any,
+    return_type: str | None = 'logits',
+    loss_per_token: bool = False,
+    stop_at_layer: int | None = None,
+  ) -> Any:
+    """TransformerLens's forward on token ids [B, T] or [T], or text (`to_tokens`, bos first):
+    the logits [B, T, V] (NumPy float32), the mean next-token loss, (logits, loss) for 'both',
+    or None. `loss_per_token` gives the loss [B, T - 1]. `stop_at_layer=L` returns the residual
+    stream before block L (`blocks.L.hook_resid_pre`, [B, T, D]; negative counts from the end);
+    the blocks from L on never run."""
+    if self.cfg.family == 'encoder_decoder':
+      raise ValueError('forward needs a causal_lm or bidirectional_lm model; use logits()')
+    if isinstance(tokens, str) or (
+      isinstance(tokens, list) and tokens and isinstance(tokens[0], str)
+    ):
+      tokens = self.to_tokens(tokens)
+    inputs = self._hook_inputs(tokens, None, 'forward')
+    return self._forward(inputs, (), None, return_type, loss_per_token, stop_at_layer)[0]
+
+  forward = __call__
+
+  def loss_fn(self, logits: Any, tokens: Any, per_token: bool = False) -> np.ndarray:
+    """TransformerLens's `loss_fn`: the mean next-token NLL of `tokens` [B, T] under `logits`
+    [B, T, V], or per token [B, T - 1]."""
+    return cache_lib.loss(logits, tokens, per_token)
+
+  def to_tokens(self, text: str | list[str], prepend_bos: bool = True) -> np.ndarray:
+    """int32 ids [B, T] of a text or a list of texts, each after the prefix the model was trained
+    with (`prompt_prefix`: the tokenizer's bos for an imported model) unless `prepend_bos` is
+    False; shorter rows are right-padded with the tokenizer's pad id (else its eos, else 0)."""
+    prefix = self.prompt_prefix() if prepend_bos else []
+    rows = [prefix + self._encode(t) for t in _as_list(text, 'text')]
+    pad = _special(self.tokenizer, 'pad_id', data.PAD_ID)
+    pad = _or(pad, _or(_special(self.tokenizer, 'eos_id', data.EOS_ID), 0))
+    out = np.full((len(rows), max(map(len, rows))), pad, np.int32)
+    for i, row in enumerate(rows):
+      out[i, : len(row)] = row
+    return out
+
+  def to_str_tokens(self, text: str | Any, prepend_bos: bool = True) -> list:
+    """Each token of a text as a string (with the bos prefix, as `to_tokens`), or of ids [T] or
+    [1, T]; ids [B, T] give one list per row."""
+    ids = self.to_tokens(text, prepend_bos) if isinstance(text, str) else _array(text, 'text')
+    if ids.ndim == 2 and ids.shape[0] == 1:
+      ids = ids[0]
+    if ids.ndim == 2:
+      return [self.to_str_tokens(row) for row in ids]
+    return [self.tokenizer.decode([int(t)]) for t in ids]
+
+  def to_single_token(self, text: str) -> int:
+    """The id of a string that is exactly one token (' John'); anything else is an error."""
+    ids = self._encode(text)
+    if len(ids) != 1:
+      raise ValueError(f'{text!r} is {len(ids)} tokens, {ids}; to_single_token needs exactly one')
+    return int(ids[0])
+
+  def _forward(self, inputs, names, hooks, return_type, per_token, stop_at_layer):
+    """(what `return_type` asks for, or the residual stream at `stop_at_layer`; {name: value} in
+    forward order, as TransformerLens lists its cache)."""
+    names = hooks_lib.select(self.cfg, names)
+    if stop_at_layer is None:
+      logits, seen = hooks_lib.run_jit(self.cfg, self.weights, inputs, names=names, hooks=hooks)
+      tokens = inputs.get('decoder_inputs', inputs['inputs'])
+      return cache_lib.output(logits, tokens, return_type, per_token), {n: seen[n] for n in names}
+    short, last, names, hooks = cache_lib.truncate(self, stop_at_layer, names, hooks)
+    if hooks:  # the hooks' own compile rules; the truncated model's head runs, unread
+      seen = hooks_lib.run_jit(short, self.weights, inputs, names=names + (last,), hooks=hooks)[1]
+    else:
+      seen = _run_cache(short, tuple(dict.fromkeys(names + (last,))))(self.weights, inputs)
+    resid = np.asarray(seen[last])
+    return resid, {n: seen[n] for n in names}
 
   def _hook_inputs(self, text: Any, source: Any, method: str) -> dict[str, np.ndarray]:
     """Model inputs for one text or token rows. A text starts as in training: a causal LM's
@@ -548,6 +673,12 @@ class Model:
   def _need(self, family: str, method: str) -> None:
     if self.cfg.family != family:
       raise ValueError(f'{method} needs a {family} model; this one is {self.cfg.family!r}')
+
+
+@functools.lru_cache(maxsize=16)
+def _run_cache(cfg: ModelConfig, names: tuple[str, ...]):
+  """`hooks.run` under jit returning only the cache: XLA drops whatever no name reads."""
+  return jax.jit(lambda weights, inputs: hooks_lib.run(cfg, weights, inputs, names=names)[1])
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -82,6 +82,7 @@ _COMMON = dict(
   qkv_bias=None,
   qk_norm=False,
   output_head=True,
+  output_bias=False,  # no Hugging Face architecture here has a bias on its output projection
   scale_embeddings=False,
   ffn_dropout_rate=0.0,
   init_distribution='normal',
@@ -156,7 +157,7 @@ _LOGIT_KEYS = tuple(
     'family vocab_size d_model num_heads kv_heads head_size d_ff num_layers max_length position '
     'norm norm_eps norm_placement embedding_norm residual activation use_bias qkv_bias qk_norm '
     'scale_embeddings attention_scale type_vocab_size num_classes output_head window rope_theta '
-    'rope_scaling rope_scaling_factor attention short_conv'
+    'rope_scaling rope_scaling_factor attention short_conv output_bias'
   ).split()
 )
 

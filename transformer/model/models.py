@@ -184,8 +184,8 @@ class OutputHead(nn.Module):
     # before the softmax, where bfloat16 would lose precision over V classes.
     if cfg.tie_output:  # reuse the input embedding [V, D] as the output projection
       return self.embed.attend(x)  # [B, T, V]
-    # An untied head: its own [D, V] matrix.
-    logits = dense(cfg, cfg.vocab_size, ('embed', 'vocab'), 'logits', use_bias=False)(x)
+    # An untied head: its own [D, V] matrix (and bias [V], where weight processing put one).
+    logits = dense(cfg, cfg.vocab_size, ('embed', 'vocab'), 'logits', use_bias=cfg.output_bias)(x)
     return sharding.constrain(logits, ('batch', 'length', 'vocab'))
 
 

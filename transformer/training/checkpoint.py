@@ -1,14 +1,15 @@
 """Save and resume runs with orbax: arrays and data position per step, run metadata per workdir.
 
 A workdir holds `checkpoints/<step>/{state,data,integrity}` plus, shared by all of its checkpoints,
-`config.json` and `git_revision.txt` (written here) and `tokenizer/` (written by transformer.data).
+`config.json`, `git_revision.txt` and `revisions.jsonl` (every revision that trained it, with its
+steps; written here) and `tokenizer/` (written by transformer.data).
 Every checkpoint carries checksums of its arrays and data state (`integrity`), checked on restore:
 a damaged latest checkpoint is moved aside and the previous good one is restored instead.
 """
 
 from __future__ import annotations
 
-import errno
+import datetime
 import hashlib
 import json
 import logging
@@ -32,10 +33,8 @@ RESUMABLE_MODEL_KEYS = ('attention_impl', 'remat', 'dtype')
 # Data keys that fix the tokenizer, and so the meaning of every embedding row.
 DATA_KEYS = ('task', 'tokenizer', 'vocab_size')
 _SOURCE_DIR = os.path.dirname(os.path.abspath(__file__))
+REVISIONS = 'revisions.jsonl'  # a JSON line per start of training: see record_start
 _INTEGRITY_FORMAT = 1  # version of the `integrity` record written with every checkpoint
-# errno values that mean "the file system has no room": full disk, quota, per-file size limit.
-_NO_SPACE = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded'}
-_NO_SPACE[errno.EFBIG] = 'File too large'
 
 
 class CheckpointError(ValueError):
@@ -64,7 +63,7 @@ class _DropOrbaxInfo(logging.Filter):
     if record.levelno < logging.WARNING:
       return False
     error = record.exc_info[1] if record.exc_info else None
-    return _no_space_reason(record.getMessage()) is None and _no_space_reason(error) is None
+    return util.no_space_reason(record.getMessage()) is None and util.no_space_reason(error) is None
 
 
 class _DropOrbaxLeftovers:
@@ -284,17 +283,17 @@ class Checkpointer:
 
     Call it from the `except` block that caught `error`.
     """
-    reason = _no_space_reason(error)
+    reason = util.no_space_reason(error)
     if reason is None:
       raise error
     _remove_partial_saves(self.directory)
     usage = shutil.disk_usage(self.directory)
     previous = [s for s in self.all_steps() if step is None or s < step]
     kept = f'checkpoint {previous[-1]} is intact' if previous else 'no earlier checkpoint exists'
+    free, total = util.byte_size(usage.free), util.byte_size(usage.total)
     raise CheckpointError(
-      f'could not save checkpoint {step} in {self.directory}: {reason} ({_size(usage.free)} free '
-      f'of {_size(usage.total)}); {kept}. Free some space (or move the workdir to a bigger disk) '
-      'and rerun to resume'
+      f'could not save checkpoint {step} in {self.directory}: {reason} ({free} free of {total}); '
+      f'{kept}. Free some space (or move the workdir to a bigger disk) and rerun to resume'
     ) from error
 
   def _read(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
@@ -441,36 +440,6 @@ def _well_formed(leaf: Any) -> bool:
   except TypeError:
     return False
   return True
-
-
-def _no_space_reason(error: BaseException | str) -> str | None:
-  """'No space left on device' (or quota, file size) if `error` or its causes say so, else None.
-
-  orbax's tensorstore writes report the errno only in their message (`[os_error_code='28']`).
-  """
-  seen, todo = set(), [error]
-  while todo:
-    item = todo.pop()
-    if item is None or id(item) in seen:
-      continue
-    seen.add(id(item))
-    if isinstance(item, OSError) and item.errno in _NO_SPACE:
-      return _NO_SPACE[item.errno]
-    text = str(item)
-    for code, reason in _NO_SPACE.items():
-      if reason in text or f"os_error_code='{code}'" in text:
-        return reason
-    if isinstance(item, BaseException):
-      todo += [item.__cause__, item.__context__]
-  return None
-
-
-def _size(num_bytes: int) -> str:
-  for unit in ('bytes', 'KiB', 'MiB', 'GiB'):
-    if num_bytes < 1024 or unit == 'GiB':
-      return f'{num_bytes:.0f} {unit}' if unit == 'bytes' else f'{num_bytes:.1f} {unit}'
-    num_bytes /= 1024
-  return f'{num_bytes:.1f} TiB'
 
 
 def _check_structure(saved: dict[str, tuple], target: Any, where: str) -> None:
@@ -630,6 +599,95 @@ def write_run_metadata(workdir: str, config: ml_collections.ConfigDict) -> None:
     os.path.join(workdir, 'config.json'), config.to_json_best_effort(indent=2) + '\n'
   )
   util.write_atomic(os.path.join(workdir, 'git_revision.txt'), _git_revision() + '\n')
+
+
+def record_start(workdir: str, step: int) -> None:
+  """Appends this start of training to workdir/revisions.jsonl (process 0): the code's revision,
+  whether it had uncommitted changes, the step it trains from and the time (UTC).
+
+  The file is only ever appended to, so it keeps every revision that trained the workdir;
+  `revision_history` turns its lines into step ranges. git_revision.txt holds the latest only.
+  """
+  if jax.process_index() != 0:
+    return
+  revision = _git_revision()
+  line = {
+    'revision': revision.removesuffix('-dirty'),
+    'dirty': revision.endswith('-dirty'),
+    'start_step': int(step),
+    'time': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+  }
+  path = os.path.join(workdir, REVISIONS)
+  with open(path, 'a+b') as f:  # appends go to the end, wherever the file position is
+    cut = False
+    if f.seek(0, os.SEEK_END):
+      f.seek(-1, os.SEEK_END)
+      cut = f.read(1) != b'\n'  # a line cut short by a kill: start on a new line
+    f.write((b'\n' if cut else b'') + json.dumps(line).encode() + b'\n')
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def revision_history(workdir: str) -> list[dict]:
+  """Every start of training in `workdir`, oldest first: revision, dirty, start_step, time and
+  end_step, the step that the later starts kept of its work (the next start's step, or the latest
+  checkpoint for the last start; equal to start_step when nothing it trained was kept).
+
+  Steps trained before revisions.jsonl existed come first, with revision None. A workdir trained
+  only before it gives one entry from git_revision.txt (the latest start's revision) with
+  start_step None; one with neither gives [].
+  """
+  entries = []
+  try:
+    with open(os.path.join(workdir, REVISIONS)) as f:
+      for text in f:
+        try:
+          entry = json.loads(text)
+        except ValueError:  # a line cut short by a kill
+          continue
+        if isinstance(entry, dict) and type(entry.get('start_step')) is int:
+          entries.append(entry)
+  except FileNotFoundError:
+    old = os.path.join(workdir, 'git_revision.txt')
+    if not os.path.exists(old):
+      return []
+    with open(old) as f:
+      revision = f.read().strip()
+    entry = {'revision': revision.removesuffix('-dirty'), 'dirty': revision.endswith('-dirty')}
+    return [{**entry, 'start_step': None, 'end_step': None, 'time': None}]
+  if entries and entries[0]['start_step'] > 0:  # resumed a checkpoint made before the record
+    entries.insert(0, {'revision': None, 'dirty': None, 'start_step': 0, 'time': None})
+  directory = os.path.join(workdir, 'checkpoints')
+  listed = os.listdir(directory) if os.path.isdir(directory) else []
+  bound = max((int(name) for name in listed if name.isdigit()), default=0)
+  for entry in reversed(entries):  # a later start from an earlier step drops the steps after it
+    entry['end_step'] = max(entry['start_step'], bound)
+    bound = min(bound, entry['start_step'])
+  return entries
+
+
+def describe_history(workdir: str) -> str:
+  """The revisions that trained `workdir`, a line each with its steps: for a reader."""
+  entries = revision_history(workdir)
+  if not entries:
+    return f'{workdir}: no record of the code that trained it'
+  if entries[0]['start_step'] is None:
+    entry = entries[0]
+    dirty = ' with uncommitted changes' if entry['dirty'] else ''
+    return (
+      f'{workdir}: last trained by revision {entry["revision"]}{dirty} (git_revision.txt; the '
+      'revisions of earlier starts were not recorded then)'
+    )
+  revisions = {e['revision'] for e in entries if e['revision'] is not None}
+  lines = [f'{workdir}: trained by {len(revisions)} revision(s)']
+  for entry in entries:
+    steps = f'steps {entry["start_step"]}-{entry["end_step"]}'
+    if entry['revision'] is None:
+      lines.append(f'  {steps:<16} an unrecorded revision (trained before revisions.jsonl)')
+      continue
+    dirty = ' with uncommitted changes' if entry['dirty'] else ''
+    lines.append(f'  {steps:<16} {entry["revision"]}{dirty}, started {entry["time"]}')
+  return '\n'.join(lines)
 
 
 def read_run_config(workdir: str) -> dict | None:

@@ -21,6 +21,7 @@ import numpy as np
 from transformer import data, util
 from transformer.config import ModelConfig
 from transformer.config.experiment import Config, DataConfig, TrainConfig
+from transformer.data.prepare import NoRoomError
 from transformer.model import hooks, models, probes
 from transformer.training import checkpoint, events, faults, peers
 from transformer.training.faults import (  # noqa: F401 - the loop's outcomes
@@ -89,12 +90,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 def _prepare_corpus(data_cfg: DataConfig, workdir: str) -> None:
   """task='corpus': tokenises the corpus into shards on first use, before the workdir is set up;
-  a bad corpus (empty, a jsonl line without text, a bad shard) leaves no new workdir behind."""
+  a bad corpus (empty, a jsonl line without text, a bad shard) leaves no new workdir behind. A
+  full disk keeps the shards written (in <workdir>/corpus by default): the rerun resumes them."""
   existed = os.path.exists(workdir)
   try:
     data.prepare_corpus(data_cfg, workdir, jax.process_index())
-  except (ValueError, FileNotFoundError):
-    if not existed and jax.process_index() == 0:
+  except (ValueError, FileNotFoundError) as error:
+    new = not existed and not isinstance(error, NoRoomError)
+    if new and jax.process_index() == 0:
       shutil.rmtree(workdir, ignore_errors=True)
     raise
 
@@ -170,6 +173,8 @@ class _Loop:
         f'(unigram {info["unigram_entropy_per_token"]:.3f}): compare with the eval loss'
       )
     _log(f'model: {run.family}, {models.count_params(run.model_cfg):,} parameters')
+    mesh = run.partitioner.mesh
+    _log(f'devices: {mesh.devices.size} {jax.default_backend()}, mesh {dict(mesh.shape)}')
     if self.ckpt.latest_step() is None:
       return run.init_state()
     state, data_state, step = self.ckpt.restore(run.abstract_state)  # onto this run's shardings
@@ -195,6 +200,8 @@ class _Loop:
         step=start,
         signal_name=got,
       )
+    if start < self.tcfg.steps:  # the code that trains from here, for experiments.describe
+      checkpoint.record_start(self.workdir, start)
     return start, self.tcfg.steps
 
   def received(self) -> bool:

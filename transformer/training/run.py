@@ -50,7 +50,8 @@ class Run:
     with_data: bool = True,
     experiment: Config | None = None,
   ):
-    """`devices` (default: all of them) are what `config.mesh.shape` lays out.
+    """`devices` are what `config.mesh.shape` lays out; default `sharding.default_devices`: all
+    of them, or on CPU after `sharding.use_every_core`, the cores the batches divide over.
 
     `with_data=False` skips the data task (benchmarks): the model keeps config.model.vocab_size.
     `experiment`: `Config.from_configdict(config)`, when the caller has it already (it is built
@@ -59,9 +60,12 @@ class Run:
     is the tokenizer's; `self.experiment` is the same, typed.
     """
     cfg = Config.from_configdict(config) if experiment is None else experiment
+    rows = {key: getattr(cfg.data, key) for key in ('batch_size', 'eval_batch_size')}
+    if devices is None:
+      devices = sharding.default_devices(cfg.mesh.shape, list(rows.values()))
     self.partitioner = sharding.Partitioner.from_config(cfg.mesh, devices)
-    for key in ('batch_size', 'eval_batch_size') if with_data else ():
-      self.partitioner.check_batch_rows(f'data.{key}', getattr(cfg.data, key))
+    for key, n in rows.items() if with_data else ():
+      self.partitioner.check_batch_rows(f'data.{key}', n)
     _check_grad_accum_steps(cfg)
     self.task = _build_task(cfg, workdir) if with_data else None
     self.experiment = _sized_to_tokenizer(cfg, self.task)

@@ -1,0 +1,76 @@
+"""A sweep's nulls: what a model that learns nothing scores, against which `research.verdicts`
+judges every rule too. Each is a dict of `name`, `reason` (in words) and `values`
+({variant: {metric: number or AS_RECORDED}}); see research/spec.py's `Sweep.nulls`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# A null's value: the runs' own mean (a metric measured before any training), or with ': METRIC'
+# that of another metric of the same variant (e.g. uniform attention scores what chance is).
+AS_RECORDED = 'as recorded'
+
+
+def check_nulls(
+  nulls: Sequence[Mapping[str, Any]],
+  rules: Sequence[Mapping[str, Any]] = (),
+  variants: Sequence[str] | None = None,
+  metrics: Sequence[str] | None = None,
+) -> None:
+  """Raises one ValueError for a null without a unique name, a reason or numeric values, one that
+  names an unknown variant or metric, and for a rule whose `chance` names no null."""
+  names = []
+  for null in nulls:
+    name = null.get('name') if isinstance(null, Mapping) else None
+    if not isinstance(name, str) or not name or name in names:
+      raise ValueError(f'null {null!r} needs a name (a string) unlike the other nulls')
+    if sorted(null) != ['name', 'reason', 'values'] or not str(null['reason']).strip():
+      raise ValueError(f"null {name!r} needs exactly 'name', 'reason' (in words) and 'values'")
+    names.append(name)
+    for variant, row in null['values'].items():
+      if variants is not None and variant not in variants:
+        raise ValueError(f'null {name!r} names variant {variant!r}; the variants are: '
+                         f'{", ".join(variants)}')  # fmt: skip
+      for metric, value in row.items():
+        if metrics is not None and metric not in metrics:
+          raise ValueError(f'null {name!r} names metric {metric!r}; the compared metrics are: '
+                           f'{", ".join(metrics)}')  # fmt: skip
+        if _recorded(metric, value) is None and (
+          isinstance(value, bool) or not isinstance(value, int | float)
+        ):
+          raise ValueError(
+            f'null {name!r}: {variant} {metric}={value!r} must be a number, {AS_RECORDED!r} or '
+            f"'{AS_RECORDED}: METRIC'"
+          )
+  for rule in rules:
+    if rule.get('chance') is not None and rule['chance'] not in names:
+      raise ValueError(
+        f'rule {rule.get("text") or rule["kind"]!r} has chance={rule["chance"]!r}; the '
+        f"sweep's nulls are: {', '.join(names) or 'none'}"
+      )
+
+
+def _recorded(metric: str, value: Any) -> str | None:
+  """The metric whose recorded mean an AS_RECORDED value stands for, else None."""
+  if value == AS_RECORDED:
+    return metric
+  if isinstance(value, str) and value.startswith(f'{AS_RECORDED}: '):
+    return value[len(AS_RECORDED) + 2 :].strip() or None
+  return None
+
+
+def resolve_null(null: Mapping[str, Any], table: Mapping[str, Mapping[str, Sequence]]) -> dict:
+  """The null with each AS_RECORDED value replaced by the runs' mean (dropped when none ran)."""
+  values = {}
+  for variant, row in null['values'].items():
+    for metric, value in row.items():
+      source = _recorded(metric, value)
+      if source is not None:
+        recorded = [v for v in (table.get(variant) or {}).get(source) or [] if v is not None]
+        recorded = [float(v) for v in recorded if not math.isnan(v)]  # NaN: not recorded
+        value = sum(recorded) / len(recorded) if recorded else None
+      if value is not None:
+        values.setdefault(variant, {})[metric] = float(value)
+  return {**null, 'values': values}
