@@ -84,12 +84,12 @@ def _tokens(model: Any, text: str) -> list[int]:
   tok = model.tokenizer
   if tok is None:
     raise ValueError(f'{model.workdir!r} has no tokenizer.json: inspect needs one to read --text')
-  if getattr(tok, 'kind', None) == 'hf':
+  if model.cfg.family == 'causal_lm':  # as generate and score start a text: the model's own bos
+    ids = model.prompt_prefix() + tok.encode(text)
+  elif getattr(tok, 'kind', None) == 'hf':
     ids = tok.encode(text, add_special_tokens=True)
   else:
-    ids = (
-      [data.BOS_ID] + tok.encode(text) + ([data.EOS_ID] if model.cfg.family != 'causal_lm' else [])
-    )
+    ids = [data.BOS_ID] + tok.encode(text) + [data.EOS_ID]
   return ids[: model.cfg.max_length]
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer import data
 from transformer.config import ModelConfig
 from transformer.model import hooks, models, probes
 
@@ -228,7 +229,7 @@ def direct_logit_attribution(
     x = np.asarray(x, np.float64)
     if cfg.norm == 'layernorm':
       x = x - x.mean(-1, keepdims=True)
-    return ((x * scale * w) * direction).sum(-1)
+    return ((x / scale * w) * direction).sum(-1)
 
   parts = {'embed': through(cache['blocks.0.hook_resid_pre'][:, position])}
   for layer in range(L):
@@ -255,12 +256,19 @@ detector_scores = probes.detector_scores
 
 
 def head_detectors(
-  cfg: ModelConfig, params: Any, length: int = 25, batch: int = 8, seed: int = 0
+  cfg: ModelConfig,
+  params: Any,
+  length: int = 25,
+  batch: int = 8,
+  seed: int = 0,
+  prefix: Sequence[int] = (data.BOS_ID,),
 ) -> dict[str, np.ndarray]:
   """`detector_scores` of every layer ({kind: [L, N]}) and the induction loss: the mean loss on
   the second copy of `repeated_tokens` (low when the model copies from context), with the
-  first copy's for comparison."""
-  return probes.induction_probe(cfg, params, repeated_tokens(cfg.vocab_size, length, batch, seed))
+  first copy's for comparison. Each row starts with `prefix`: pass the model's own
+  (`inference.Model.prompt_prefix()`: an imported GPT-2's bos is not sparrow's)."""
+  tokens = repeated_tokens(cfg.vocab_size, length, batch, seed, prefix=prefix)
+  return probes.induction_probe(cfg, params, tokens)
 
 
 # The report of a clean and a corrupted prompt (experiments.inspect --corrupt) -----------------
@@ -365,7 +373,7 @@ def corruption_report(model: Any, clean: list[int], corrupt: list[int], labels, 
     top = sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:5]
     lines += ['## Direct logit attribution on the clean prompt', '', f'![dla]({file})', '']
     lines += ['Largest parts: ' + ', '.join(f'{k} {v:+.3f}' for k, v in top), '']
-  scores = head_detectors(cfg, params)
+  scores = head_detectors(cfg, params, prefix=model.prompt_prefix())
   lines += ['## Head detectors (repeated random tokens)', '']
   lines += [f'Induction loss {scores["induction_loss"]:.3f} nats on the repeated half, '
             f'{scores["first_copy_loss"]:.3f} on the first.', '']  # fmt: skip

@@ -398,6 +398,39 @@ def test_check_exportable(arch, changes, message):
     hf.check_exportable(arch, cfg.replace(**changes))
 
 
+@pytest.mark.parametrize('bos', [VOCAB - 1, None])
+def test_hook_methods_start_a_text_with_the_tokenizers_bos(hf_models, tmp_path, bos):
+  # As generate and score do: the imported GPT-2's own bos (config.json's bos_token_id, not
+  # sparrow's id 1), or nothing for a model trained without one.
+  import transformer
+  from research import dissect
+  from research import interventions as iv
+
+  directory = _copy(hf_models, tmp_path)
+  with open(os.path.join(directory, 'config.json')) as f:
+    config = json.load(f)
+  config['bos_token_id'] = bos
+  with open(os.path.join(directory, 'config.json'), 'w') as f:
+    json.dump(config, f)
+  m = transformer.load(directory)
+  want_ids = ([] if bos is None else [bos]) + [6, 7, 8]  # 'w1 w2 w3'
+  assert m.prompt_prefix() == want_ids[:-3]
+  want = m.logits(np.asarray([want_ids]))
+  logits, cache = m.run_with_cache('w1 w2 w3', names=['blocks.0.attn.hook_pattern'])
+  np.testing.assert_array_equal(logits, want)
+  np.testing.assert_array_equal(m.run_with_hooks('w1 w2 w3'), want)
+  pattern = m.attention_maps('w1 w2 w3')['blocks.0.attn.hook_pattern']
+  assert pattern.shape[-1] == len(want_ids)
+  np.testing.assert_array_equal(pattern, cache['blocks.0.attn.hook_pattern'][0])
+  model = hf_models['gpt2'][0]
+  with torch.no_grad():
+    theirs = model(torch.tensor([want_ids])).logits.numpy()
+  assert _relative_error(logits, theirs) <= 1e-4
+  detectors = iv.head_detectors(m.cfg, m.params, length=4, batch=1, prefix=m.prompt_prefix())
+  assert detectors['induction'].shape == (m.cfg.num_layers, m.cfg.num_heads)
+  assert dissect._tokens(m, 'w1 w2 w3') == want_ids  # experiments.inspect's --text
+
+
 # Bad input -------------------------------------------------------------------------------------
 def _copy(hf_models, tmp_path, name='gpt2') -> str:
   directory = str(tmp_path / 'input')

@@ -270,7 +270,7 @@ def test_hooks_run_on_running_statistics_and_refuse_the_final_norm_scale():
   assert cache['blocks.1.hook_resid_mid'].shape == (1, 5, D)
   pre = cfg.replace(norm_placement='pre')
   assert 'ln_final.hook_scale' not in hooks.hook_names(pre)
-  assert hooks.hook_names(pre)[-1] == 'ln_final.hook_normalized'  # per feature, yet normalised
+  assert hooks.hook_names(pre)[-2:] == ['ln_final.hook_normalized', 'ln_final.hook_out']
   with pytest.raises(ValueError, match=r"ln_final\.hook_scale.*norm='batchnorm'"):
     hooks.select(pre, ['ln_final.hook_scale'])
 

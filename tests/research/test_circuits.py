@@ -55,7 +55,7 @@ def test_positional_qk_circuit_is_the_score_when_tokens_carry_nothing():
 
 def test_ov_circuit_gives_direct_logit_attribution_where_a_head_sees_one_token():
   # At position 0 a causal head attends to that token alone, so its direct logit attribution
-  # is the OV circuit's row times the final norm's cached 1 / RMS.
+  # is the OV circuit's row divided by the final norm's cached RMS (hook_scale).
   cfg, params = _model(num_layers=1, use_bias=False)
   ids = _ids(np.random.default_rng(2))
   good, bad = 5, 11
@@ -65,7 +65,7 @@ def test_ov_circuit_gives_direct_logit_attribution_where_a_head_sees_one_token()
   first = np.asarray(ids)[:, 0]
   for head in range(cfg.num_heads):
     ov = circuits.ov_circuit(cfg, params, 0, head)
-    want = scale * (ov[first, good] - ov[first, bad])
+    want = (ov[first, good] - ov[first, bad]) / scale
     np.testing.assert_allclose(parts[f'blocks.0.attn.head_{head}'], want, rtol=1e-4, atol=1e-5)
   assert 'blocks.0.mlp' not in parts  # attention only
 
@@ -148,7 +148,8 @@ def test_the_corruption_report_of_an_attention_only_model_has_no_mlp_maps(tmp_pa
 
   cfg, params = _model(num_layers=1)
   tokenizer = SimpleNamespace(decode=lambda ids: ' '.join(f'w{i}' for i in ids))
-  model = SimpleNamespace(cfg=cfg, params=params, tokenizer=tokenizer)
+  # What the report reads of an inference.Model: its config, weights, tokenizer and prefix.
+  model = SimpleNamespace(cfg=cfg, params=params, tokenizer=tokenizer, prompt_prefix=lambda: [1])
   clean, corrupt = [3, 9, 1, 4], [3, 9, 2, 4]
   labels = ([f'w{i}' for i in clean], [f'w{i}' for i in corrupt])
   interventions.corruption_report(model, clean, corrupt, labels, str(tmp_path))

@@ -39,7 +39,7 @@ def _softmax(x):
 def test_attention_maps_match_numpy_from_the_projections(placement):
   cfg, params = _model(norm_placement=placement)
   # The attention's input: the normalised residual stream (pre-LN) or the stream itself (post-LN).
-  source = 'blocks.1.ln1.hook_normalized' if placement == 'pre' else 'blocks.1.hook_resid_pre'
+  source = 'blocks.1.ln1.hook_out' if placement == 'pre' else 'blocks.1.hook_resid_pre'
   picked = [source, 'blocks.1.attn.hook_pattern', 'blocks.1.attn.hook_attn_scores']
   _, cache = hooks.run_xla(cfg, params, {'inputs': _TOKENS}, picked)
   probs = cache['blocks.1.attn.hook_pattern']  # [B, N, T, S]

@@ -192,6 +192,32 @@ def test_detectors_score_textbook_patterns_and_the_induction_loss_is_measured(hf
   assert np.isfinite(out['induction_loss']) and out['induction_loss'] > 0
 
 
+@pytest.mark.parametrize('prefix', [[VOCAB - 1], []])
+def test_head_detectors_start_each_row_with_the_models_own_prefix(hf_pair, prefix):
+  # An imported GPT-2's bos is its own id, not sparrow's 1; a model without one gets none.
+  _, cfg, params = hf_pair['gpt2']
+  n = 6
+  tokens = iv.repeated_tokens(cfg.vocab_size, n, 2, seed=0, prefix=prefix)
+  P = len(prefix)
+  assert tokens.shape == (2, P + 2 * n) and (tokens[:, :P] == prefix).all()
+  assert (tokens[:, P : P + n] == tokens[:, P + n :]).all()
+  out = iv.head_detectors(cfg, params, length=n, batch=2, prefix=prefix)
+  # Independently: the scores read off each head's pattern, and the losses off the logits.
+  names = [f'blocks.{layer}.attn.hook_pattern' for layer in range(cfg.num_layers)]
+  logits, cache = hooks.run(cfg, params, {'inputs': jnp.asarray(tokens)}, names=names)
+  second = np.arange(P + n, P + 2 * n)  # the second copy's positions
+  for layer, name in enumerate(names):
+    p = np.asarray(cache[name], np.float64)
+    induction = p[:, :, second, second - n + 1].mean((0, 2))  # to the token after the first
+    np.testing.assert_allclose(out['induction'][layer], induction, rtol=1e-6)
+  logp = np.asarray(torch.log_softmax(torch.tensor(np.asarray(logits, np.float64)), -1))
+  picked = lambda positions: (
+    -np.mean([logp[b, t - 1, tokens[b, t]] for b in range(2) for t in positions])
+  )
+  np.testing.assert_allclose(out['induction_loss'], picked(second), rtol=1e-5)
+  np.testing.assert_allclose(out['first_copy_loss'], picked(range(P + 1, P + n)), rtol=1e-5)
+
+
 def test_logit_diff_and_attribution_take_one_target_pair_per_row(hf_pair):
   """IOI-style batches: each row compares its own two names."""
   _, cfg, params = hf_pair['gpt2']

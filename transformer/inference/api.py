@@ -414,7 +414,7 @@ class Model:
         raise ValueError('token_types are for bidirectional_lm models')
       inputs['token_types'] = _int_array(token_types, 'token_types')
     blocks = [f'blocks.{i}.hook_resid_post' for i in range(self.cfg.num_layers)]
-    last = 'ln_final.hook_normalized' if self.cfg.norm_placement == 'pre' else blocks[-1]
+    last = 'ln_final.hook_out' if self.cfg.norm_placement == 'pre' else blocks[-1]
     names = ['blocks.0.hook_resid_pre', *blocks, last] if layers else [last]
     _, seen = hooks_lib.run_xla(self.cfg, self.weights, inputs, names)
     final = seen[last].astype(np.float32)
@@ -502,17 +502,24 @@ class Model:
     text: str | Any,
     hooks: dict | None = None,
     *,
+    fwd_hooks: list | None = None,
     source: str | None = None,
     return_type: str | None = 'logits',
     loss_per_token: bool = False,
     stop_at_layer: int | None = None,
   ) -> Any:
-    """Logits with `hooks` applied: {hook name: fn(activation, name) -> activation}, each of
-    which may read its activation or return a replacement (e.g. zero one head's hook_z).
-    Pure and jit-compiled once per set of hook functions. `return_type`, `loss_per_token` and
-    `stop_at_layer` are `forward`'s."""
+    """Logits with hooks applied: TransformerLens's `fwd_hooks=[(name or predicate on names,
+    fn), ...]`, or `hooks={name: fn}`. Each fn is called as fn(activation, hook), `hook.name`
+    and `hook.layer()` saying where, and returns a replacement (e.g. one head's hook_z zeroed)
+    or None to leave it unchanged. `return_type`, `loss_per_token` and `stop_at_layer` are
+    `forward`'s.
+
+    The forward is traced at every call, so a hook sees the globals and variables it reads as
+    they are now; the compile is reused whenever the traced program is the same (see
+    docs/dissect.md: a hook that indexes with a jnp array compiles once for a whole sweep)."""
     inputs = self._hook_inputs(text, source, 'run_with_hooks')
-    return self._forward(inputs, (), hooks, return_type, loss_per_token, stop_at_layer)[0]
+    both = [*(hooks or {}).items(), *(fwd_hooks or [])]
+    return self._forward(inputs, (), both, return_type, loss_per_token, stop_at_layer)[0]
 
   # TransformerLens's forward and tokens ----------------------------------------------------
   def __call__(
@@ -590,22 +597,30 @@ class Model:
     return resid, {n: seen[n] for n in names}
 
   def _hook_inputs(self, text: Any, source: Any, method: str) -> dict[str, np.ndarray]:
-    """Model inputs for one text or token rows: bos + ids (decoder side), source ids + eos."""
+    """Model inputs for one text or token rows. A text starts as in training: a causal LM's
+    after `prompt_prefix` (the tokenizer's bos, or nothing where the model had none), an
+    imported BERT's with the tokenizer's special tokens, else after bos; a source ends in eos."""
 
     def ids(value, prefix):
       if isinstance(value, str):
+        if prefix is None:  # the tokenizer adds its own ([CLS] ... [SEP])
+          return np.asarray([self.tokenizer.encode(value, add_special_tokens=True)], np.int32)
         return np.asarray([prefix + self._encode(value)], np.int32)
       value = np.asarray(value)
       return _int_array(value[None] if value.ndim == 1 else value, 'text')
 
-    if self.cfg.family == 'encoder_decoder':
+    family = self.cfg.family
+    if family == 'encoder_decoder':
       if source is None:
         raise ValueError(f'EncoderDecoder.{method} needs source=... (the encoder input)')
       src = ids(source, [])
       if isinstance(source, str):
         src = np.concatenate([src, [[data.EOS_ID]]], axis=1)
       return {'inputs': src, 'decoder_inputs': ids(text, [data.BOS_ID])}
-    return {'inputs': ids(text, [data.BOS_ID])}
+    if family == 'causal_lm':
+      return {'inputs': ids(text, self.prompt_prefix())}
+    hf_tokenizer = getattr(self.tokenizer, 'kind', None) == 'hf'
+    return {'inputs': ids(text, None if hf_tokenizer else [data.BOS_ID])}
 
   # Helpers ---------------------------------------------------------------------------------------
   def _encode(self, text: str) -> list[int]:

@@ -215,6 +215,7 @@ class MultiHeadAttention(nn.Module):
     deterministic: bool = True,
     return_probs: bool = False,
     cache_mode: CacheMode | None = None,
+    per_head: bool = False,
   ):
     """Attends from `inputs_q` [B, T, D] to `inputs_kv` [B, S, D] (None = self attention).
 
@@ -223,6 +224,8 @@ class MultiHeadAttention(nn.Module):
         In the cache's 'step' phase they are required ([B, 1]) and are also the cache slots.
       return_probs: also return the attention probabilities [B, N, T, S] (the 'xla' path).
       cache_mode: decoding with a KV cache (see `CacheMode`); needs mutable=['cache'].
+      per_head: also project each head on its own ([B, T, N, D], `hook_result`), at N times the
+        memory of the output; only `hooks.run` asks for it.
     Returns:
       [B, T, D], or ([B, T, D], [B, N, T, S]) with return_probs.
     """
@@ -249,8 +252,23 @@ class MultiHeadAttention(nn.Module):
     out, probs = out if return_probs else (out, None)  # probs: [B, N, T, S] or None
     out = HookPoint(name='hook_z')(self._constrain(out, 'heads'))  # [B, T, N, H]
     # The output projection contracts heads and head_dim together: [B, T, N, H] -> [B, T, D].
-    y = self._dense(inputs_q.shape[-1], (-2, -1), ('heads', 'kv', 'embed'), 'out')(out)
+    project = self._dense(inputs_q.shape[-1], (-2, -1), ('heads', 'kv', 'embed'), 'out')
+    y = self._per_head(project, out) if per_head else project(out)
     return (y, probs) if return_probs else y
+
+  def _per_head(self, project: nn.DenseGeneral, z: Array) -> Array:
+    """The output projection [B, T, D] beside hook_result, each head's output projected on its
+    own [B, T, N, D] (TransformerLens's, no bias). The output comes from the projection as
+    usual, bit for bit, unless a hook hands back other results: then it is their sum plus the
+    bias, as in TransformerLens."""
+    dtype = self.cfg.compute_dtype
+    weights = project.variables['params']  # kernel [N, H, D], bias [D]
+    result = jnp.einsum('btnh,nhd->btnd', z, weights['kernel'].astype(dtype))  # [B, T, N, D]
+    hooked = HookPoint(name='hook_result')(result)
+    if hooked is result:
+      return project(z)
+    y = hooked.sum(2)  # [B, T, D]
+    return y + weights['bias'].astype(dtype) if 'bias' in weights else y
 
   def _dense(self, features, axis, axes: tuple[str, ...], name: str) -> nn.DenseGeneral:
     """A projection of `features` over `axis`, its kernel on the logical `axes`: q, k and v
@@ -314,9 +332,9 @@ class MultiHeadAttention(nn.Module):
       high_freq_factor=cfg.rope_high_freq_factor,
     )
     # Rotating q and k by their positions makes q.k depend on the offset i - j only.
-    q = positions_lib.apply_rope(q, positions, inv_freq, mscale)  # [B, T, N, H]
-    k = positions_lib.apply_rope(k, positions, inv_freq, mscale)  # [B, S, K, H]
-    return q, k, None, positions
+    q = HookPoint(name='hook_rot_q')(positions_lib.apply_rope(q, positions, inv_freq, mscale))
+    k = HookPoint(name='hook_rot_k')(positions_lib.apply_rope(k, positions, inv_freq, mscale))
+    return q, k, None, positions  # q [B, T, N, H], k [B, S, K, H]
 
   @property
   def scale(self) -> float | None:

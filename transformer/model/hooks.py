@@ -1,57 +1,83 @@
 """Named activations, cached and patchable: TransformerLens's hook points on sparrow's models.
 
 `run(cfg, params, inputs, names=..., hooks=...)` runs one forward pass and returns the logits and
-the activations named in `names` (a list of hook names, or a predicate on them); `hooks` maps
-names to `fn(activation, name) -> activation`, which may read or replace each one. It is a pure
-function of its arguments (flax method interception, no global state), so it runs under
-`jax.jit` and `jax.grad`.
+the activations named in `names` (a list of hook names, or a predicate on them). `hooks` is
+{name: fn} or TransformerLens's fwd_hooks, [(name or predicate, fn), ...]; each fn is called as
+fn(activation, hook), where `hook` is the name (a str) with TransformerLens's `hook.name` and
+`hook.layer()`, and returns a replacement or None (no change). `run` is a pure function of its
+arguments (flax method interception, no global state), so it runs under `jax.jit` and `jax.grad`.
 
 The names follow TransformerLens, so its tutorials port line by line. For a decoder-only or an
 encoder-only model, with l the layer:
 
+  hook_embed                    [B, T, D]  the token embeddings (x sqrt(D) where the model scales)
+  hook_pos_embed                [B, T, D]  learned or sinusoidal positions (none with RoPE, ALiBi)
   blocks.{l}.hook_resid_pre     [B, T, D]  the block's input (layer 0: the embeddings)
-  blocks.{l}.ln1.hook_normalized  [B, T, D]  the attention's input (pre-LN; ln2: the MLP's)
+  blocks.{l}.ln1.hook_scale     [B, T, 1]  the norm's divisor sqrt(var + eps) (RMSNorm: of the mean
+                                           square; none with norm='batchnorm')
+  blocks.{l}.ln1.hook_normalized  [B, T, D]  the input divided by hook_scale (LayerNorm: centred
+                                           first), before the weight and bias; float32
+  blocks.{l}.ln1.hook_out       [B, T, D]  the norm's output: the attention's input with pre-LN
   blocks.{l}.attn.hook_q        [B, T, N, H]  queries, before RoPE (and k, v: [B, S, K, H])
   blocks.{l}.attn.hook_k, blocks.{l}.attn.hook_v
-  blocks.{l}.attn.hook_attn_scores  [B, N, T, S]  scaled scores, -inf where masked (read only)
-  blocks.{l}.attn.hook_pattern  [B, N, T, S]  probabilities (read only)
+  blocks.{l}.attn.hook_rot_q    [B, T, N, H]  queries after RoPE (RoPE models; and hook_rot_k)
+  blocks.{l}.attn.hook_attn_scores  [B, N, T, S]  scaled scores, -inf where masked
+  blocks.{l}.attn.hook_pattern  [B, N, T, S]  probabilities
   blocks.{l}.attn.hook_z        [B, T, N, H]  each head's output, before the output projection
+  blocks.{l}.attn.hook_result   [B, T, N, D]  each head's output projected (no bias); computed
+                                           only when asked for; a hook that replaces it makes
+                                           the attention's output their sum plus the bias
   blocks.{l}.hook_attn_out      [B, T, D]  the attention's output, added to the residual stream
   blocks.{l}.hook_resid_mid     [B, T, D]  the residual stream between attention and MLP
+  blocks.{l}.ln2.hook_scale, hook_normalized, hook_out  the MLP's norm
   blocks.{l}.mlp.hook_pre       [B, T, F]  before the activation (SwiGLU: the gate; the linear
   blocks.{l}.mlp.hook_pre_linear           half is hook_pre_linear)
   blocks.{l}.mlp.hook_post      [B, T, F]  after it
   blocks.{l}.hook_mlp_out       [B, T, D]
   blocks.{l}.hook_resid_post    [B, T, D]  the block's output
-  ln_final.hook_scale           [B, T, 1]  1 / the final norm's divisor (pre-LN models; read only;
-                                           none with norm='batchnorm', whose divisor is per feature)
-  ln_final.hook_normalized      [B, T, D]  the final hidden state (pre-LN models)
+  ln_final.hook_scale, hook_normalized  the final norm (pre-LN models)
+  ln_final.hook_out             [B, T, D]  the final hidden state (pre-LN models)
 
-An encoder-decoder prefixes `encoder.` and `decoder.`, and its decoder blocks add the cross
-attention as `decoder.blocks.{l}.cross_attn.hook_*`, `decoder.blocks.{l}.ln_cross.hook_normalized`
-and `decoder.blocks.{l}.hook_cross_attn_out`.
-Pre-LN: hook_resid_mid = hook_resid_pre + hook_attn_out. Post-LN (BERT, the 2017 paper): it is
-the normalised sum after attention, as the block computes it.
+A BERT-style model (bidirectional_lm) names its embeddings as TransformerLens's HookedEncoder
+does: embed.hook_embed, embed.hook_pos_embed, embed.hook_token_type_embed and the embeddings'
+norm embed.ln.hook_scale, hook_normalized and hook_out. Pre-LN: hook_resid_mid = hook_resid_pre +
+hook_attn_out. Post-LN (BERT, the 2017 paper): ln1 and ln2 normalise the sums after attention
+and MLP, and hook_resid_mid is ln1's hook_out.
 
-Each name is a `HookPoint` declared in the module where its activation is made (layers.py,
-attention.py, primitives.py); `run` intercepts those calls, so nothing here computes an activation a
-second time. Patterns and scores are computed only for the layers whose pattern or scores are
-asked for, on the 'xla' path there; every other layer runs as configured, so a long text needs
-only the memory of what was asked for.
+An encoder-decoder prefixes `encoder.` and `decoder.` to every name (each stack has its own
+embeddings and, pre-LN, its own ln_final). Its decoder blocks add the cross attention between the
+self attention and the MLP: decoder.blocks.{l}.ln_cross.hook_scale, hook_normalized and hook_out
+(pre-LN: the decoder stream the queries come from), decoder.blocks.{l}.cross_attn.hook_q
+(queries from the decoder), hook_k and hook_v (keys and values from the encoder's output,
+[B, S, K, H]), hook_attn_scores and hook_pattern ([B, N, T, S]: decoder queries over encoder
+keys), hook_z, hook_result, and decoder.blocks.{l}.hook_cross_attn_out, added to the residual
+stream.
 
-`run_xla` runs every attention on the 'xla' path, as the inspection tools do, and
-`attention_entropy` reads each head's entropy from a cache of patterns and scores.
+Each name is a `HookPoint` declared in the module where its activation is made (models.py,
+layers.py, attention.py, primitives.py); `run` intercepts those calls, so nothing here computes
+an activation a second time. Patterns and scores are computed only for the layers whose pattern
+or scores are asked for or hooked, on the 'xla' path there, and per-head results only for those
+whose hook_result is; every other layer runs as configured, so a long text needs only the memory
+of what was asked for.
+
+`run_jit` is `run` under `jax.jit` (see there what it compiles and when). `run_xla` runs every
+attention on the 'xla' path, as the inspection tools do, and `attention_entropy` reads each
+head's entropy from a cache of patterns and scores.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Mapping
+import gc
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from transformer.config import ModelConfig
@@ -60,10 +86,24 @@ from transformer.model.attention import MultiHeadAttention
 from transformer.model.primitives import HookPoint
 
 Array = jax.Array
-Hook = Callable[[Array, str], Array]
+HookFn = Callable[[Array, 'HookName'], Array | None]
+# {name: fn}, or TransformerLens's fwd_hooks: [(name or predicate on names, fn), ...].
+Hooks = Mapping[str, HookFn] | Sequence[tuple[str | Callable[[str], bool], HookFn]]
 
-_ATTN = ('hook_q', 'hook_k', 'hook_v', 'hook_attn_scores', 'hook_pattern', 'hook_z')
-READ_ONLY = ('hook_attn_scores', 'hook_pattern', 'hook_scale')
+
+class HookName(str):
+  """What a hook function gets beside its activation: TransformerLens's `hook`, with `hook.name`
+  and `hook.layer()`. It is the name itself too (a str), so a hook written `fn(act, name)` reads
+  it as a string."""
+
+  @property
+  def name(self) -> str:
+    return str(self)
+
+  def layer(self) -> int | None:
+    """The block index in the name ('blocks.3.attn.hook_z' -> 3), or None outside the blocks."""
+    parts = self.split('.')
+    return int(parts[parts.index('blocks') + 1]) if 'blocks' in parts else None
 
 
 def patterns_and_scores(name: str) -> bool:
@@ -71,37 +111,65 @@ def patterns_and_scores(name: str) -> bool:
   return name.endswith(('.hook_pattern', '.hook_attn_scores'))
 
 
+def _norm_names(cfg: ModelConfig, norm: str) -> list[str]:
+  """A norm's hook names: its divisor (none with batchnorm, whose divisor is per feature), the
+  normalised input (before the weight and bias), and its output."""
+  scale = [f'{norm}.hook_scale'] if cfg.norm != 'batchnorm' else []
+  return scale + [f'{norm}.hook_normalized', f'{norm}.hook_out']
+
+
+def _embedding_names(cfg: ModelConfig, prefix: str) -> list[str]:
+  """The embeddings' hook names: at the top (GPT-2's), under embed. (BERT's)."""
+  e = prefix + ('embed.' if cfg.family == 'bidirectional_lm' else '')
+  out = [e + 'hook_embed']
+  if cfg.position in ('learned', 'sinusoidal'):  # RoPE and ALiBi act inside attention
+    out.append(e + 'hook_pos_embed')
+  if cfg.type_vocab_size:
+    out.append(e + 'hook_token_type_embed')
+  return out + (_norm_names(cfg, prefix + 'embed.ln') if cfg.embedding_norm else [])
+
+
+def _attention_names(cfg: ModelConfig, attn: str, cross: bool) -> list[str]:
+  rot = ['hook_rot_q', 'hook_rot_k'] if cfg.position == 'rope' and not cross else []
+  hooks = ['hook_q', 'hook_k', 'hook_v', *rot, 'hook_attn_scores', 'hook_pattern', 'hook_z']
+  return [f'{attn}.{h}' for h in hooks + ['hook_result']]
+
+
+def _block_names(cfg: ModelConfig, b: str, cross: bool) -> list[str]:
+  """The hook names of block `b` ('blocks.3.'), in forward order."""
+  pre = cfg.norm_placement == 'pre'
+  # Pre-LN: a norm makes the sub-layer's input; post-LN: it normalises the sum after it.
+  before = lambda norm: _norm_names(cfg, b + norm) if pre else []
+  after = lambda norm: [] if pre else _norm_names(cfg, b + norm)
+  out = [b + 'hook_resid_pre', *before('ln1'), *_attention_names(cfg, b + 'attn', False)]
+  out += [b + 'hook_attn_out', *after('ln1')]
+  if cfg.d_ff or cross:  # attention-only: resid_post follows the attention (TransformerLens)
+    out.append(b + 'hook_resid_mid')
+  if cross:
+    out += [*before('ln_cross'), *_attention_names(cfg, b + 'cross_attn', True)]
+    out += [b + 'hook_cross_attn_out', *after('ln_cross')]
+  if cfg.d_ff:
+    out += [*before('ln2'), b + 'mlp.hook_pre']
+    if cfg.activation == 'swiglu':
+      out.append(b + 'mlp.hook_pre_linear')
+    out += [b + 'mlp.hook_post', b + 'hook_mlp_out', *after('ln2')]
+  return out + [b + 'hook_resid_post']
+
+
 def hook_names(cfg: ModelConfig) -> list[str]:
   """Every hook name of a model of `cfg`, in forward order."""
-  names, pre = [], cfg.norm_placement == 'pre'
-
-  def block(prefix: str, layer: int, cross: bool) -> list[str]:
-    b = f'{prefix}blocks.{layer}.'
-    ln = lambda norm: [f'{b}{norm}.hook_normalized'] if pre else []  # a sub-layer's input
-    out = [b + 'hook_resid_pre', *ln('ln1'), *(f'{b}attn.{h}' for h in _ATTN), b + 'hook_attn_out']
-    if cfg.d_ff or cross:  # attention-only: resid_post follows the attention (TransformerLens)
-      out.append(b + 'hook_resid_mid')
-    if cross:
-      out += [*ln('ln_cross'), *(f'{b}cross_attn.{h}' for h in _ATTN), b + 'hook_cross_attn_out']
-    if cfg.d_ff:
-      out += [*ln('ln2'), b + 'mlp.hook_pre']
-      if cfg.activation == 'swiglu':
-        out.append(b + 'mlp.hook_pre_linear')
-      out += [b + 'mlp.hook_post', b + 'hook_mlp_out']
-    return out + [b + 'hook_resid_post']
-
   if cfg.family == 'encoder_decoder':
-    for layer in range(cfg.num_layers):
-      names += block('encoder.', layer, False)
-    for layer in range(cfg.decoder_layers):
-      names += block('decoder.', layer, True)
+    stacks = [('encoder.', cfg.num_layers, False), ('decoder.', cfg.decoder_layers, True)]
   else:
-    for layer in range(cfg.num_layers):
-      names += block('', layer, False)
-  final = ('decoder.' if cfg.family == 'encoder_decoder' else '') + 'ln_final.'
-  if pre and cfg.norm != 'batchnorm':
-    names.append(final + 'hook_scale')
-  return names + ([final + 'hook_normalized'] if pre else [])
+    stacks = [('', cfg.num_layers, False)]
+  names = []
+  for prefix, layers, cross in stacks:
+    names += _embedding_names(cfg, prefix)
+    for layer in range(layers):
+      names += _block_names(cfg, f'{prefix}blocks.{layer}.', cross)
+    if cfg.norm_placement == 'pre':  # pre-LN's residual stream is normalised at the end
+      names += _norm_names(cfg, prefix + 'ln_final')
+  return names
 
 
 def select(
@@ -118,7 +186,7 @@ def select(
   names = list(names)
   known = set(every)
   for name in names:
-    if name.endswith('ln_final.hook_scale') and cfg.norm == 'batchnorm':
+    if name.endswith('.hook_scale') and cfg.norm == 'batchnorm':
       raise ValueError(
         f"{name} is the per-token divisor of norm='layernorm' or 'rmsnorm'; this model's "
         "norm='batchnorm' divides each feature by its running statistics, so it has no such hook"
@@ -132,8 +200,11 @@ def select(
   return tuple(dict.fromkeys(names))
 
 
-# Module path parts -> TransformerLens's; 'stack' drops out and 'layer_3' becomes 'blocks.3'.
+# Module path parts -> TransformerLens's; 'stack' and 'positions' drop out and 'layer_3' becomes
+# 'blocks.3'.
 _PARTS = {
+  'embedder': 'embed',
+  'norm': 'ln',  # the embeddings' norm (BERT's); the blocks' norms have longer names
   'self_attention': 'attn',
   'cross_attention': 'cross_attn',
   'self_attention_norm': 'ln1',
@@ -151,9 +222,41 @@ def hook_name(cfg: ModelConfig, path: tuple[str, ...]) -> str:
   for part in path:
     if part.startswith('layer_'):
       parts += ['blocks', part[len('layer_') :]]
-    elif part != 'stack':
+    elif part not in ('stack', 'positions'):
       parts.append(_PARTS.get(part, part))
-  return '.'.join(parts if cfg.family == 'encoder_decoder' else parts[1:])
+  name = '.'.join(parts if cfg.family == 'encoder_decoder' else parts[1:])
+  if cfg.family != 'bidirectional_lm':  # GPT-2's hook_embed and hook_pos_embed sit at the top;
+    name = name.replace('embed.hook_', 'hook_')  # BERT's under embed., as in TransformerLens
+  return name
+
+
+def resolve_hooks(cfg: ModelConfig, hooks: Hooks | None) -> dict[str, tuple[HookFn, ...]]:
+  """{name: (fn, ...)} from {name: fn} or from TransformerLens's fwd_hooks [(name or predicate,
+  fn), ...]; the hooks on one name run in the order given. Unknown names are one error."""
+  pairs = list(hooks.items()) if isinstance(hooks, Mapping) else list(hooks or ())
+  out: dict[str, list[HookFn]] = {}
+  for pair in pairs:
+    if not (isinstance(pair, tuple | list) and len(pair) == 2 and callable(pair[1])):
+      raise ValueError(
+        f'a hook is a (name or predicate on names, fn) pair, fn called as fn(activation, hook); '
+        f'got {pair!r:.80}'
+      )
+    target, fn = pair
+    for name in select(cfg, target if callable(target) else [target]):
+      out.setdefault(name, []).append(fn)
+  return {name: tuple(fns) for name, fns in out.items()}
+
+
+def _replacement(name: str, value: Array, out: Any) -> Array:
+  """What a hook returned, as the activation goes on: its shape, in the activation's dtype."""
+  if not isinstance(out, jax.Array):
+    out = jnp.asarray(out)
+  if out.shape != value.shape:
+    raise ValueError(
+      f"the hook on {name} returned shape {tuple(out.shape)}; return the activation's shape "
+      f'{tuple(value.shape)} (or None to leave it unchanged)'
+    )
+  return out if out.dtype == value.dtype else out.astype(value.dtype)
 
 
 @dataclasses.dataclass
@@ -161,13 +264,19 @@ class _State:
   """What one forward pass keeps while the interceptor walks it."""
 
   keep: frozenset
-  hooks: Mapping[str, Hook]
+  hooks: Mapping[str, tuple[HookFn, ...]]
+  given: list | None = None  # (name, weak reference) of each value handed to a hook, if watched
   cache: dict = dataclasses.field(default_factory=dict)
 
   def see(self, name: str, value: Array) -> Array:
-    """Applies the hook on `name` (if any), then caches the value if it was asked for."""
-    if name in self.hooks:
-      value = self.hooks[name](value, name)
+    """Applies the hooks on `name` (if any), then caches the value if it was asked for. A hook
+    that returns None leaves the activation as it was (TransformerLens's convention)."""
+    for fn in self.hooks.get(name, ()):
+      if self.given is not None:
+        self.given.append((name, weakref.ref(value)))
+      out = fn(value, HookName(name))
+      if out is not None:
+        value = _replacement(name, value, out)
     if name in self.keep:
       self.cache[name] = value
     return value
@@ -178,7 +287,8 @@ class _State:
 
 def _interceptor(cfg: ModelConfig, state: _State):
   """Each `HookPoint` call passes its value through `state`; an attention whose pattern or
-  scores are asked for runs the dense path, where those two hook points are."""
+  scores are asked for runs the dense path, where those two hook points are, and one whose
+  hook_result is asked for also projects head by head."""
 
   def intercept(next_fun, args, kwargs, context):
     module = context.module
@@ -186,10 +296,15 @@ def _interceptor(cfg: ModelConfig, state: _State):
       return next_fun(*args, **kwargs)
     if isinstance(module, HookPoint):
       return state.see(hook_name(cfg, module.path), next_fun(*args, **kwargs))
-    if isinstance(module, MultiHeadAttention) and not kwargs.get('return_probs'):
-      attn = hook_name(cfg, module.path)
-      if state.wants(f'{attn}.hook_pattern', f'{attn}.hook_attn_scores'):
-        return next_fun(*args, **{**kwargs, 'return_probs': True})[0]
+    if isinstance(module, MultiHeadAttention):
+      attn, extra = hook_name(cfg, module.path), {}
+      if not kwargs.get('return_probs'):
+        if state.wants(f'{attn}.hook_pattern', f'{attn}.hook_attn_scores'):
+          extra['return_probs'] = True
+      if state.wants(f'{attn}.hook_result'):  # per-head outputs, only when asked for
+        extra['per_head'] = True
+      out = next_fun(*args, **{**kwargs, **extra})
+      return out[0] if 'return_probs' in extra else out
     return next_fun(*args, **kwargs)
 
   return intercept
@@ -234,20 +349,20 @@ def run(
   inputs: Mapping[str, Any],
   *,
   names: Iterable[str] | Callable[[str], bool] | None = (),
-  hooks: Mapping[str, Hook] | None = None,
+  hooks: Hooks | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """One forward pass of `cfg`'s model on `inputs` (its keyword arguments): (logits, {name:
-  activation}) for the names asked for, with each hook in `hooks` applied where its name is
-  computed. `params` may be a variables dict (`models.variables`, a batchnorm model's). Pure:
-  call it under jax.jit or jax.grad."""
-  keep = frozenset(select(cfg, names))
-  hooks = dict(hooks or {})
-  select(cfg, list(hooks))  # unknown hook names are one error
-  for name in hooks:
-    if name.split('.')[-1] in READ_ONLY:
-      raise ValueError(f'{name} is read only: patch hook_z, hook_q/k/v or the residual stream')
+  activation}) for the names asked for, with `hooks` ({name: fn} or [(name or predicate, fn)])
+  applied where each name is computed, as fn(activation, hook). `params` may be a variables
+  dict (`models.variables`, a batchnorm model's). Pure: call it under jax.jit or jax.grad."""
+  return _run(cfg, params, inputs, select(cfg, names), resolve_hooks(cfg, hooks))
+
+
+def _run(cfg, params, inputs, names: tuple[str, ...], hooks: Mapping[str, tuple[HookFn, ...]],
+         given: list | None = None):  # fmt: skip
+  """`run` on names and hooks already checked; `given` collects what the hooks were handed."""
   model = models.build(hook_config(cfg))
-  state = _State(keep, hooks)
+  state = _State(frozenset(names), hooks, given)
   with nn.intercept_methods(_interceptor(cfg, state)):
     variables = models.variables(unscan_params(cfg, params))
     logits = model.apply(variables, **inputs, deterministic=True)
@@ -255,16 +370,73 @@ def run(
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted(cfg: ModelConfig, names: tuple[str, ...], hooks: tuple) -> Callable:
-  return jax.jit(lambda params, inputs: run(cfg, params, inputs, names=names, hooks=dict(hooks)))
+def _jitted(cfg: ModelConfig, names: tuple[str, ...]) -> Callable:
+  return jax.jit(lambda params, inputs: _run(cfg, params, inputs, names, {}))
 
 
 def run_jit(cfg, params, inputs, *, names=(), hooks=None) -> tuple[Array, dict[str, Array]]:
-  """`run` under jax.jit, compiled once per (config, names, hook functions)."""
+  """`run` under jax.jit. Without hooks it compiles once per (config, names). With hooks it
+  traces the forward at every call, so each hook runs again and sees what it reads now (a
+  global, a variable it closes over), and compiles once per distinct traced program: the same
+  hook on other arrays (a jnp index, a cached activation) reuses the compile."""
   inputs = {k: v for k, v in inputs.items() if v is not None}
   picked = select(cfg, names)
-  fn = _jitted(cfg, picked, tuple(sorted((hooks or {}).items(), key=lambda kv: kv[0])))
-  return fn(params, inputs)
+  resolved = resolve_hooks(cfg, hooks)
+  if not resolved:
+    return _jitted(cfg, picked)(params, inputs)
+  given = []
+  return _traced(lambda p, x: _run(cfg, p, x, picked, resolved, given), params, inputs, given)
+
+
+# Compiled programs by the text of their jaxpr and their folded constants, most recently used
+# last. The jaxpr holds a hook's Python numbers as literals; its array constants are passed in
+# as arguments, so a program that differs only in those arrays' values is one compile. Small
+# NumPy constants (the model's own tables, such as ALiBi's slopes) stay in the program, where
+# XLA folds them as under a plain jax.jit, so the numbers match it bit for bit.
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+_PROGRAMS_KEPT = 16
+_FOLDED = 4096  # NumPy constants of at most this many elements are folded into the program
+
+
+def _traced(fn: Callable, params: Any, inputs: Mapping[str, Any], given: list):
+  """fn(params, inputs) traced now and run through the compile of an identical program;
+  `given` fills with weak references to what fn's hooks were handed."""
+  closed, shapes = jax.make_jaxpr(fn, return_shape=True)(params, inputs)
+  _check_nothing_kept(given)
+  fold = [isinstance(c, np.ndarray) and c.size <= _FOLDED for c in closed.consts]
+  folded = [c for c, f in zip(closed.consts, fold) if f]
+  passed = [c for c, f in zip(closed.consts, fold) if not f]
+  key = (str(closed.jaxpr), tuple(fold), tuple((c.dtype.str, c.shape, c.tobytes()) for c in folded))
+  program = _PROGRAMS.pop(key, None) or jax.jit(
+    functools.partial(_evaluate, closed.jaxpr, fold, folded)
+  )
+  _PROGRAMS[key] = program
+  if len(_PROGRAMS) > _PROGRAMS_KEPT:
+    _PROGRAMS.popitem(last=False)
+  flat = program(passed, *jax.tree.leaves((params, inputs)))
+  return jax.tree.unflatten(jax.tree.structure(shapes), flat)
+
+
+def _evaluate(jaxpr, fold: list[bool], folded: list, passed: list, *args) -> list:
+  """The jaxpr on its constants (the folded ones and those passed in, in order) and args."""
+  folded, passed = iter(folded), iter(passed)
+  consts = [next(folded) if f else next(passed) for f in fold]
+  return jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+
+def _check_nothing_kept(given: list) -> None:
+  """One error if a hook kept the tracer it was handed: used later, it would fail far away."""
+  kept = [name for name, ref in given if ref() is not None]
+  if kept:
+    gc.collect()  # a reference cycle may still hold a value nobody kept
+    kept = [name for name, ref in given if ref() is not None]
+  if kept:
+    raise ValueError(
+      f'the hook on {kept[0]} kept the activation it was handed (in a list, a dict or a global). '
+      'Hooks run while JAX traces the forward, so that value is a tracer, a placeholder with no '
+      "numbers in it. Ask for activations with run_with_cache(names=[...]) (or hooks.run's "
+      'names=), or compute what you need in the hook and return it as the activation.'
+    )
 
 
 def run_xla(cfg, params, inputs, names) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -148,8 +148,10 @@ class AddPositions(nn.Module):
     cfg = self.cfg
     if positions is None:
       positions = jnp.arange(x.shape[1])[None]  # [1, T], broadcast over the batch
+    # hook_pos_embed: what is added, [B, T, D] like x (TransformerLens repeats it per row).
+    hook = lambda table: HookPoint(name='hook_pos_embed')(jnp.broadcast_to(table, x.shape))
     if cfg.position == 'sinusoidal':
-      return x + positions_lib.sinusoidal(positions, cfg.d_model).astype(x.dtype)  # [B, T, D]
+      return x + hook(positions_lib.sinusoidal(positions, cfg.d_model).astype(x.dtype))
     if cfg.position == 'learned':
       table = positions_lib.LearnedPositions(
         cfg.max_length,
@@ -160,7 +162,7 @@ class AddPositions(nn.Module):
         param_dtype=cfg.params_dtype,
         name='positions',
       )
-      return x + table(positions).astype(x.dtype)  # [B, T, D]
+      return x + hook(table(positions).astype(x.dtype))  # [B, T, D]
     return x  # 'rope' and 'alibi' act inside attention; 'none' adds nothing
 
 

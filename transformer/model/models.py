@@ -46,6 +46,7 @@ from transformer.model.layers import (
   apply_norm,
   dense,
 )
+from transformer.model.primitives import HookPoint
 
 Array = jax.Array
 
@@ -81,7 +82,7 @@ class Embedder(nn.Module):
   ) -> Array:
     """tokens [B, T]; segments [B, T] (0 = padding) for BatchNorm's statistics."""
     cfg = self.cfg
-    x = self.embed(tokens)  # [B, T, D]
+    x = HookPoint(name='hook_embed')(self.embed(tokens))  # [B, T, D]
     x = AddPositions(cfg, name='positions')(x, positions)  # [B, T, D]; RoPE/ALiBi: unchanged
     if cfg.type_vocab_size:  # BERT's sentence A/B embedding
       if token_types is None:
@@ -96,7 +97,7 @@ class Embedder(nn.Module):
         dtype=cfg.compute_dtype,
         name='token_types',
       )
-      x = x + types(token_types)  # [B, T, D]
+      x = x + HookPoint(name='hook_token_type_embed')(types(token_types))  # [B, T, D]
     if cfg.embedding_norm:  # BERT normalises the summed embeddings
       x = apply_norm(cfg, 'norm', x, segments, deterministic)
     # Logical axis names; config.mesh.rules map them to mesh axes (see transformer/sharding.py).

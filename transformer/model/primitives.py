@@ -96,14 +96,21 @@ class Norm(nn.Module):
     if self.kind == 'layernorm':
       x32 = x32 - x32.mean(-1, keepdims=True)  # LayerNorm centres; RMSNorm does not
     # Centred, the mean of squares is the variance, so one line serves both kinds.
-    inverse = jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps)  # [..., 1]
-    y = x32 * HookPoint(name='hook_scale')(inverse)
+    var = (x32 * x32).mean(-1, keepdims=True) + self.eps  # [..., 1]
+    # hook_scale holds the divisor sqrt(var + eps), as in TransformerLens. The forward multiplies
+    # by rsqrt (the sqrt is dead code unless a hook reads it); a hook that returns a new divisor
+    # (e.g. the clean run's, to freeze the norm) hands back another array, which it divides by.
+    scale = jnp.sqrt(var)
+    hooked = HookPoint(name='hook_scale')(scale)
+    y = x32 * jax.lax.rsqrt(var) if hooked is scale else x32 / hooked
+    # hook_normalized: before the weight and bias, float32, as in TransformerLens.
+    y = HookPoint(name='hook_normalized')(y)
     ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
     y = y * self.param('scale', ones, (features,), self.param_dtype)
     if self.kind == 'layernorm' and self.use_bias:
       zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
       y = y + self.param('bias', zeros, (features,), self.param_dtype)
-    return HookPoint(name='hook_normalized')(y.astype(self.dtype))  # x's shape, compute dtype
+    return HookPoint(name='hook_out')(y.astype(self.dtype))  # x's shape, compute dtype
 
 
 # Running statistics: new = MOMENTUM * old + (1 - MOMENTUM) * the batch's. PyTorch's default
@@ -170,9 +177,10 @@ class BatchNorm(nn.Module):
         stats[0].value = m * stats[0].value + (1 - m) * jax.lax.stop_gradient(mean)
         stats[1].value = m * stats[1].value + (1 - m) * jax.lax.stop_gradient(var)
     y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)  # [B, T, D]
+    y = HookPoint(name='hook_normalized')(y)  # before the weight and bias, as Norm's
     ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
     y = y * self.param('scale', ones, (features,), self.param_dtype)
     if self.use_bias:
       zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
       y = y + self.param('bias', zeros, (features,), self.param_dtype)
-    return HookPoint(name='hook_normalized')(y.astype(self.dtype))  # x's shape, compute dtype
+    return HookPoint(name='hook_out')(y.astype(self.dtype))  # x's shape, compute dtype

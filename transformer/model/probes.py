@@ -7,6 +7,7 @@ The training loop logs them as telemetry (`train.induction_every`); the research
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -14,31 +15,40 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.config import ModelConfig
-from transformer.data import NUM_SPECIAL
+from transformer.data import BOS_ID, NUM_SPECIAL
 from transformer.model import hooks
 
 
 def repeated_tokens(
-  vocab_size: int, length: int, batch: int, seed: int = 0, low: int = NUM_SPECIAL, pool=None
+  vocab_size: int,
+  length: int,
+  batch: int,
+  seed: int = 0,
+  low: int = NUM_SPECIAL,
+  pool=None,
+  prefix: Sequence[int] = (BOS_ID,),
 ) -> np.ndarray:
-  """[B, 1 + 2 * length] int32: a bos (1), then `length` random tokens twice. The tokens are
-  ids in [low, vocab_size) (above the special ids), or drawn from `pool` (e.g. the ids a training
-  batch holds)."""
+  """[B, P + 2 * length] int32: the `prefix` (P ids: sparrow's bos by default; a model's own
+  `prompt_prefix`, which may be empty), then `length` random tokens twice. The tokens are ids in
+  [low, vocab_size) (above the special ids), or drawn from `pool` (e.g. the ids a training batch
+  holds)."""
   rng = np.random.default_rng(seed)
   if pool is None:
     half = rng.integers(low, vocab_size, (batch, length))
   else:
     half = rng.choice(np.asarray(pool), (batch, length))
-  return np.concatenate([np.ones((batch, 1), np.int64), half, half], axis=1).astype(np.int32)
+  start = np.broadcast_to(np.asarray(prefix, np.int64).reshape(1, -1), (batch, len(prefix)))
+  return np.concatenate([start, half, half], axis=1).astype(np.int32)
 
 
 def detector_scores(patterns: np.ndarray, length: int) -> dict[str, np.ndarray]:
   """Previous-token, duplicate-token and induction scores of every head from its patterns
-  [B, N, T, T] on `repeated_tokens` rows (T = 1 + 2 * length): the mean attention, over the
-  second copy's queries, to the previous token, to the same token's first occurrence, and to the
-  token after that occurrence. Each is in [0, 1]."""
+  [B, N, T, T] on `repeated_tokens` rows (T = P + 2 * length, P the prefix): the mean attention,
+  over the second copy's queries, to the previous token, to the same token's first occurrence,
+  and to the token after that occurrence. Each is in [0, 1]."""
   p = np.asarray(patterns, np.float64)
-  queries = np.arange(1 + length, 1 + 2 * length)  # the second copy
+  T = p.shape[-1]
+  queries = np.arange(T - length, T)  # the second copy
   at = lambda offset: p[:, :, queries, queries - offset].mean((0, 2))  # [N]
   return {
     'previous_token': at(1),
@@ -51,14 +61,16 @@ def induction_probe(cfg: ModelConfig, params: Any, tokens: np.ndarray) -> dict[s
   """`detector_scores` of every layer ({kind: [L, N]}) on `repeated_tokens` rows, and the mean
   loss on the second copy ('induction_loss', low when the model copies from its context) and on
   the first ('first_copy_loss')."""
-  length = (tokens.shape[1] - 1) // 2
+  length = tokens.shape[1] // 2
+  start = tokens.shape[1] - 2 * length  # the prefix's length: 1 after a bos, 0 without one
   names = [f'blocks.{layer}.attn.hook_pattern' for layer in range(cfg.num_layers)]
   logits, cache = hooks.run_jit(cfg, params, {'inputs': jnp.asarray(tokens)}, names=names)
   scores = [detector_scores(cache[n], length) for n in names]
   out: dict[str, Any] = {k: np.stack([s[k] for s in scores]) for k in scores[0]}
-  nll = token_losses(logits[:, :-1], tokens[:, 1:])  # each next token
-  out['induction_loss'] = float(nll[:, length:].mean())  # predicting the second copy
-  out['first_copy_loss'] = float(nll[:, 1:length].mean())
+  nll = token_losses(logits[:, :-1], tokens[:, 1:])  # nll[:, j] predicts token j + 1
+  out['induction_loss'] = float(nll[:, start + length - 1 :].mean())  # the second copy
+  # The first copy's tokens after its first (which nothing predicts).
+  out['first_copy_loss'] = float(nll[:, start : start + length - 1].mean())
   return out
 
 
