@@ -309,12 +309,15 @@ class Checkpointer:
       {name: tuple(leaf['shape']) for name, leaf in saved.items()}, abstract_state, where
     )
 
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
     def as_saved(path, leaf):  # read in the saved dtype (what the checksum covers), cast below
       dtype = saved[util.key_name(path)]['dtype']
-      if getattr(leaf, 'dtype', None) is None or str(leaf.dtype) == dtype:
-        return leaf
       sharding = getattr(leaf, 'sharding', None)
-      return jax.ShapeDtypeStruct(np.shape(leaf), jnp.dtype(dtype), sharding=sharding)
+      if getattr(leaf, 'dtype', None) is None or (str(leaf.dtype) == dtype and sharding):
+        return leaf
+      # No sharding: the default device, never the layout that wrote it (another device count).
+      return jax.ShapeDtypeStruct(np.shape(leaf), jnp.dtype(dtype), sharding=sharding or here)
 
     target = jax.tree_util.tree_map_with_path(as_saved, abstract_state)
     args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
