@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Any
@@ -18,6 +19,7 @@ from transformer.training import optim, steps
 from transformer.training.state import TrainState, create_state, weights
 
 Array = jax.Array
+_EVAL_IN_FLIGHT = 4  # eval steps queued before the oldest is read back
 
 
 def loss_chunk_size(tcfg: TrainConfig, cfg: ModelConfig, device: Any) -> int | None:
@@ -157,10 +159,12 @@ class Run:
   def _scores(self, params, batches: list[dict]) -> dict[str, float]:
     """Loss, accuracy and perplexity summed over `batches`, then divided by their weight."""
     totals: dict[str, float] = {}
-    for batch in batches:
-      sums = jax.device_get(self.eval_step(params, self.place(batch)))
-      for k, v in sums.items():
-        totals[k] = totals.get(k, 0.0) + float(v)
+    queued = collections.deque()  # a few steps in flight: the next batch is placed while one runs
+    for i, batch in enumerate(batches):
+      queued.append(self.eval_step(params, self.place(batch)))
+      while queued and (len(queued) > _EVAL_IN_FLIGHT or i == len(batches) - 1):
+        for k, v in jax.device_get(queued.popleft()).items():
+          totals[k] = totals.get(k, 0.0) + float(v)
     metrics = objectives.summarize(totals)
     metrics.pop('nll')
     return metrics
