@@ -2,7 +2,7 @@
 oscillates more and training ends worse. Numbers task (digits -> words), the embedded default
 with 2 heads."""
 
-from research.spec import PAPER_SCHEDULE
+from research.spec import PAPER_SCHEDULE, task_losses
 
 # ~3 GPU minutes at GPU_SCALE on one H200: 6 runs (3 seeds) of 1600 steps, dispatch-bound.
 GPU_SCALE = 4
@@ -10,6 +10,7 @@ GPU_SCALE = 4
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 400 * scale
+  uniform = task_losses('configs/default.py')['uniform']  # the overrides leave the task as it is
   rules = [
     dict(kind='less', metric='eval.loss', a='scaled', b='unscaled', margin_std=2,
          text='ends worse without the scale'),
@@ -49,5 +50,15 @@ def get_sweep(scale: int = 1) -> dict:
       'train.oscillation_detrended',
       'train.loss_rise',
     ],
+    nulls=[
+      dict(
+        name='untrained',
+        reason="a model that learned nothing predicts about uniformly over the task's token "
+        f'ids with or without the scale: eval.loss = ln V = {uniform:.3f} nats (computed from the '
+        'task). Its oscillation has no value that does not depend on the batches, so the '
+        'stability rules are not checked against it',
+        values={v: {'eval.loss': uniform} for v in ('scaled', 'unscaled')},
+      ),
+    ],  # fmt: skip
     rules=rules,
   )
