@@ -31,8 +31,8 @@ def _nulls() -> list[dict]:
   return [
     dict(
       name='untrained',
-      reason='a model that learned nothing scores ln V = '
-      f'{numbers:.3f} nats on numbers (uniform over its token ids) and at best the unigram '
+      reason='a model that learned nothing scores no better than a uniform prediction, ln V = '
+      f'{numbers:.3f} nats, on numbers (tests/research/test_nulls.py) and at best the unigram '
       f'loss {grammar:.3f} on the grammar, whatever its heads (computed from the tasks); at '
       'init the query-key logits are near 0, so every head attends about uniformly and the '
       'within-layer entropy spread is about 0 (an analytic value)',

@@ -37,10 +37,11 @@ def get_sweep(scale: int = 1) -> dict:
     metrics=['train.nll', 'eval.loss', 'eval.bleu'],
     nulls=[
       dict(
-        name='untrained',
-        reason="a model that learned nothing predicts about uniformly over the task's token "
-        f'ids (train.nll = ln V = {uniform:.3f} nats whatever the smoothing, computed from the '
-        'task) and spells no number: BLEU 0 (an analytic value)',
+        name='uniform',
+        reason="a model that learned nothing and predicts uniformly over the task's token ids "
+        f'scores train.nll = ln V = {uniform:.3f} nats whatever the smoothing (computed from the '
+        'task; an untrained model does no better, tests/research/test_nulls.py) and spells no '
+        'number: BLEU 0 (an analytic value)',
         values={f'ls{e}': {'train.nll': uniform, 'eval.bleu': 0.0} for e in (0.0, 0.1, 0.2)},
       ),
     ],  # fmt: skip

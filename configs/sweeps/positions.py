@@ -38,10 +38,11 @@ def get_sweep(scale: int = 1) -> dict:
     metrics=['eval.loss', 'eval.accuracy', 'eval.bleu'],
     nulls=[
       dict(
-        name='untrained',
-        reason='a model that learned nothing, whatever its positions, predicts about uniformly '
-        f"over the task's token ids: eval.loss = ln V = {null['uniform']:.3f} nats and "
-        f'eval.accuracy = 1/V = {null["chance"]:.4f} (computed from the task)',
+        name='uniform',
+        reason="a model that learned nothing and predicts uniformly over the task's token ids, "
+        f'whatever its positions, scores eval.loss = ln V = {null["uniform"]:.3f} nats and '
+        f'eval.accuracy = 1/V = {null["chance"]:.4f} (computed from the task; an untrained '
+        'model does no better, tests/research/test_nulls.py)',
         values={
           p: {'eval.loss': null['uniform'], 'eval.accuracy': null['chance']}
           for p in ('sinusoidal', 'learned', 'rope', 'alibi', 'none')

@@ -52,10 +52,11 @@ def get_sweep(scale: int = 1) -> dict:
     ],
     nulls=[
       dict(
-        name='untrained',
-        reason="a model that learned nothing predicts about uniformly over the task's token "
-        f'ids with or without the scale: eval.loss = ln V = {uniform:.3f} nats (computed from the '
-        'task). Its oscillation has no value that does not depend on the batches, so the '
+        name='uniform',
+        reason="a model that learned nothing and predicts uniformly over the task's token ids "
+        f'scores eval.loss = ln V = {uniform:.3f} nats with or without the scale (computed from '
+        'the task; an untrained model does no better, tests/research/test_nulls.py). Its '
+        'oscillation has no value that does not depend on the batches, so the '
         'stability rules are not checked against it',
         values={v: {'eval.loss': uniform} for v in ('scaled', 'unscaled')},
       ),

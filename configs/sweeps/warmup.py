@@ -70,10 +70,11 @@ def get_sweep(scale: int = 1) -> dict:
     ],
     nulls=[
       dict(
-        name='untrained',
+        name='uniform',
         reason='a model that learned nothing never learns early (train.learned_early 0), has no '
-        f"spike and ends at ln V = {uniform:.3f} nats (uniform over the task's token ids, "
-        'computed from the task) in both arms; every rule compares only arms that learned '
+        f"spike and, predicting uniformly over the task's token ids, ends at ln V = "
+        f'{uniform:.3f} nats (computed from the task; an untrained model does no better, '
+        'tests/research/test_nulls.py) in both arms; every rule compares only arms that learned '
         'early, so on this null no rule runs: none can hold by construction',
         values={
           f'{lr}_{arm}': {'train.learned_early': 0.0, 'train.spikes': 0.0, 'eval.loss': uniform}
