@@ -80,7 +80,8 @@ def resolve_null(null: Mapping[str, Any], table: Mapping[str, Mapping[str, Seque
 def task_losses(config: Any) -> dict[str, float]:
   """What a model that learns nothing scores per target token on the generated task of
   `config` (an experiment ConfigDict), from the task itself: 'uniform' = ln V and 'chance' = 1/V
-  for the tokenizer's V ids (an untrained model's near-uniform output); for the grammar also
+  for the tokenizer's V ids (a uniform prediction, which an untrained model does no better
+  than); for the grammar also
   'unigram' (the best model that ignores the context) and 'chain' (the entropy floor, which the
   previous word alone reaches), both in nats per token."""
   from transformer.config.experiment import Config
