@@ -4,6 +4,7 @@ judges every rule too. Each is a dict of `name`, `reason` (in words) and `values
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -74,3 +75,28 @@ def resolve_null(null: Mapping[str, Any], table: Mapping[str, Mapping[str, Seque
       if value is not None:
         values.setdefault(variant, {})[metric] = float(value)
   return {**null, 'values': values}
+
+
+def task_losses(config: Any) -> dict[str, float]:
+  """What a model that learns nothing scores per target token on the generated task of
+  `config` (an experiment ConfigDict), from the task itself: 'uniform' = ln V and 'chance' = 1/V
+  for the tokenizer's V ids (a uniform prediction, which an untrained model does no better
+  than); for the grammar also
+  'unigram' (the best model that ignores the context) and 'chain' (the entropy floor, which the
+  previous word alone reaches), both in nats per token."""
+  from transformer.config.experiment import Config
+
+  experiment = Config.from_configdict(config)
+  return dict(_task_losses(experiment.data, experiment.model.family))
+
+
+@functools.cache
+def _task_losses(data: Any, family: str) -> tuple[tuple[str, float], ...]:
+  """`task_losses` of one typed data section, built once per process (about a second)."""
+  from transformer.data import tasks
+
+  info = tasks.build(data, family=family, workdir=None, seed=0).info
+  found = {'uniform': math.log(info['vocab_size']), 'chance': 1 / info['vocab_size']}
+  if 'unigram_entropy_per_token' in info:
+    found |= {'unigram': info['unigram_entropy_per_token'], 'chain': info['entropy_per_token']}
+  return tuple(found.items())

@@ -247,6 +247,16 @@ def base_config(sweep: Sweep) -> ml_collections.ConfigDict:
     ) from None
 
 
+def task_losses(base: Any, *overrides: Mapping[str, Any]) -> dict[str, float]:
+  """`research.nulls.task_losses` of the base config with each of `overrides` applied in turn
+  (a sweep file's common overrides, then a variant's): what a model that learns nothing scores
+  on that variant's task, for the sweep's nulls."""
+  config = base_config(Sweep(name='nulls', claim='', base=base, variants={}))
+  for layer in overrides:
+    apply_overrides(config, _flatten(layer, 'overrides'), 'a null')
+  return nulls.task_losses(config)
+
+
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any], where: str):
   """Sets each dotted key of `overrides` in `config`; a key the config lacks is one ValueError."""
   for key, value in overrides.items():

@@ -470,6 +470,8 @@ def fit_power_law(xs: Sequence[float], ys: Sequence[float], floor: float = 0.0) 
   ly = np.log(np.asarray(ys, np.float64) - floor)
   slope, intercept = np.polyfit(lx, ly, 1)
   predicted = intercept + slope * lx
+  if np.ptp(ly) == 0:  # a flat y: its slope is 0, not polyfit's roundoff (which has a sign)
+    slope, intercept, predicted = 0.0, float(ly[0]), ly
   total = float(np.sum((ly - ly.mean()) ** 2))
   r2 = 1.0 - float(np.sum((ly - predicted) ** 2)) / total if total > 0 else 1.0
   return {'slope': float(slope), 'c': float(math.exp(intercept)), 'r2': r2, 'floor': float(floor)}

@@ -63,6 +63,16 @@ def get_sweep(scale: int = 1) -> dict:
     measure='measure',
     measure_args={'lengths': tuple(lengths)},
     metrics=[mib[0], mib[-1], f'ms_T{lengths[-1]}'],
+    nulls=[
+      dict(
+        name='the compiled step',
+        reason='nothing is trained: the compiled memory and time of one attention call do '
+        'not depend on what any parameters learned, so there is no null that learns '
+        'nothing (an untrained model has the same numbers, and every rule would hold '
+        'on it though each could fail: an implementation could grow otherwise)',
+        values={},
+      ),
+    ],  # fmt: skip
     rules=rules,
     plots=plots,
   )

@@ -1,9 +1,20 @@
 """Claim: a BERT-style encoder reused for left-to-right generation generates far worse than a GPT
 of the same size: it was trained to fill masks with context on both sides."""
 
+from configs import gpt_tiny
+from transformer.data.grammar import make_grammar
+
 # --scale of the one-GPU run (an estimate, not measured: one H200, 4000 steps (x4); 2 runs of ~1.5
 # min (compile, steps, generation): ~3 min).
 GPU_SCALE = 4
+
+
+def _random_word_valid() -> float:
+  """gen.valid of a model that picks each next word uniformly, ignoring the last one: the share
+  of (word, next state) pairs that gpt_tiny's grammar allows."""
+  d = gpt_tiny.get_config().data
+  grammar = make_grammar(int(d.grammar_seed), int(d.grammar_words), int(d.grammar_successors))
+  return float((grammar.transitions[: grammar.period] > 0).mean())
 
 
 def get_sweep(scale: int = 1) -> dict:
@@ -34,5 +45,15 @@ def get_sweep(scale: int = 1) -> dict:
     variants={'gpt': {}, 'bert': {'model.family': 'bidirectional_lm'}},
     measure='generation',
     metrics=['gen.valid', 'eval.loss', 'eval.accuracy'],
+    nulls=[
+      dict(
+        name='random words',
+        reason='a model that learned nothing of the grammar, causal or bidirectional, picks its '
+        'next word without regard to the last one: uniformly, it writes an allowed transition '
+        f'with probability {_random_word_valid():.4f} (the share of word-to-state pairs the '
+        'grammar allows, computed from it)',
+        values={v: {'gen.valid': _random_word_valid()} for v in ('gpt', 'bert')},
+      ),
+    ],  # fmt: skip
     rules=rules,
   )

@@ -1,10 +1,32 @@
 """Claim: trained at length L and evaluated at L, 2L, 4L, 8L, learned positions cannot go past L,
 sinusoidal degrades, and RoPE with test-time scaling (linear, NTK, YaRN) holds best."""
 
+from research.spec import task_losses
+
 _LENGTH = 32  # L: every training row has exactly this many tokens
 
 # About 3 GPU minutes on one H200: 5 trained runs of 1600 steps, then 8 x 4 evaluation lengths.
 GPU_SCALE = 4
+
+
+def _nulls(variants, factors) -> list[dict]:
+  """A model that learns only token frequencies, built as each variant."""
+  unigram = task_losses('configs/gpt_tiny.py', {'data.grammar_join': 24})['unigram']
+  inf = float('inf')
+  values = {
+    v: {f'extrap.loss_{k}x': inf if v == 'learned' and k > 1 else unigram for k in factors}
+    for v in variants
+  }
+  return [
+    dict(
+      name='unigram',
+      reason="a model that learns only how often each token occurs scores the grammar's "
+      f'unigram loss, {unigram:.3f} nats, at every length it can run (computed from the '
+      'task); learned positions have no table rows past L, so that variant cannot run there '
+      '(inf), trained or not',
+      values=values,
+    ),
+  ]
 
 
 def get_sweep(scale: int = 1) -> dict:
@@ -71,6 +93,10 @@ def get_sweep(scale: int = 1) -> dict:
     measure='extrapolation',
     measure_args={'factors': (1, 2, 4, 8), 'examples': 32},
     metrics=['extrap.loss_1x', 'extrap.loss_2x', 'extrap.loss_4x', 'extrap.loss_8x'],
+    nulls=_nulls(
+      ['sinusoidal', 'learned', 'rope', 'alibi', 'none', 'rope_linear', 'rope_ntk', 'rope_yarn'],
+      (1, 2, 4, 8),
+    ),
     rules=rules,
     plots=plots,
   )

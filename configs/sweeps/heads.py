@@ -3,7 +3,7 @@ specialise: some attend sharply, some nearly uniformly. On two tasks: the number
 task and the grammar LM."""
 
 from configs import gpt_tiny
-from research.spec import PAPER_SCHEDULE
+from research.spec import PAPER_SCHEDULE, task_losses
 
 # About 3 GPU minutes on one H200: 6 runs of 1600 (numbers) and 2000 (grammar) steps.
 GPU_SCALE = 4
@@ -20,6 +20,25 @@ def _grammar_lm() -> dict:
     'optim': config.optim.to_dict(),
     'train.label_smoothing': config.train.label_smoothing,
   }
+
+
+def _nulls() -> list[dict]:
+  """An untrained model: near-uniform output on both tasks, and every head near-uniform."""
+  numbers = task_losses('configs/default.py')['uniform']
+  grammar = task_losses('configs/default.py', _grammar_lm())['unigram']
+  values = {f'numbers_h{n}': {'eval.loss': numbers} for n in _HEADS}
+  values |= {f'grammar_h{n}': {'eval.loss': grammar, 'entropy.layer_spread': 0.0} for n in _HEADS}
+  return [
+    dict(
+      name='untrained',
+      reason='a model that learned nothing scores no better than a uniform prediction, ln V = '
+      f'{numbers:.3f} nats, on numbers (tests/research/test_nulls.py) and at best the unigram '
+      f'loss {grammar:.3f} on the grammar, whatever its heads (computed from the tasks); at '
+      'init the query-key logits are near 0, so every head attends about uniformly and the '
+      'within-layer entropy spread is about 0 (an analytic value)',
+      values=values,
+    ),
+  ]
 
 
 def get_sweep(scale: int = 1) -> dict:
@@ -82,5 +101,6 @@ def get_sweep(scale: int = 1) -> dict:
       'entropy.max',
     ],
     measure='head_entropy',
+    nulls=_nulls(),
     rules=rules,
   )

@@ -1,7 +1,7 @@
 """Claim (Table 3 row D): label smoothing raises the training cross-entropy (the model learns to
 be less sure) and keeps or improves BLEU."""
 
-from research.spec import PAPER_SCHEDULE
+from research.spec import PAPER_SCHEDULE, task_losses
 
 # --scale of the one-GPU run (an estimate, not measured: one H200, 2400 steps (x4); 3 runs of ~1.5
 # min: ~4 min).
@@ -10,6 +10,7 @@ GPU_SCALE = 4
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 600 * scale
+  uniform = task_losses('configs/default.py')['uniform']  # the overrides leave the task as it is
   rules = [
     dict(kind='ordering', metric='train.nll', variants=['ls0.0', 'ls0.1', 'ls0.2'],
          direction='increasing',
@@ -34,5 +35,15 @@ def get_sweep(scale: int = 1) -> dict:
     },
     variants={f'ls{e}': {'train.label_smoothing': e} for e in (0.0, 0.1, 0.2)},
     metrics=['train.nll', 'eval.loss', 'eval.bleu'],
+    nulls=[
+      dict(
+        name='uniform',
+        reason="a model that learned nothing and predicts uniformly over the task's token ids "
+        f'scores train.nll = ln V = {uniform:.3f} nats whatever the smoothing (computed from the '
+        'task; an untrained model does no better, tests/research/test_nulls.py) and spells no '
+        'number: BLEU 0 (an analytic value)',
+        values={f'ls{e}': {'train.nll': uniform, 'eval.bleu': 0.0} for e in (0.0, 0.1, 0.2)},
+      ),
+    ],  # fmt: skip
     rules=rules,
   )

@@ -3,6 +3,7 @@ as a power law of the number of (non-embedding) parameters. Seven GPT widths ove
 N, the same steps and batches."""
 
 from research.results import read_curve
+from research.spec import task_losses
 
 # ~4 GPU minutes at GPU_SCALE on one H200: 7 runs of 1600 steps (widths up to 512), dispatch-bound.
 GPU_SCALE = 4
@@ -22,6 +23,7 @@ def loss_above_floor(ctx, floor: float) -> dict:
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 400 * scale
+  unigram = task_losses('configs/gpt_tiny.py', {'data.max_length': 64})['unigram']
   fit = dict(kind='fit_power_law', x='params_non_embedding', y='eval.loss', slope_sign=-1)
   plots = [
     dict(kind='scatter', x='params_non_embedding', y='eval.loss_above_floor', logx=True, logy=True,
@@ -53,6 +55,18 @@ def get_sweep(scale: int = 1) -> dict:
       f'd{w * scale}': {'model.d_model': w * scale, 'model.d_ff': 4 * w * scale} for w in _WIDTHS
     },
     metrics=['eval.loss', 'eval.loss_above_floor', 'params_non_embedding'],
+    nulls=[
+      dict(
+        name='unigram',
+        reason="a model that learns only how often each token occurs scores the grammar's "
+        f'unigram loss, {unigram:.3f} nats, at every size (computed from the task); its '
+        'parameter count is the one recorded',
+        values={
+          f'd{w * scale}': {'eval.loss': unigram, 'params_non_embedding': 'as recorded'}
+          for w in _WIDTHS
+        },
+      ),
+    ],  # fmt: skip
     measure='loss_above_floor',
     measure_args={'floor': _FLOOR},
     rules=[

@@ -1,6 +1,8 @@
 """Claim (Xiong et al. 2020): at depth, pre-LN trains well without warmup, while post-LN needs
 warmup. Narrow GPTs of 12 and 24 layers, pre- and post-LN, each with and without warmup."""
 
+from research.spec import task_losses
+
 # About 4 GPU minutes on one H200: 8 runs of 2000 steps at d_model 128 (dispatch-bound).
 GPU_SCALE = 8
 
@@ -8,6 +10,7 @@ GPU_SCALE = 8
 def get_sweep(scale: int = 1) -> dict:
   steps = 250 * scale
   width = 32 if scale == 1 else 128  # narrow, so that 24 layers stay CPU-sized at scale 1
+  unigram = task_losses('configs/gpt_tiny.py', {'data.max_length': 64})['unigram']
   rules = [
     rule
     for depth in ('12L', '24L')
@@ -57,5 +60,19 @@ def get_sweep(scale: int = 1) -> dict:
       },
     },
     metrics=['eval.loss', 'train.loss_rise'],
+    nulls=[
+      dict(
+        name='unigram',
+        reason="a model that learns only how often each token occurs scores the grammar's "
+        f'unigram loss, {unigram:.3f} nats, whatever its depth, norm or warmup (computed from '
+        'the task)',
+        values={
+          f'{d}_{n}_{s}': {'eval.loss': unigram}
+          for d in ('12L', '24L')
+          for n in ('pre', 'post')
+          for s in ('warmup', 'no_warmup')
+        },
+      ),
+    ],  # fmt: skip
     rules=rules,
   )

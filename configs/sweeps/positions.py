@@ -1,7 +1,7 @@
 """Claim (Table 3 row E): learned positions do about as well as sinusoidal ones; some position
 information is needed. Sinusoidal, learned, RoPE, ALiBi and none on the numbers task."""
 
-from research.spec import PAPER_SCHEDULE
+from research.spec import PAPER_SCHEDULE, task_losses
 
 # --scale of the one-GPU run (an estimate, not measured: one H200, 1600 steps (x4); 15 runs (5
 # variants x 3 seeds) of ~1 min: ~5 min at --parallel=4).
@@ -10,6 +10,7 @@ GPU_SCALE = 4
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 400 * scale
+  null = task_losses('configs/default.py')  # the overrides leave the task as it is
   rules = [
     dict(kind='close', metric='eval.accuracy', a='learned', b='sinusoidal', tolerance=0.02,
          text='learned ~ sinusoidal'),
@@ -35,5 +36,18 @@ def get_sweep(scale: int = 1) -> dict:
     },
     variants={p: {'model.position': p} for p in ('sinusoidal', 'learned', 'rope', 'alibi', 'none')},
     metrics=['eval.loss', 'eval.accuracy', 'eval.bleu'],
+    nulls=[
+      dict(
+        name='uniform',
+        reason="a model that learned nothing and predicts uniformly over the task's token ids, "
+        f'whatever its positions, scores eval.loss = ln V = {null["uniform"]:.3f} nats and '
+        f'eval.accuracy = 1/V = {null["chance"]:.4f} (computed from the task; an untrained '
+        'model does no better, tests/research/test_nulls.py)',
+        values={
+          p: {'eval.loss': null['uniform'], 'eval.accuracy': null['chance']}
+          for p in ('sinusoidal', 'learned', 'rope', 'alibi', 'none')
+        },
+      ),
+    ],  # fmt: skip
     rules=rules,
   )

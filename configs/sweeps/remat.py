@@ -39,6 +39,17 @@ def get_sweep(scale: int = 1) -> dict:
     variants={p: {'model.remat': p} for p in ('none', 'full', 'save_matmuls')},
     measure='step_time_memory',
     metrics=['step_ms', 'temp_mib'],
+    nulls=[
+      dict(
+        name='the compiled step',
+        reason='nothing is trained: the compiled memory and time of a training step do not '
+        'depend on what any parameters learned, so there is no null that learns '
+        'nothing (an untrained model has the same numbers, and every rule would hold '
+        'on it though each could fail: XLA could keep what remat drops, or time it '
+        'otherwise)',
+        values={},
+      ),
+    ],  # fmt: skip
     rules=rules,
     plots=plots,
   )

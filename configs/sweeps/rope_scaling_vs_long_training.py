@@ -2,6 +2,8 @@
 longer sequences. At one token budget: trained at L and evaluated at 4L with linear or YaRN
 scaling (with or without a short fine-tune at 4L), against the same model trained at 4L."""
 
+from research.spec import task_losses
+
 _LENGTH = 32  # L: the short runs' rows; the long run's rows are 4L
 _FACTOR = 4
 _ROWS = 32  # rows per step at L; at 4L a step has _ROWS / 4 rows, so the same tokens
@@ -22,6 +24,7 @@ def get_sweep(scale: int = 1) -> dict:
   short95 = round(0.95 * steps)  # the rest of the budget is the fine-tune at 4L
   finetuned = ('short95_ft_linear', 'short95_ft_yarn')
   scaled = ['short_linear', 'short_yarn', *finetuned]
+  unigram = task_losses('configs/gpt_tiny.py', {'data.grammar_join': 24})['unigram']
   rules = [
     dict(kind='best', metric='loss@4x', expect=scaled,
          text='at 4L the best model is one trained at L and scaled'),
@@ -78,5 +81,17 @@ def get_sweep(scale: int = 1) -> dict:
     measure='measure',
     measure_args={'length': _LENGTH, 'factor': _FACTOR, 'finetune': finetuned},
     metrics=['loss@1x', 'loss@4x'],
+    nulls=[
+      dict(
+        name='unigram',
+        reason="a model that learns only how often each token occurs scores the grammar's "
+        f'unigram loss, {unigram:.3f} nats, at L and 4L whatever it was trained on or scaled '
+        'by (computed from the task)',
+        values={
+          v: {'loss@1x': unigram, 'loss@4x': unigram}
+          for v in ('short', 'short95', 'long', 'short_linear', 'short_yarn', *finetuned)
+        },
+      ),
+    ],  # fmt: skip
     rules=rules,  # fmt: skip
   )

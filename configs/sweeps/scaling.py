@@ -2,7 +2,7 @@
 oscillates more and training ends worse. Numbers task (digits -> words), the embedded default
 with 2 heads."""
 
-from research.spec import PAPER_SCHEDULE
+from research.spec import PAPER_SCHEDULE, task_losses
 
 # ~3 GPU minutes at GPU_SCALE on one H200: 6 runs (3 seeds) of 1600 steps, dispatch-bound.
 GPU_SCALE = 4
@@ -10,6 +10,7 @@ GPU_SCALE = 4
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 400 * scale
+  uniform = task_losses('configs/default.py')['uniform']  # the overrides leave the task as it is
   rules = [
     dict(kind='less', metric='eval.loss', a='scaled', b='unscaled', margin_std=2,
          text='ends worse without the scale'),
@@ -49,5 +50,16 @@ def get_sweep(scale: int = 1) -> dict:
       'train.oscillation_detrended',
       'train.loss_rise',
     ],
+    nulls=[
+      dict(
+        name='uniform',
+        reason="a model that learned nothing and predicts uniformly over the task's token ids "
+        f'scores eval.loss = ln V = {uniform:.3f} nats with or without the scale (computed from '
+        'the task; an untrained model does no better, tests/research/test_nulls.py). Its '
+        'oscillation has no value that does not depend on the batches, so the '
+        'stability rules are not checked against it',
+        values={v: {'eval.loss': uniform} for v in ('scaled', 'unscaled')},
+      ),
+    ],  # fmt: skip
     rules=rules,
   )

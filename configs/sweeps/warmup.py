@@ -2,6 +2,8 @@
 the same peak after a warmup trains smoothly. Four peak learning rates over a decade, each with
 and without a linear warmup; compared only where both arms learn at first."""
 
+from research.spec import task_losses
+
 # ~5 GPU minutes at GPU_SCALE on one H200: 8 runs of 1200 steps, each dispatch-bound (~30 s).
 GPU_SCALE = 4
 
@@ -11,6 +13,7 @@ _LEARNED_EARLY = {'metric': 'train.learned_early', 'value': 1}
 
 def get_sweep(scale: int = 1) -> dict:
   steps = 300 * scale
+  uniform = task_losses('configs/default.py')['uniform']  # the overrides leave the task as it is
   rules = []
   for lr in _LRS:  # a rule per learning rate; each runs only if both arms learn at first
     a, b = f'{lr}_no_warmup', f'{lr}_warmup'
@@ -65,5 +68,20 @@ def get_sweep(scale: int = 1) -> dict:
       'eval.loss',
       'train.loss_rise',
     ],
+    nulls=[
+      dict(
+        name='uniform',
+        reason='a model that learned nothing never learns early (train.learned_early 0), has no '
+        f"spike and, predicting uniformly over the task's token ids, ends at ln V = "
+        f'{uniform:.3f} nats (computed from the task; an untrained model does no better, '
+        'tests/research/test_nulls.py) in both arms; every rule compares only arms that learned '
+        'early, so on this null no rule runs: none can hold by construction',
+        values={
+          f'{lr}_{arm}': {'train.learned_early': 0.0, 'train.spikes': 0.0, 'eval.loss': uniform}
+          for lr in _LRS
+          for arm in ('warmup', 'no_warmup')
+        },
+      ),
+    ],  # fmt: skip
     rules=rules,
   )

@@ -243,8 +243,9 @@ def test_every_committed_sweep_file_loads_and_checks():
     'residual_and_norm',
   }  # fmt: skip
   for path in paths:
-    sweep = spec.load_sweep(path)  # every key, model and rule checked
+    sweep = spec.load_sweep(path)  # every key, model, rule and null checked
     assert sweep.rules and sweep.claim
+    assert sweep.nulls, f'{path} declares no null: what a model that learns nothing scores'
 
 
 def test_axes_make_the_product_of_variants(tmp_path):

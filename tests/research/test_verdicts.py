@@ -118,6 +118,17 @@ def test_power_law_with_a_free_floor_finds_it():
     verdicts.check_rule({**rule, 'floor': 'x'})
 
 
+def test_a_flat_loss_is_no_falling_power_law():
+  # A model that learns nothing scores the same loss at every size: slope 0 has no sign, with a
+  # fixed floor or a fitted one (polyfit's roundoff once gave it one, so the null "held").
+  ns = np.geomspace(1e3, 1e6, 7)
+  table = {f'n{i}': {'n': [n], 'loss': [4.43]} for i, n in enumerate(ns)}
+  rule = dict(kind='fit_power_law', x='n', y='loss', slope_sign=-1, min_r2=0.9)
+  for floor in (1.54, 'free'):
+    flat = verdicts.evaluate({**rule, 'floor': floor}, table)
+    assert flat.status == N and flat.numbers['slope'] == 0.0, flat.text
+
+
 # where: only the variants that pass a condition ------------------------------------------------
 def _lr_table():
   # lr 1e-3: both arms learn at first; lr 1e-2: no_warmup never does
