@@ -574,11 +574,13 @@ def _best_or_worst(rule: Mapping, table: Table) -> Verdict:
   lower = rule.get('lower_is_better', lower_is_better(metric))
   pick_min = lower if rule['kind'] == 'best' else not lower
   winner = (min if pick_min else max)(means, key=lambda v: means[v])
-  ok = winner in rule['expect']
+  tied = [v for v in means if means[v] == means[winner]]  # e.g. a null that scores all alike
+  ok = winner in rule['expect'] and len(tied) == 1
   shown = ', '.join(f'{v} {fmt(m)}' for v, m in means.items())
   text = (
     f'{rule["kind"]} {metric} ({"lower" if lower else "higher"} is better) among {shown}: '
-    f'{winner}; expected one of {", ".join(rule["expect"])}'
+    f'{" = ".join(tied) + " tie" if len(tied) > 1 else winner}; expected one of '
+    f'{", ".join(rule["expect"])}'
   )
   return Verdict(
     REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), {'winner': winner, **means}

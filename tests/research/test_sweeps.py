@@ -361,6 +361,10 @@ def test_power_law_fit_ratio_best_close_and_no_worse():
   assert _status(dict(kind='best', metric='eval.loss', expect=['h4']), scores) == R
   assert _status(dict(kind='best', metric='eval.bleu', expect=['h4']), scores) == R  # higher
   assert _status(dict(kind='worst', metric='eval.loss', expect=['h4']), scores) == N
+  tie = {'h4': {'eval.loss': [1.0]}, 'h1': {'eval.loss': [1.0]}}  # the expected one listed first
+  assert _status(dict(kind='best', metric='eval.loss', expect=['h4']), tie) == N
+  assert 'h4 = h1 tie' in verdicts.evaluate(dict(kind='worst', metric='eval.loss', expect=['h4']),
+                                            tie).text  # fmt: skip
   close = dict(kind='close', metric='eval.bleu', a='h1', b='h4', tolerance=5.0)
   assert _status(close, scores) == N and _status({**close, 'tolerance': 10.0}, scores) == R
   no_worse = dict(kind='no_worse', metric='eval.bleu', a='h1', b='h4', tolerance=1.0)
