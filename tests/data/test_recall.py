@@ -185,7 +185,8 @@ def test_large_vocabulary_examples_ask_a_random_subset_with_the_right_answers():
     assert len(text) == 2 * 16 + 4 + 2 * 4
     pairs, asked = text[:32], text[36:]
     assert set(pairs[::2]) <= set(keys) and set(pairs[1::2]) <= set(values)
-    assert len(set(pairs[::2])) == 16 and text[32:36] == '0000'
+    assert len(set(pairs[::2])) == len(set(pairs[1::2])) == 16  # distinct keys, distinct values
+    assert text[32:36] == '0000'
     table = dict(zip(pairs[::2], pairs[1::2]))
     assert len(set(asked[::2])) == 4 and all(table[k] == v for k, v in zip(asked[::2], asked[1::2]))
     asked_pairs += [pairs[::2].index(k) for k in asked[::2]]

@@ -145,9 +145,8 @@ class DataConfig:
   recall_filler: str = 'random'  # recall: filler digits random | constant (all '0')
   recall_loss: str = 'all'  # recall: tokens that carry loss, all | answers (Zoology's: the values)
   recall_seed: int | None = 0  # recall: fixes the generated examples; None: the run's seed does
-  recall_vocab: int = (
-    26  # recall: keys, and as many values; 26: a-z, A-Z; more: CJK (tokenizer char)
-  )
+  # recall: keys, and as many values; 26: a-z, A-Z; more: CJK (tokenizer char), distinct values
+  recall_vocab: int = 26
   recall_disjoint: bool = False  # recall: drop the training examples that occur in the eval split
 
   def __post_init__(self):

@@ -5,7 +5,8 @@ its value. Predicting a queried value needs the pair, `recall_gap` tokens back o
 model that sees only a local window cannot answer; `grammar` needs only the previous token.
 
 Every key and value is one character: a-z and A-Z by default, or with `recall_vocab` > 26 that
-many keys and as many values from the CJK block (one token each with data.tokenizer='char').
+many keys and as many values from the CJK block (one token each with data.tokenizer='char'), and
+then an example's values are distinct, as its keys are (Zoology's MQAR).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def sample(
 
   order='random' asks `queries` of the pairs in a random order (Zoology's MQAR); 'pairs' asks the
   first `queries` in their own order, so every answer lies exactly 2 * pairs + gap tokens back.
-  Keys and values come from `alphabets(vocab)`.
+  Keys and values come from `alphabets(vocab)`; with more than 26, an example's values are
+  distinct.
   """
   check(pairs, gap, queries, vocab)
   key_chars, value_chars = alphabets(vocab)
@@ -106,7 +108,10 @@ def sample(
   if filler not in FILLERS:
     raise ValueError(f'recall_filler={filler!r} is not valid; choose one of {FILLERS}')
   keys = _first_of_permutations(rng, count, vocab, pairs)  # distinct per example
-  values = rng.integers(0, vocab, (count, pairs))
+  if vocab == len(KEYS):  # values may repeat: the generator of the committed recall sweep
+    values = rng.integers(0, vocab, (count, pairs))
+  else:  # distinct, as Zoology draws them: a repeated value would help a guess by elimination
+    values = _first_of_permutations(rng, count, vocab, pairs)
   digits = rng.integers(0, len(FILLER), (count, gap)) * (filler == 'random')  # 'constant': 0s
   asked = np.argsort(rng.random((count, pairs)), axis=1)[:, :queries]  # which pairs, in order
   if order == 'pairs':
