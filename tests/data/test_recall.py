@@ -233,3 +233,13 @@ def test_disjoint_drops_the_training_examples_that_occur_in_eval():
   assert evaluation2 == evaluation and not set(kept) & set(evaluation)
   assert kept == [x for x in train if x not in set(evaluation)]
   assert info['recall_dropped'] == len(train) - len(kept) > 0
+
+
+@pytest.mark.parametrize(
+  'count, size, first, rows', [(300, 26, 11, 4096), (300, 26, 26, 7), (50, 512, 16, 8)]
+)
+def test_first_of_permutations_are_argsorts_of_the_same_draws(count, size, first, rows):
+  # The chunked, partial sort keeps recall_vocab=26 generating the committed sweep's examples.
+  expected = np.argsort(np.random.default_rng(9).random((count, size)), axis=1)[:, :first]
+  found = recall._first_of_permutations(np.random.default_rng(9), count, size, first, rows)
+  np.testing.assert_array_equal(found, expected)
