@@ -58,22 +58,35 @@ def recall_accuracy(ctx) -> dict[str, float]:
 
 
 def elimination_accuracy(
-  pairs: int, gap: int, queries: int, filler: str = 'constant', count: int = 20_000, seed: int = 0
+  pairs: int,
+  gap: int,
+  queries: int,
+  filler: str = 'constant',
+  count: int = 20_000,
+  seed: int = 0,
+  vocab: int = len(recall.KEYS),
 ) -> list[float]:
   """The recall null: the expected value accuracy, per query position, of a model without any
   key-to-value lookup that keeps the bag of values from the pairs, drops those already answered
   and guesses a most frequent one of the rest (in a random query order each remaining value is
-  equally likely to be asked next). Averaged over `count` examples of the task's own generator.
+  equally likely to be asked next). Averaged over `count` examples of the task's own generator
+  with `vocab` keys and values.
+
+  It never falls below 1 / (pairs - j) at query j: asking a few of many pairs (queries << pairs)
+  leaves elimination little more than 1 / pairs, copying any value of the pairs.
 
   Returns:
     one expected accuracy per query position, first query first.
   """
   rng = np.random.default_rng([seed, 3])  # not the train ([seed, 1]) or eval ([seed, 2]) stream
-  texts = recall.sample(rng, count, pairs, gap, queries, 'random', filler)
-  codes = np.frombuffer(''.join(texts).encode(), np.uint8).reshape(count, -1)  # [N, chars]
-  values = codes[:, 1 : 2 * pairs : 2] - ord(recall.VALUES[0])  # [N, pairs]
-  asked = codes[:, 2 * pairs + gap + 1 :: 2] - ord(recall.VALUES[0])  # [N, queries] the answers
-  bag = (values[:, :, None] == np.arange(len(recall.VALUES))).sum(1)  # [N, 26] multiplicities
+  texts = recall.sample(rng, count, pairs, gap, queries, 'random', filler, vocab)
+  codes = np.frombuffer(''.join(texts).encode('utf-32-le'), np.uint32).reshape(count, -1)
+  values = codes[:, 1 : 2 * pairs : 2]  # [N, pairs] code points
+  answers = codes[:, 2 * pairs + gap + 1 :: 2]  # [N, queries]
+  # Each value named by the first pair holding it: [N, pairs] counts, whatever the vocabulary.
+  first = (values[:, :, None] == values[:, None, :]).argmax(2)  # [N, pairs]
+  bag = (first[:, :, None] == np.arange(pairs)).sum(1)  # [N, pairs] multiplicities
+  asked = (values[:, :, None] == answers[:, None, :]).argmax(1)  # [N, queries] first pair of each
   expected = []
   for j in range(queries):
     expected.append(float(np.mean(bag.max(1) / (pairs - j))))  # a most frequent one is right

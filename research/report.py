@@ -242,7 +242,7 @@ def _judged(meta: Mapping, results: Sequence[Mapping]):
   """(the preconditions' verdicts, the rules' verdicts) of a sweep's recorded numbers."""
   table = results_lib.metric_table(results)
   rules, pre = meta.get('rules') or [], meta.get('preconditions') or []
-  return verdicts.judge(rules, table, pre, meta.get('nulls') or [])
+  return verdicts.judge(rules, table, pre, meta.get('nulls') or [], meta.get('groups'))
 
 
 def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str, list[str]]:
@@ -270,6 +270,7 @@ def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str,
   note = '; '.join(notes)
   line = f'**Verdict: {status}.**' + (f' {note} (see below).' if note else '')
   lines = [f'**Claim.** {meta.get("claim") or "(not stated)"}', '', line, '', *_null_lines(meta)]
+  lines += _group_lines(meta, results)
 
   def why_not_run(v):
     if v.status != verdicts.NOT_RUN:
@@ -300,6 +301,19 @@ def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str,
   if not found:
     lines.append('The sweep states no rule: no verdict.')
   return status, note, lines
+
+
+def _group_lines(meta: Mapping, results: Sequence[Mapping]) -> list[str]:
+  """Which member each group (`verdicts.best_of`) stands for, before the rules that compare it."""
+  groups = meta.get('groups') or {}
+  if not groups:
+    return []
+  _, chosen = verdicts.best_of(results_lib.metric_table(results), groups)
+  lines = ['Groups (each stands for its member with the best mean of the metric):', '']
+  for name, group in groups.items():
+    pick = chosen.get(name, 'none recorded')
+    lines.append(f'- **{name}** = {pick}: best {group["metric"]} of {", ".join(group["best_of"])}')
+  return lines + ['']
 
 
 def _null_lines(meta: Mapping) -> list[str]:
@@ -379,7 +393,7 @@ def write_report(workdir: str) -> str:
     if subs:
       return _write_index(workdir, subs)
   meta, results = results_lib.load_results(workdir)  # raises the one clear error
-  table = results_lib.metric_table(results)
+  table = verdicts.best_of(results_lib.metric_table(results), meta.get('groups') or {})[0]
   order = [v for v in list(meta['variants']) + list(meta.get('eval_variants') or {}) if v in table]
   _, _, verdict = _verdict_lines(meta, results)
   seeds = sorted({r['seed'] for r in results})

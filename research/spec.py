@@ -24,6 +24,7 @@ _NAME = re.compile(r'[A-Za-z0-9_.+=-]+')  # variant names become directory names
 _FIELDS = (
   'name', 'claim', 'base', 'overrides', 'variants', 'axes', 'metrics', 'rule', 'rules', 'measure',
   'measure_args', 'train', 'eval_variants', 'plots', 'description', 'preconditions', 'nulls',
+  'groups',
 )  # fmt: skip
 
 # The paper's rsqrt schedule (peak 0.0051 at step 300), which several sweeps' results were run
@@ -53,6 +54,9 @@ class Sweep:
       before any training}}); `research.nulls` checks them. Every rule is evaluated on them
       too; one that also holds on a null holds by construction and is not counted. A rule's
       `chance` names one of them.
+    groups: name -> {'best_of': [variants], 'metric': m}: a variant chosen after the runs, the
+      member with the best mean of m (e.g. an arm's best learning rate); rules, preconditions,
+      nulls and plots may name it like a variant (`research.verdicts.best_of`).
     measure: a function `measure(ctx: MeasureContext, **measure_args) -> dict` run after training
       (or instead of it when `train` is False): a name defined in the sweep file or in
       `research.measures.MEASURES`. Its numbers join the run's metrics; a list under the key
@@ -76,6 +80,7 @@ class Sweep:
   rules: tuple[dict, ...] = ()
   preconditions: tuple[dict, ...] = ()
   nulls: tuple[dict, ...] = ()
+  groups: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
   measure: str | Callable | None = None
   measure_args: dict[str, Any] = dataclasses.field(default_factory=dict)
   train: bool = True
@@ -211,6 +216,7 @@ def _from_spec(spec: dict, path: str, scale: int, module: Any) -> Sweep:
     rules=tuple(dict(r) for r in rules),
     preconditions=tuple(dict(r) for r in spec.get('preconditions') or ()),
     nulls=tuple(dict(n) for n in spec.get('nulls') or ()),
+    groups={str(k): dict(v) for k, v in (spec.get('groups') or {}).items()},
     measure=spec.get('measure'),
     measure_args=dict(spec.get('measure_args') or {}),
     train=bool(spec.get('train', True)),
@@ -323,13 +329,13 @@ def check_sweep(sweep: Sweep) -> None:
     config = resolve_config(sweep, name)
     experiment = Config.from_configdict(config)  # every knob, the model's included
     optim.make_schedule(optim_config(config, experiment.model))
+  verdicts.check_groups(sweep.groups, sweep.all_variants)
+  named = [*sweep.all_variants, *sweep.groups]  # what rules, nulls and plots may compare
   for rule in sweep.rules:
-    verdicts.check_rule(rule, sweep.all_variants)
-  verdicts.check_preconditions(
-    sweep.preconditions, sweep.rules, sweep.all_variants, list(sweep.metrics)
-  )
+    verdicts.check_rule(rule, named)
+  verdicts.check_preconditions(sweep.preconditions, sweep.rules, named, list(sweep.metrics))
   read = [*sweep.metrics, *(m for r in sweep.rules for m in verdicts.rule_metrics(r))]
-  nulls.check_nulls(sweep.nulls, [*sweep.rules, *sweep.preconditions], sweep.all_variants, read)
+  nulls.check_nulls(sweep.nulls, [*sweep.rules, *sweep.preconditions], named, read)
   if sweep.measure is not None:
     resolve_measure(sweep)
   report.check_plots(sweep.plots)

@@ -254,6 +254,7 @@ def sweep_metadata(sweep: Sweep, seeds: int, revision: str = 'unknown') -> dict:
       'rules': list(sweep.rules),
       'preconditions': list(sweep.preconditions),
       'nulls': list(sweep.nulls),
+      'groups': sweep.groups,
       'measure': sweep.measure_name,
       'measure_args': sweep.measure_args,
       'train': sweep.train,
@@ -428,7 +429,8 @@ def regenerate(
 
 
 def rejudge(workdir: str, allow_dirty: bool = False) -> str:
-  """Replaces the claim, description, compared metrics, rules, preconditions, nulls and plots in
+  """Replaces the claim, description, compared metrics, rules, preconditions, nulls, groups and
+  plots in
   sweep.json by those its sweep file states now, and records the revision they come from
   (`rules_revision`): the recorded numbers stay as they were run; only the judging (and the words)
   change. Returns that revision.
@@ -446,6 +448,7 @@ def rejudge(workdir: str, allow_dirty: bool = False) -> str:
     rules=list(sweep.rules),
     preconditions=list(sweep.preconditions),
     nulls=list(sweep.nulls),
+    groups=sweep.groups,
     plots=list(sweep.plots),
     rules_revision=revision,
   )

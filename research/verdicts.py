@@ -28,6 +28,10 @@ untrained model scores as the runs did (one measured at step 0); `research.nulls
 `judge` evaluates every rule on
 each null too: a rule that also holds on a null is BY_CONSTRUCTION, never counted as reproduced,
 and a sweep whose rules that held all hold by construction is VACUOUS.
+
+A sweep's `groups` name a variant chosen from several, such as an arm's best learning rate (as
+Zoology tunes each architecture): {'p8_full': {'best_of': [variants], 'metric': m}} stands for the
+member with the best mean of m (`best_of`); rules, preconditions and nulls may name the group.
 """
 
 from __future__ import annotations
@@ -238,6 +242,43 @@ def rule_metrics(rule: Mapping[str, Any]) -> list[str]:
   if rule.get('where'):
     found.append(rule['where']['metric'])
   return list(dict.fromkeys(found))
+
+
+# Groups: the best of several variants --------------------------------------------------------
+def check_groups(groups: Mapping[str, Mapping[str, Any]], variants: Sequence[str]) -> None:
+  """Raises one ValueError for a group named like a variant, without exactly 'best_of' (a
+  non-empty list of the sweep's variants) and 'metric', or naming an unknown variant."""
+  for name, group in groups.items():
+    if name in variants:
+      raise ValueError(f'group {name!r} has the name of a variant; name it unlike the variants')
+    if not isinstance(group, Mapping) or sorted(group) != ['best_of', 'metric']:
+      raise ValueError(f"group {name!r} needs exactly 'best_of' (variants) and 'metric'")
+    if not group['best_of'] or isinstance(group['best_of'], str):
+      raise ValueError(f'group {name!r}: best_of={group["best_of"]!r} must list variants')
+    unknown = [v for v in group['best_of'] if v not in variants]
+    if unknown:
+      raise ValueError(
+        f'group {name!r} names variant {unknown[0]!r}; the variants are: {", ".join(variants)}'
+      )
+
+
+def best_of(table: Table, groups: Mapping[str, Mapping[str, Any]]) -> tuple[dict, dict[str, str]]:
+  """(`table` with a row per group, {group: the member whose row it copies}). A group stands
+  for its member with the best mean of its metric over seeds (the lowest for a loss; the first of
+  equals), every metric of that member; members without that metric do not take part, and a
+  group with none has no row (its rules do not run)."""
+  out, chosen = dict(table), {}
+  for name, group in groups.items():
+    sign = 1.0 if lower_is_better(group['metric']) else -1.0
+    scored = []
+    for i, member in enumerate(group['best_of']):
+      values = _values(table, member, group['metric'])
+      if values:
+        scored.append((sign * mean_std(values)[0], i, member))
+    if scored:
+      chosen[name] = min(scored)[2]
+      out[name] = table[chosen[name]]
+  return out, chosen
 
 
 # Statistics over seeds -------------------------------------------------------------------------
@@ -755,10 +796,13 @@ def judge(
   table: Table,
   preconditions: Sequence[Mapping[str, Any]] = (),
   nulls: Sequence[Mapping[str, Any]] = (),
+  groups: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> tuple[list[Verdict], list[Verdict]]:
   """(the preconditions' verdicts, the rules' verdicts). A rule whose precondition (the ones its
   `requires` names, else all) did not hold is INCONCLUSIVE, its own outcome given in words; each
-  rule is also evaluated on every null (`against_nulls`)."""
+  rule is also evaluated on every null (`against_nulls`). `groups` (`best_of`) join the table
+  first, so that rules may compare them."""
+  table = best_of(table, groups or {})[0]
   nulls = [resolve_null(n, table) for n in nulls]
   named = {n['name']: n['values'] for n in nulls}
   pre = {p['name']: evaluate(p, table, named) for p in preconditions}

@@ -105,6 +105,9 @@ def test_task_builds_deterministic_disjoint_splits_with_byte_tokens():
     (dict(recall_order='sorted'), "recall_order='sorted' is not valid; choose one of"),
     (dict(recall_filler='dots'), "recall_filler='dots' is not valid; choose one of"),
     (dict(recall_loss='keys'), "recall_loss='keys' is not valid; choose one of"),
+    (dict(recall_vocab=25), r'recall_vocab=25 must be an integer in \[26, 10496\]'),
+    (dict(recall_vocab=512), "recall_vocab=512 draws keys .* only with data.tokenizer='char'"),
+    (dict(recall_vocab=512, tokenizer='char', recall_pairs=513), 'recall_pairs=513 must be <= 512'),
   ],
 )
 def test_bad_knobs(overrides, message):
@@ -148,11 +151,15 @@ def test_answers_loss_weighs_exactly_the_answers(pack):
 @pytest.mark.parametrize(
   'overrides, family, message',
   [
-    (dict(tokenizer='char'), 'causal_lm', "needs one token per character: data.tokenizer='byte'"),
+    (
+      dict(tokenizer='sentencepiece'),
+      'causal_lm',
+      "needs one token per character: data.tokenizer='byte' or 'char'",
+    ),
     ({}, 'bidirectional_lm', "family='bidirectional_lm' is not one"),
   ],
 )
-def test_answers_loss_needs_a_causal_lm_with_byte_tokens(overrides, family, message):
+def test_answers_loss_needs_a_causal_lm_with_one_token_per_character(overrides, family, message):
   with pytest.raises(ValueError, match=message):
     data.build(
       section(DataConfig, _cfg(recall_loss='answers', **overrides)),
@@ -160,3 +167,79 @@ def test_answers_loss_needs_a_causal_lm_with_byte_tokens(overrides, family, mess
       workdir=None,
       seed=0,
     )
+
+
+# A large vocabulary (recall_vocab), a queried subset, per-seed data and disjoint splits --------
+def _large(**overrides):
+  knobs = dict(tokenizer='char', recall_vocab=512, recall_pairs=16, recall_gap=4)
+  return _cfg(**{**knobs, 'recall_queries': 4, 'recall_filler': 'constant', **overrides})
+
+
+def test_large_vocabulary_examples_ask_a_random_subset_with_the_right_answers():
+  keys, values = recall.alphabets(512)
+  assert len(set(keys)) == len(set(values)) == 512 and not set(keys) & set(values)
+  assert recall.alphabets(26) == (recall.KEYS, recall.VALUES)
+  examples = recall.sample(np.random.default_rng(0), 2000, 16, 4, 4, 'random', 'constant', 512)
+  asked_pairs = []
+  for text in examples:
+    assert len(text) == 2 * 16 + 4 + 2 * 4
+    pairs, asked = text[:32], text[36:]
+    assert set(pairs[::2]) <= set(keys) and set(pairs[1::2]) <= set(values)
+    assert len(set(pairs[::2])) == len(set(pairs[1::2])) == 16  # distinct keys, distinct values
+    assert text[32:36] == '0000'
+    table = dict(zip(pairs[::2], pairs[1::2]))
+    assert len(set(asked[::2])) == 4 and all(table[k] == v for k, v in zip(asked[::2], asked[1::2]))
+    asked_pairs += [pairs[::2].index(k) for k in asked[::2]]
+  # which 4 of the 16 pairs are asked is uniform: 8000 draws, 500 expected per pair
+  assert np.bincount(asked_pairs, minlength=16).min() > 400
+  drawn = [c for text in examples for c in text[:32]]
+  assert len(set(drawn) & set(keys)) > 500 * 0.99 and len(set(drawn) & set(values)) > 500 * 0.99
+
+
+def test_large_vocabulary_task_has_one_char_token_per_key_and_value():
+  cfg = _large(recall_loss='answers', max_length=64)
+  task = data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=0)
+  assert task.info['recall_chance'] == pytest.approx(1 / 512)
+  _, evaluation, _ = recall.generate(cfg)
+  batch = task.eval_batches()[0]
+  row = [int(t) for t in batch['targets'][0] if t > 0]
+  assert len(row) == len(evaluation[0]) + 1  # one token per character, then eos
+  assert task.tokenizer.decode(row[:-1]) == evaluation[0]
+  assert max(row) < task.tokenizer.vocab_size
+  weighted = np.flatnonzero(batch['weights'][0])
+  assert [o for o, _ in recall.answers(evaluation[0], 16, 4)] == weighted.tolist()
+
+
+def test_data_seed_follows_the_run_seed_when_recall_seed_is_none():
+  cfg = _large(recall_seed=None)
+  runs = [recall.generate(cfg, seed) for seed in (0, 1, 0)]
+  assert runs[0][0] == runs[2][0] and runs[0][1] == runs[2][1]  # deterministic per seed
+  assert not set(runs[0][0]) & set(runs[1][0]) and runs[0][1] != runs[1][1]
+  fixed = _large(recall_seed=3)
+  assert recall.generate(fixed, 0)[0] == recall.generate(fixed, 1)[0]  # a fixed data seed
+  built = [
+    data.build(section(DataConfig, cfg), family='causal_lm', workdir=None, seed=s) for s in (0, 1)
+  ]
+  first = [b.eval_batches()[0]['targets'] for b in built]
+  assert not np.array_equal(first[0], first[1])
+
+
+def test_disjoint_drops_the_training_examples_that_occur_in_eval():
+  # 26 keys, 1 pair, no gap, one query: 676 examples in all, so the splits overlap a lot.
+  knobs = dict(recall_pairs=1, recall_queries=1, recall_gap=0, num_train_examples=2000)
+  train, evaluation, info = recall.generate(_cfg(**knobs))
+  assert 'recall_dropped' not in info and set(train) & set(evaluation)  # the old behaviour
+  kept, evaluation2, info = recall.generate(_cfg(**knobs, recall_disjoint=True))
+  assert evaluation2 == evaluation and not set(kept) & set(evaluation)
+  assert kept == [x for x in train if x not in set(evaluation)]
+  assert info['recall_dropped'] == len(train) - len(kept) > 0
+
+
+@pytest.mark.parametrize(
+  'count, size, first, rows', [(300, 26, 11, 4096), (300, 26, 26, 7), (50, 512, 16, 8)]
+)
+def test_first_of_permutations_are_argsorts_of_the_same_draws(count, size, first, rows):
+  # The chunked, partial sort keeps recall_vocab=26 generating the committed sweep's examples.
+  expected = np.argsort(np.random.default_rng(9).random((count, size)), axis=1)[:, :first]
+  found = recall._first_of_permutations(np.random.default_rng(9), count, size, first, rows)
+  np.testing.assert_array_equal(found, expected)

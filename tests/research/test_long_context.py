@@ -3,6 +3,7 @@ recall null (elimination) against its exact expectation."""
 
 import math
 
+import numpy as np
 import pytest
 
 from configs import gpt_tiny
@@ -61,3 +62,18 @@ def test_elimination_scores_the_most_frequent_value_left_in_the_bag():
   # Asking only some of the pairs leaves the others in the bag: the last answer is a guess.
   some = long_context.elimination_accuracy(4, 8, 2, count=20_000)
   assert some == pytest.approx([_expected_mode_share(4), _expected_mode_share(3)], abs=0.01)
+
+
+def test_elimination_with_a_large_vocabulary_and_few_queries_is_about_one_over_the_pairs():
+  # With more than 26 values an example's values are distinct: query j is right 1 / (pairs - j).
+  found = long_context.elimination_accuracy(8, 4, 3, count=5_000, vocab=512)
+  assert found == pytest.approx([1 / 8, 1 / 7, 1 / 6], rel=1e-9)
+  # recall_mqar's design: a quarter of the pairs asked. Elimination gains little over copying
+  # any value of the pairs (1 / pairs), where asking all 16 of 26 values gives it 4.6 times that.
+  for pairs in (4, 8, 16, 32):
+    asked_few = np.mean(
+      long_context.elimination_accuracy(pairs, 4, pairs // 4, count=2_000, vocab=512)
+    )
+    assert 1 / pairs <= asked_few < 1.15 / pairs
+  asked_all = np.mean(long_context.elimination_accuracy(16, 4, 16, count=10_000))
+  assert asked_all > 4.5 / 16

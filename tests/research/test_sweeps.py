@@ -240,7 +240,7 @@ def test_every_committed_sweep_file_loads_and_checks():
     'norm_placement', 'attention_memory', 'remat', 'model_scaling', 'cross_attention_alignment',
     'bidirectional_vs_causal', 'default_recipe', 'long_context', 'rope_scaling_vs_long_training',
     'recall', 'induction', 'output_init', 'emergence', 'data_repetition', 'ood_generalization',
-    'residual_and_norm',
+    'residual_and_norm', 'recall_mqar',
   }  # fmt: skip
   for path in paths:
     sweep = spec.load_sweep(path)  # every key, model, rule and null checked
@@ -516,3 +516,25 @@ def test_rejudge_takes_new_plots_and_a_lines_plot_draws_one_line_per_arm(finishe
   assert os.path.getsize(workdir / 'plot_0.png') > 1000
   with pytest.raises(ValueError, match=r"lines plot: 'a' has 1 variants for \[1, 2\]"):
     report.check_plots([dict(kind='lines', metric='m', x=[1, 2], lines={'a': ['v']})])
+
+
+def test_groups_load_with_the_sweep_and_the_report_names_each_ones_pick(tmp_path):
+  group = "    groups={'best': {'best_of': ['scaled', 'unscaled'], 'metric': 'eval.loss'}},\n"
+  rule = "dict(kind='less', metric='eval.loss', a='best', b='unscaled', rel_margin=0.0)"
+  text = _TINY_SWEEP.replace('    plots=[', group + '    plots=[')
+  text = text.replace('rules=[', f'rules=[{rule}, ')
+  sweep = spec.load_sweep(_sweep_file(tmp_path, text))
+  assert sweep.groups == {'best': {'best_of': ['scaled', 'unscaled'], 'metric': 'eval.loss'}}
+  assert sweeps.sweep_metadata(sweep, 1)['groups'] == sweep.groups
+  with pytest.raises(ValueError, match="group 'best' names variant 'big'"):
+    spec.load_sweep(_sweep_file(tmp_path, text.replace("['scaled', 'unscaled']", "['big']")))
+  with pytest.raises(ValueError, match="names variant 'worst'"):  # a rule names no group
+    spec.load_sweep(_sweep_file(tmp_path, text.replace("a='best'", "a='worst'")))
+  results = [
+    {'variant': v, 'seed': 0, 'status': 'ok', 'metrics': {'eval.loss': x}}
+    for v, x in (('scaled', 2.0), ('unscaled', 3.0))
+  ]
+  meta = {'claim': 'c', 'rules': list(sweep.rules), 'groups': sweep.groups}
+  status, _, lines = report._verdict_lines(meta, results)
+  assert '- **best** = scaled: best eval.loss of scaled, unscaled' in lines
+  assert status == verdicts.REPRODUCED

@@ -374,3 +374,48 @@ def test_a_null_as_recorded_takes_the_runs_own_values_measured_before_training()
   nulls.check_nulls([uniform])
   with pytest.raises(ValueError, match="must be a number, 'as recorded' or 'as recorded: METRIC'"):
     nulls.check_nulls([{**at_init, 'values': {'scaled': {'growth': 'recorded'}}}])
+
+
+def test_a_group_stands_for_its_member_with_the_best_mean():
+  table = {
+    'full_lr1': {'acc': [0.30, 0.40], 'eval.loss': [2.0, 2.2]},
+    'full_lr2': {'acc': [0.90, 0.96], 'eval.loss': [0.5, 0.4]},
+    'full_lr3': {'acc': [0.95, 0.05], 'eval.loss': [0.1, 5.0]},  # one seed diverged: mean 0.5
+    'lin_lr1': {'acc': [0.20, 0.22]},
+    'lin_lr2': {'acc': [float('nan')]},  # not recorded: does not take part
+  }
+  groups = {
+    'full': {'best_of': ['full_lr1', 'full_lr2', 'full_lr3'], 'metric': 'acc'},
+    'full_by_loss': {'best_of': ['full_lr1', 'full_lr2', 'full_lr3'], 'metric': 'eval.loss'},
+    'lin': {'best_of': ['lin_lr2', 'lin_lr1'], 'metric': 'acc'},
+    'none': {'best_of': ['lin_lr2'], 'metric': 'acc'},
+  }
+  joined, chosen = verdicts.best_of(table, groups)
+  assert chosen == {'full': 'full_lr2', 'full_by_loss': 'full_lr2', 'lin': 'lin_lr1'}
+  assert joined['full'] == table['full_lr2'] and 'none' not in joined
+  assert set(table) == set(joined) - {'full', 'full_by_loss', 'lin'}  # the input is unchanged
+  # Rules compare the groups: the best rate of each arm.
+  gap = dict(kind='greater', metric='acc', a='full', b='lin')
+  missing = dict(kind='greater', metric='acc', a='full', b='none')
+  _, found = verdicts.judge([gap, missing], table, groups=groups)
+  assert [v.status for v in found] == [R, verdicts.NOT_RUN]
+  assert '0.93' in found[0].text
+  assert verdicts.judge([gap], table)[1][0].status == verdicts.NOT_RUN  # no groups: no 'full'
+  # A null names the group like a variant: equal values there, so the rule fails on it.
+  guess = dict(name='guess', reason='no lookup', values={g: {'acc': 0.1} for g in ('full', 'lin')})
+  _, (judged,) = verdicts.judge([gap], table, nulls=[guess], groups=groups)
+  assert judged.status == R and judged.null.startswith('guess: fails')
+
+
+@pytest.mark.parametrize(
+  'groups, message',
+  [
+    ({'a': {'best_of': ['a'], 'metric': 'acc'}}, "group 'a' has the name of a variant"),
+    ({'g': {'best_of': ['a']}}, "group 'g' needs exactly 'best_of' .* and 'metric'"),
+    ({'g': {'best_of': [], 'metric': 'acc'}}, 'best_of=.* must list variants'),
+    ({'g': {'best_of': ['a', 'c'], 'metric': 'acc'}}, "group 'g' names variant 'c'"),
+  ],
+)
+def test_bad_groups_are_one_clear_error(groups, message):
+  with pytest.raises(ValueError, match=message):
+    verdicts.check_groups(groups, ['a', 'b'])

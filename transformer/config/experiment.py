@@ -138,13 +138,16 @@ class DataConfig:
   grammar_repeat: float = (
     0.0  # grammar: probability that an example is followed by a copy of itself
   )
-  recall_pairs: int = 16  # recall: key-value pairs per example (at most 26 distinct keys)
+  recall_pairs: int = 16  # recall: key-value pairs per example (distinct keys: <= recall_vocab)
   recall_gap: int = 64  # recall: filler tokens between the pairs and the queries
   recall_queries: int = 8  # recall: queried keys, each followed by its value (<= recall_pairs)
   recall_order: str = 'random'  # recall: query order, random (MQAR) | pairs (a fixed distance back)
   recall_filler: str = 'random'  # recall: filler digits random | constant (all '0')
   recall_loss: str = 'all'  # recall: tokens that carry loss, all | answers (Zoology's: the values)
-  recall_seed: int = 0  # recall: fixes the generated examples
+  recall_seed: int | None = 0  # recall: fixes the generated examples; None: the run's seed does
+  # recall: keys, and as many values; 26: a-z, A-Z; more: CJK (tokenizer char), distinct values
+  recall_vocab: int = 26
+  recall_disjoint: bool = False  # recall: drop the training examples that occur in the eval split
 
   def __post_init__(self):
     """Raises one ValueError naming the first knob no data source can work with, before any data

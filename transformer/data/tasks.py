@@ -153,8 +153,9 @@ def repeat_subset(train: list, fraction: float, subset: int, seed: int = 0) -> t
   return [examples[i] for i in order], info
 
 
-def _raw_data(cfg, family: str) -> tuple[str, Iterable, list, dict]:
-  """(kind, train examples, eval examples, info); kind 'pairs' or 'text'."""
+def _raw_data(cfg, family: str, seed: int) -> tuple[str, Iterable, list, dict]:
+  """(kind, train examples, eval examples, info); kind 'pairs' or 'text'. `seed` is the run's:
+  recall's data follow it when data.recall_seed is None."""
   task = cfg.task
   if task == 'numbers':
     train, evaluation, info = number_words.generate(cfg)
@@ -163,7 +164,7 @@ def _raw_data(cfg, family: str) -> tuple[str, Iterable, list, dict]:
     train, evaluation, info = grammar.generate(cfg)
     return 'text', train, evaluation, info
   if task == 'recall':
-    train, evaluation, info = recall.generate(cfg)
+    train, evaluation, info = recall.generate(cfg, seed)
     return 'text', train, evaluation, info
   if task in ('text', 'tsv'):
     columns = 1 if task == 'text' else 2
@@ -491,7 +492,7 @@ def _in_memory_task(
   """The task of examples held in memory: generated, TFDS, 'text' lines or 'tsv' pairs."""
   target_length = cfg.max_target_length if family == 'encoder_decoder' else cfg.max_length
 
-  kind, train_raw, eval_raw, task_info = _raw_data(cfg, family)
+  kind, train_raw, eval_raw, task_info = _raw_data(cfg, family, seed)
   if cfg.repeat_fraction:
     train_raw, repeated = repeat_subset(train_raw, cfg.repeat_fraction, int(cfg.repeat_subset))
     task_info = {**task_info, **repeated}
@@ -570,10 +571,10 @@ def _scored(cfg, family: str) -> tuple[int, ...] | None:
       f'recall_loss={cfg.recall_loss!r} scores answers of a causal LM; family={family!r} is not '
       "one; use recall_loss='all'"
     )
-  if cfg.tokenizer != 'byte':
+  if cfg.tokenizer not in ('byte', 'char'):
     raise ValueError(
       f'recall_loss={cfg.recall_loss!r} finds the answers by character offset and needs one '
-      f"token per character: data.tokenizer='byte', not {cfg.tokenizer!r}"
+      f"token per character: data.tokenizer='byte' or 'char', not {cfg.tokenizer!r}"
     )
   knobs = int(cfg.recall_pairs), int(cfg.recall_gap), int(cfg.recall_queries)
   return recall.scored_positions(*knobs)
