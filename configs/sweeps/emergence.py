@@ -4,7 +4,7 @@ jumps where a per-token measure of the same answers improves smoothly. Nine widt
 encoder-decoder, spanning about 200x in parameters (4.6k to 934k) and finer where exact match
 rises, scored four ways on the numbers task, with and without label smoothing."""
 
-# About 8 GPU minutes on one H200: 54 runs of 4000 steps (dispatch-bound at these widths).
+# About 12 GPU minutes on one H200: 54 runs of 4000 steps (dispatch-bound at these widths).
 GPU_SCALE = 4
 
 # d_model; 128 is configs/default.py itself. Exact match rises between 8 and 16, so the grid is
