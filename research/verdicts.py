@@ -86,9 +86,12 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   # between neighbours as a share of all the changes (the sum of their sizes): at_least_share
   # asks for a jump, at_most_share for a smooth curve; min_step: that change is also >= this;
   # expect_at: the variant the largest step leads to (e.g. the second: the first gain is largest).
+  # x: a recorded metric (e.g. 'params'); each change counts per e-fold of it, as if the variants
+  # were evenly spaced in log x. With >= 2 seeds, a share that its seeds' noise (2 pooled stds on
+  # the largest step) could carry across the threshold is inconclusive, a jump's or a smooth's.
   'largest_step': (
     ('metric', 'variants'),
-    ('at_least_share', 'at_most_share', 'min_step', 'expect_at'),
+    ('at_least_share', 'at_most_share', 'min_step', 'expect_at', 'x'),
   ),
   # every listed variant's mean is >= (at_least) or <= (at_most) `value`; every_seed=True: its
   # worst seed is (the minimum for at_least, the maximum for at_most).
@@ -320,6 +323,7 @@ def _missing(rule: Mapping, table: Table) -> Verdict | None:
   pairs = _compared(rule, table)
   if 'variants' in rule and rule['kind'] != 'fit_power_law':  # as listed, even when none are left
     pairs = [(v, rule['metric']) for v in rule['variants']]
+    pairs += [(v, rule['x']) for v in rule['variants'] if 'x' in rule]
   for variant, metric in pairs:
     if _values(table, variant, metric) is None:
       return Verdict(NOT_RUN, f'no recorded {metric} for variant {variant}', dict(rule))
@@ -446,39 +450,52 @@ def _ordering(rule: Mapping, table: Table) -> Verdict:
 
 
 def _largest_step(rule: Mapping, table: Table) -> Verdict:
-  """The largest change between neighbouring variants' means, as a share of the total variation.
+  """The largest change between neighbouring variants' means (per e-fold of rule['x'] if given),
+  as a share of the sum of all the changes' sizes.
 
-  A jump (at_least_share) within the seeds' noise (2 pooled stds) is inconclusive."""
+  The share's noise band moves the largest change by 2 pooled stds of its two ends: a threshold
+  inside the band is inconclusive, for at_least_share (a jump) and at_most_share (smooth) alike.
+  """
   metric, labels = rule['metric'], list(rule['variants'])
   stats = [mean_std(_values(table, v, metric)) for v in labels]
   means = np.array([m for m, _ in stats])
-  steps = np.diff(means)
+  widths = np.ones(len(labels) - 1)  # each step's width: 1, or its e-folds of x
+  if 'x' in rule:
+    widths = np.diff(np.log([mean_std(_values(table, v, rule['x']))[0] for v in labels]))
+    if not np.all(widths > 0):
+      raise ValueError(f"rule 'largest_step' needs {rule['x']} rising along {', '.join(labels)}")
+  steps = np.diff(means) / widths
   total = float(np.sum(np.abs(steps)))
   i = int(np.argmax(np.abs(steps)))
-  share = float(abs(steps[i]) / total) if total > 0 else math.nan
+  size = abs(float(steps[i]))
+  share = size / total if total > 0 else math.nan
+  per = f' per e-fold of {rule["x"]}' if 'x' in rule else ''
   shown = ', '.join(f'{label} {fmt(m, sd)}' for label, (m, sd) in zip(labels, stats))
   text = (
-    f'{metric}: {shown}; largest step {labels[i]} -> {labels[i + 1]} {steps[i]:+.4g}, '
+    f'{metric}: {shown}; largest step{per} {labels[i]} -> {labels[i + 1]} {steps[i]:+.4g}, '
     f'{fmt(share)} of the total change {fmt(total)}'
   )
   numbers = {'share': share, 'step': float(steps[i]), 'total': total, 'at': labels[i + 1]}
   if not total > 0:
     return Verdict(INCONCLUSIVE, text + ' (the metric does not change)', dict(rule), numbers)
-  ok = True
+  noise = 2.0 * math.sqrt((stats[i][1] ** 2 + stats[i + 1][1] ** 2) / 2) / widths[i]
+  low = (size - noise) / (total - noise) if size > noise else 0.0
+  high = (size + noise) / (total + noise) if math.isfinite(noise) else 1.0
+  held, unsure = True, False  # the share against its thresholds, and whether noise could flip it
   if 'at_least_share' in rule:
-    ok &= share >= float(rule['at_least_share'])
+    held &= share >= float(rule['at_least_share'])
+    unsure |= low < float(rule['at_least_share']) <= high
   if 'at_most_share' in rule:
-    ok &= share <= float(rule['at_most_share'])
-  if 'min_step' in rule:
-    ok &= abs(steps[i]) >= float(rule['min_step'])
+    held &= share <= float(rule['at_most_share'])
+    unsure |= low <= float(rule['at_most_share']) < high
+  fixed = abs(means[i + 1] - means[i]) >= float(rule.get('min_step', 0.0))
   if 'expect_at' in rule:
-    ok &= labels[i + 1] == rule['expect_at']
+    fixed &= labels[i + 1] == rule['expect_at']
     text += f' (expected at {rule["expect_at"]})'
-  noise = 2.0 * math.sqrt((stats[i][1] ** 2 + stats[i + 1][1] ** 2) / 2)
-  if ok and 'at_least_share' in rule and abs(steps[i]) <= noise:
-    text += f"; within the seeds' noise (2 pooled std = {fmt(noise)})"
+  if fixed and unsure:
+    text += f"; within the seeds' noise: the share is {fmt(low)} to {fmt(high)} (2 pooled std)"
     return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
-  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+  return Verdict(REPRODUCED if fixed and held else NOT_REPRODUCED, text, dict(rule), numbers)
 
 
 def _monotone(rule: Mapping, table: Table) -> Verdict:
@@ -770,7 +787,11 @@ def on_null(rule: Mapping[str, Any], table: Table, null: Mapping[str, Any]) -> V
   ):
     return None
   plain = {k: v for k, v in rule.items() if k not in ('chance', 'chance_tolerance', 'requires')}
-  verdict = evaluate(plain, {v: {m: [x] for m, x in row.items()} for v, row in values.items()})
+  nulled = {v: {m: [x] for m, x in row.items()} for v, row in values.items()}
+  if 'x' in rule:  # the spacing (a model's size, say) is the variant's, not the null's
+    for variant in rule['variants']:
+      nulled.setdefault(variant, {})[rule['x']] = _values(table, variant, rule['x'])
+  verdict = evaluate(plain, nulled)
   return None if verdict.status == NOT_RUN else verdict
 
 

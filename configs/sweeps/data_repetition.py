@@ -1,7 +1,7 @@
 """Claim (seed §5.2; Hernandez et al. 2022): piling on parameters without better data soon hits a
 ceiling, and cleaning and deduplicating the data matters: a small share of repeated data hurts
 well beyond its share. GPTs on the grammar corpus with 0-50% of the training examples drawn from
-100 repeated ones, a control that sees the same unique data spread evenly, and four widths on a
+100 repeated ones, controls that see the same unique data spread evenly, and four widths on a
 fixed small set of unique examples."""
 
 # About 4 GPU minutes on one H200: 27 runs of 1200 steps (dispatch-bound at these widths).
@@ -21,9 +21,11 @@ def get_sweep(scale: int = 1) -> dict:
     f'rep{round(100 * f)}': {'data.num_train_examples': examples, 'data.repeat_fraction': f}
     for f in _FRACTIONS
   }
-  # The unique examples that rep50 sees once, seen twice each instead: same steps, same unique
-  # data, the repetition spread evenly rather than piled on 100 examples.
-  variants['even50'] = {'data.num_train_examples': examples // 2}
+  # evenN: the unique examples that repN sees once, alone, for the same steps: the same unique
+  # data (grammar draws its examples in order, so the first k of n are those of k), with the
+  # repetition spread evenly: each seen 1/(1 - N%) times on average (10%: 1.11, 50%: 2).
+  for f in _FRACTIONS[1:]:
+    variants[f'even{round(100 * f)}'] = {'data.num_train_examples': round((1 - f) * examples)}
   for w in _WIDTHS:
     variants[f'size{w}'] = {
       'data.num_train_examples': examples // 15,  # 2000: about 15 passes, the data is the limit
@@ -41,10 +43,12 @@ def get_sweep(scale: int = 1) -> dict:
     dict(kind='ordering', metric='eval.loss', variants=fractions, direction='increasing',
          requires=[trains],
          text='the eval loss rises with the share of repeated examples, step by step'),
-    dict(kind='greater', metric='eval.loss', a='rep50', b='even50', margin_std=2.0,
-         requires=[trains],
-         text='piled-on repetition hurts beyond the unique data it displaces: rep50 ends worse '
-              'than even50, which saw the same unique examples twice each'),
+    *[dict(kind='greater', metric='eval.loss', a=f'rep{n}', b=f'even{n}', margin_std=2.0,
+           requires=[trains],
+           text=f'piled-on repetition hurts beyond the unique data it displaces: rep{n} ends '
+                f'worse than even{n}, which saw the same unique examples {1 / (1 - n / 100):.2g} '
+                'times each on average')
+      for n in (10, 30, 50)],
     dict(kind='largest_step', metric='eval.loss', variants=sizes, expect_at='size32',
          at_least_share=0.5,
          text='at a fixed budget of unique data, the first doubling of width gains the most, '
@@ -53,16 +57,18 @@ def get_sweep(scale: int = 1) -> dict:
   return dict(
     name='data_repetition',
     claim='Repeated data hurts beyond its share: the eval loss on fresh data rises with the share '
-    'of training examples drawn from a small repeated subset, and with half the examples drawn '
-    'from it, a model ends worse than one that saw the same unique examples twice each. At a '
+    'of training examples drawn from a small repeated subset, and at each share (10, 30 and '
+    '50%) a model ends worse than one that saw the same unique examples, repeated evenly. At a '
     'fixed budget of unique data, a larger model gains less and less.',
     description=f'CausalLM 2 layers (gpt_tiny), d_model 64, grammar task, {steps} steps of 16 '
     'packed rows of 64 tokens (AdamW 3e-3, warmup then cosine). repN: '
     f'{examples} training examples (about one pass), N% of them copies of {_SUBSET} examples '
     '(data.repeat_fraction, data.repeat_subset: rep50 sees each of them about '
-    f'{examples // 2 // _SUBSET} times and {examples // 2} distinct others once). even50: the '
-    f'{examples // 2} distinct examples alone, about two passes: the unique data of rep50, '
-    f'repeated evenly. sizeW: d_model W ({", ".join(map(str, _WIDTHS))}; d_ff 4W, heads of 16) '
+    f'{examples // 2 // _SUBSET} times and {examples // 2} distinct others once). evenN: the '
+    'distinct examples that repN sees once, alone, for the same steps (even10, even30, even50: '
+    f'{round(0.9 * examples)}, {round(0.7 * examples)}, {examples // 2} examples, about 1.11, '
+    '1.43 and 2 passes): the unique data of repN, repeated evenly. sizeW: d_model W '
+    f'({", ".join(map(str, _WIDTHS))}; d_ff 4W, heads of 16) '
     f'on {examples // 15} unique examples for the same {steps} steps (about 15 passes), so the '
     'data, not the parameters, is the limit. eval.loss is on fresh documents of the same chain '
     '(its entropy floor is 1.54 nats, its unigram loss 4.43).',

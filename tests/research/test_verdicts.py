@@ -356,6 +356,46 @@ def test_largest_step_tells_a_jump_from_a_smooth_curve():
     verdicts.check_rule({**first, 'expect_at': 's1'})
 
 
+def test_largest_step_per_e_fold_and_its_noise_band_judge_a_jump_and_a_smooth_curve_alike():
+  sizes = ['s1', 's2', 's3', 's4', 's5']
+  smooth = dict(kind='largest_step', metric='nll', variants=sizes, at_most_share=0.4)
+  jump = dict(kind='largest_step', metric='nll', variants=sizes, at_least_share=0.5)
+
+  def table(means, noise=0.01, params=(1, 2, 4, 8, 64)):
+    return {
+      v: {'nll': [m - noise, m, m + noise], 'params': [p] * 3}
+      for v, m, p in zip(sizes, means, params)
+    }
+
+  # Linear in log params on a grid whose last step spans 3 doublings: the raw steps 1, 1, 1, 3
+  # put half the change in the last; per e-fold every step is ln 2 and the share is 1/4.
+  line = table([6.0, 5.0, 4.0, 3.0, 0.0])
+  assert verdicts.evaluate(smooth, line).numbers['share'] == pytest.approx(0.5)
+  assert verdicts.evaluate(smooth, line).status == N
+  per_e_fold = verdicts.evaluate({**smooth, 'x': 'params'}, line)
+  assert per_e_fold.status == R and per_e_fold.numbers['share'] == pytest.approx(0.25)
+  assert per_e_fold.numbers['step'] == pytest.approx(-1 / math.log(2))
+  # Steps 0.2, 0.2, 1.0, 0.2 (share 0.625) on an even grid: a clear jump, a clear failed smooth.
+  means = [2.0, 1.8, 1.6, 0.6, 0.4]
+  even = (1, 2, 4, 8, 16)
+  assert verdicts.evaluate(jump, table(means, params=even)).status == R
+  smooth_half = {**smooth, 'at_most_share': 0.5}
+  assert verdicts.evaluate(smooth_half, table(means, params=even)).status == N
+  # Std 0.25 per size: the step moved by 2 pooled std (0.5) gives shares 0.5/1.1 to 1.5/2.1,
+  # across 0.5: neither the jump nor the failed smooth is judged.
+  noisy = table(means, noise=0.25, params=even)
+  for rule in (jump, smooth_half):
+    verdict = verdicts.evaluate(rule, noisy)
+    assert verdict.status == I and "within the seeds' noise: the share is 0.4545 to" in verdict.text
+  # Std 0.15: shares 0.7/1.3 = 0.54 to 0.68, clear of 0.5 again.
+  assert verdicts.evaluate(smooth_half, table(means, noise=0.15, params=even)).status == N
+  # Without the x metric the rule is not run; a null is judged on the variants' own spacing.
+  assert verdicts.evaluate({**smooth, 'x': 'flops'}, line).status == X
+  null = dict(name='flat', reason='r', values={v: {'nll': 1.0} for v in sizes})
+  _, [verdict] = verdicts.judge([{**jump, 'x': 'params'}], table(means, params=even), nulls=[null])
+  assert verdict.status == R and 'flat: inconclusive' in verdict.null
+
+
 def test_a_null_as_recorded_takes_the_runs_own_values_measured_before_training():
   # Measured at step 0, an init's statistics are what an untrained model scores: an ordering of
   # them follows from the init's definition.
