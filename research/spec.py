@@ -14,7 +14,8 @@ from typing import Any
 
 import ml_collections
 
-from research import measures, nulls, report, verdicts
+from research import measures, nulls, report
+from research import rules as rules_lib
 from transformer.config.experiment import Config
 from transformer.training import optim
 from transformer.training.state import optim_config
@@ -44,7 +45,7 @@ class Sweep:
     variants: variant name -> {dotted config key: value}; names become directory names.
     overrides: {dotted key: value} applied to every variant first.
     metrics: the metrics compared in the report (e.g. 'eval.loss', 'train.nll', measure keys).
-    rules: the verdict rules (`research.verdicts.KINDS`); the claim holds if all hold.
+    rules: the verdict rules (`research.rules.KINDS`); the claim holds if all hold.
     preconditions: rules with a `name` that must hold for the rules to count, such as "full
       attention learns the task"; a rule that `requires` a failed one (or any, when it lists
       none) is inconclusive at this budget. Their metrics must be among `metrics`.
@@ -329,12 +330,12 @@ def check_sweep(sweep: Sweep) -> None:
     config = resolve_config(sweep, name)
     experiment = Config.from_configdict(config)  # every knob, the model's included
     optim.make_schedule(optim_config(config, experiment.model))
-  verdicts.check_groups(sweep.groups, sweep.all_variants)
+  rules_lib.check_groups(sweep.groups, sweep.all_variants)
   named = [*sweep.all_variants, *sweep.groups]  # what rules, nulls and plots may compare
   for rule in sweep.rules:
-    verdicts.check_rule(rule, named)
-  verdicts.check_preconditions(sweep.preconditions, sweep.rules, named, list(sweep.metrics))
-  read = [*sweep.metrics, *(m for r in sweep.rules for m in verdicts.rule_metrics(r))]
+    rules_lib.check_rule(rule, named)
+  rules_lib.check_preconditions(sweep.preconditions, sweep.rules, named, list(sweep.metrics))
+  read = [*sweep.metrics, *(m for r in sweep.rules for m in rules_lib.rule_metrics(r))]
   nulls.check_nulls(sweep.nulls, [*sweep.rules, *sweep.preconditions], named, read)
   if sweep.measure is not None:
     resolve_measure(sweep)

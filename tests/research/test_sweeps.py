@@ -11,6 +11,7 @@ import pytest
 
 from research import report, spec, sweeps, verdicts
 from research import results as results_lib
+from research import rules as rules_lib
 
 _TINY_SWEEP = """
 def get_sweep(scale):
@@ -377,11 +378,11 @@ def test_overall_status_and_rule_checks():
   assert verdicts.overall([make(R), make(X)]) == R
   assert verdicts.overall([make(R), make(N)]) == N
   with pytest.raises(ValueError, match="rule kind='lesser' is not valid; choose one of less"):
-    verdicts.check_rule({'kind': 'lesser'})
+    rules_lib.check_rule({'kind': 'lesser'})
   with pytest.raises(ValueError, match="needs the key 'b'"):
-    verdicts.check_rule({'kind': 'less', 'metric': 'm', 'a': 'x'})
+    rules_lib.check_rule({'kind': 'less', 'metric': 'm', 'a': 'x'})
   with pytest.raises(ValueError, match="unknown key 'margin'"):
-    verdicts.check_rule({'kind': 'less', 'metric': 'm', 'a': 'x', 'b': 'y', 'margin': 1})
+    rules_lib.check_rule({'kind': 'less', 'metric': 'm', 'a': 'x', 'b': 'y', 'margin': 1})
 
 
 def test_a_claim_that_fails_one_rule_still_names_the_rules_that_held():

@@ -10,6 +10,7 @@ import pytest
 
 from research import nulls, verdicts
 from research import results as results_lib
+from research import rules as rules_lib
 
 R, N, X = verdicts.REPRODUCED, verdicts.NOT_REPRODUCED, verdicts.NOT_RUN
 I = verdicts.INCONCLUSIVE  # noqa: E741
@@ -115,7 +116,7 @@ def test_power_law_with_a_free_floor_finds_it():
   assert free.numbers['slope'] == pytest.approx(-0.45, abs=0.02)
   assert 'E fitted = 1.54' in free.text
   with pytest.raises(ValueError, match="floor='x' must be a number or 'free'"):
-    verdicts.check_rule({**rule, 'floor': 'x'})
+    rules_lib.check_rule({**rule, 'floor': 'x'})
 
 
 def test_a_flat_loss_is_no_falling_power_law():
@@ -166,7 +167,7 @@ def test_where_drops_failing_variants_from_lists():
   assert verdicts.evaluate({**worst, 'where': where}, table).status == N  # no longer among them
   for bad in ({'metric': 'learned_early'}, {'metric': 'm', 'value': 'yes'}, ['m', 1]):
     with pytest.raises(ValueError, match='must be'):
-      verdicts.check_rule({**rule, 'where': bad})
+      rules_lib.check_rule({**rule, 'where': bad})
 
 
 # Inconclusive verdicts -------------------------------------------------------------------------
@@ -310,7 +311,7 @@ def test_a_failed_precondition_makes_the_rules_that_need_it_inconclusive():
 def test_preconditions_are_checked_before_any_work():
   rules = [dict(kind='less', metric='loss', a='a', b='b', requires=['learns'])]
   ok = dict(name='learns', kind='at_least', metric='acc', variants=['a'], value=0.9)
-  verdicts.check_preconditions([ok], rules, ['a', 'b'], ['acc', 'loss'])
+  rules_lib.check_preconditions([ok], rules, ['a', 'b'], ['acc', 'loss'])
   cases = [
     ([{**ok, 'name': None}], rules, 'needs a name'),
     ([ok, ok], rules, "two preconditions are named 'learns'"),
@@ -321,7 +322,7 @@ def test_preconditions_are_checked_before_any_work():
   ]
   for pre, rs, message in cases:
     with pytest.raises(ValueError, match=message):
-      verdicts.check_preconditions(pre, rs, ['a', 'b'], ['acc', 'loss'])
+      rules_lib.check_preconditions(pre, rs, ['a', 'b'], ['acc', 'loss'])
 
 
 def test_largest_step_tells_a_jump_from_a_smooth_curve():
@@ -351,9 +352,9 @@ def test_largest_step_tells_a_jump_from_a_smooth_curve():
   assert verdicts.evaluate(first, table('nll', [3.0, 2.0, 1.6, 1.5, 1.45])).status == R
   assert verdicts.evaluate(first, table('nll', [3.0, 2.8, 1.6, 1.5, 1.45])).status == N
   with pytest.raises(ValueError, match='needs at_least_share, at_most_share or expect_at'):
-    verdicts.check_rule(dict(kind='largest_step', metric='exact', variants=sizes))
+    rules_lib.check_rule(dict(kind='largest_step', metric='exact', variants=sizes))
   with pytest.raises(ValueError, match="expect_at='s1'; a step leads to one of s2, s3"):
-    verdicts.check_rule({**first, 'expect_at': 's1'})
+    rules_lib.check_rule({**first, 'expect_at': 's1'})
 
 
 def test_largest_step_per_e_fold_and_its_noise_band_judge_a_jump_and_a_smooth_curve_alike():
@@ -458,4 +459,4 @@ def test_a_group_stands_for_its_member_with_the_best_mean():
 )
 def test_bad_groups_are_one_clear_error(groups, message):
   with pytest.raises(ValueError, match=message):
-    verdicts.check_groups(groups, ['a', 'b'])
+    rules_lib.check_groups(groups, ['a', 'b'])
