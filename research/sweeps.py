@@ -430,8 +430,7 @@ def regenerate(
 
 def rejudge(workdir: str, allow_dirty: bool = False) -> str:
   """Replaces the claim, description, compared metrics, rules, preconditions, nulls, groups and
-  plots in
-  sweep.json by those its sweep file states now, and records the revision they come from
+  plots in sweep.json by those its sweep file states now, and records the revision they come from
   (`rules_revision`): the recorded numbers stay as they were run; only the judging (and the words)
   change. Returns that revision.
 

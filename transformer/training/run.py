@@ -159,12 +159,18 @@ class Run:
   def _scores(self, params, batches: list[dict]) -> dict[str, float]:
     """Loss, accuracy and perplexity summed over `batches`, then divided by their weight."""
     totals: dict[str, float] = {}
+
+    def add_oldest():
+      for k, v in jax.device_get(queued.popleft()).items():
+        totals[k] = totals.get(k, 0.0) + float(v)
+
     queued = collections.deque()  # a few steps in flight: the next batch is placed while one runs
-    for i, batch in enumerate(batches):
+    for batch in batches:
       queued.append(self.eval_step(params, self.place(batch)))
-      while queued and (len(queued) > _EVAL_IN_FLIGHT or i == len(batches) - 1):
-        for k, v in jax.device_get(queued.popleft()).items():
-          totals[k] = totals.get(k, 0.0) + float(v)
+      if len(queued) > _EVAL_IN_FLIGHT:
+        add_oldest()
+    while queued:
+      add_oldest()
     metrics = objectives.summarize(totals)
     metrics.pop('nll')
     return metrics
