@@ -21,6 +21,7 @@ import numpy as np
 from bench.timing import synthetic_batch
 from research import inspection as inspect_lib
 from transformer import data
+from transformer.data import grammar as grammar_lib
 from transformer.data import number_words as numbers_lib
 from transformer.model import hooks, models, objectives
 from transformer.training.run import Run
@@ -333,9 +334,7 @@ def generation(ctx, examples: int = 64, new_tokens: int = 24) -> dict[str, Any]:
       f'generation needs data.task=grammar (the true grammar scores it), not {run.task.name!r}'
     )
   d = ctx.config.data
-  grammar = data.make_grammar(
-    int(d.grammar_seed), int(d.grammar_words), int(d.get('grammar_successors', 0))
-  )
+  grammar = grammar_lib.from_config(d)
   tok, family = run.task.tokenizer, run.family
   pairs = run.task.eval_examples(examples)
   prompts = [[data.BOS_ID] + tok.encode(p)[: ctx.config.data.max_length // 2] for p, _ in pairs]

@@ -257,6 +257,9 @@ def grammar_held_out(ctx, examples: int = 64) -> dict[str, float]:
     ood.seen_prob / ood.held_out_prob: the mean probability the model gives the next word (the
       product of its tokens' probabilities); ood.chain_seen_prob / ood.chain_held_out_prob: the
       chain's, P[prev, next].
+    ood.unigram_nll_* / ood.unigram_*_prob: the same for the best model that ignores the
+      previous word (the chain's stationary probability of the next word): what a model that
+      learned word frequencies but no transitions scores on the same transitions.
     ood.transitions_seen / ood.transitions_held_out: how many were scored; ood.holdout: the
       share of the chain's word transitions held out. NaN where none were scored.
   """
@@ -270,9 +273,7 @@ def grammar_held_out(ctx, examples: int = 64) -> dict[str, float]:
     )
   if not dcfg.get('grammar_holdout', 0.0):
     raise ValueError('grammar_held_out needs data.grammar_holdout > 0 (transitions to hold out)')
-  grammar = data.make_grammar(
-    int(dcfg.grammar_seed), int(dcfg.grammar_words), int(dcfg.get('grammar_successors', 0))
-  )
+  grammar = grammar_lib.from_config(dcfg)
   run, params = ctx.load()
   held = run.task.info.get('held_out_transitions')
   if held is None:  # the same pick as the run's, from the config
@@ -297,9 +298,11 @@ def grammar_held_out(ctx, examples: int = 64) -> dict[str, float]:
     return {'skipped': 'no eval document maps back onto characters'}
   batch = _batch('causal_lm', rows, {'': length}, tok.vocab_size)
   nll = np.asarray(jax.device_get(_token_scores(run.model, run.family, params, batch)[0]))
-  # kind -> sums of [transitions, tokens, model nll, chain nll, model p, chain p]
-  sums = {'seen': np.zeros(6), 'held_out': np.zeros(6)}
+  # kind -> sums of [transitions, tokens, model nll, chain nll, model p, chain p, unigram nll,
+  # unigram p]
+  sums = {'seen': np.zeros(8), 'held_out': np.zeros(8)}
   words = grammar.period  # states below this are words
+  unigram = grammar.stationary()  # [V+2] the best prediction that ignores the previous word
   for b, (states, owners, mixed) in enumerate(owned):
     owners = np.asarray(owners)
     for k in range(1, len(states)):
@@ -311,9 +314,12 @@ def grammar_held_out(ctx, examples: int = 64) -> dict[str, float]:
         continue
       word_nll, chain_p = float(nll[b, mine].sum()), float(grammar.transitions[prev, nxt])
       kind = 'held_out' if (prev, nxt) in held else 'seen'
-      sums[kind] += [1, len(mine), word_nll, -math.log(chain_p), math.exp(-word_nll), chain_p]
+      sums[kind] += [
+        *(1, len(mine), word_nll, -math.log(chain_p), math.exp(-word_nll), chain_p),
+        *(-math.log(unigram[nxt]), unigram[nxt]),
+      ]
   out = {'ood.holdout': len(held) / len(grammar_lib.word_transitions(grammar))}
-  for kind, (count, tokens, model_nll, chain_nll, p, chain_p) in sums.items():
+  for kind, (count, tokens, model_nll, chain_nll, p, chain_p, uni_nll, uni_p) in sums.items():
     per = lambda x, n: float(x / n) if n else math.nan
     out[f'ood.transitions_{kind}'] = float(count)
     out[f'ood.loss_{kind}'] = per(model_nll, tokens)
@@ -321,4 +327,6 @@ def grammar_held_out(ctx, examples: int = 64) -> dict[str, float]:
     out[f'ood.excess_{kind}'] = per(model_nll - chain_nll, tokens)
     out[f'ood.{kind}_prob'] = per(p, count)
     out[f'ood.chain_{kind}_prob'] = per(chain_p, count)
+    out[f'ood.unigram_nll_{kind}'] = per(uni_nll, tokens)
+    out[f'ood.unigram_{kind}_prob'] = per(uni_p, count)
   return out

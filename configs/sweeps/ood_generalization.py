@@ -1,7 +1,12 @@
 """Claim (seed §6.2): Transformers match patterns from their training distribution and fail
 outside it. An encoder-decoder that spells numbers of up to 4 digits well fails on 5 and 6 digits
 under every position scheme; a grammar LM gives word transitions it never saw in training far
-less probability than the true chain does (research/ood.py)."""
+less probability than the true chain does (research/ood.py).
+
+Two positive controls tell "fails out of distribution" from "cannot generalise at all": the
+same numbers model trained on 1-4 and 6 digits, tested on 5 (every 5-digit pattern occurs
+inside 6-digit numbers), and the grammar LM on a chain whose held-out transitions its training
+data predicts (word classes that share one next-word row)."""
 
 # --scale of the one-GPU run (an estimate, not measured: 15 runs of 4x the steps at d_model 128,
 # about 6 min on one H200).
@@ -10,6 +15,8 @@ GPU_SCALE = 4
 _POSITIONS = ('sinusoidal', 'learned', 'rope', 'alibi')  # every scheme an encoder-decoder runs
 _DIGITS = (4, 5, 6)  # in range (held-out numbers), then one and two digits past training
 _HOLDOUT = 0.2  # the share of the grammar's word transitions kept out of training
+_CLASSES = 16  # grammar_classes: 16 classes of 16 words, each class followed by 16 words
+_GAP = 'rope_skip5'  # the numbers control: trained on 1-4 and 6 digits, tested on 5
 
 
 def measure(ctx, digits=_DIGITS, examples: int = 64) -> dict:
@@ -64,12 +71,66 @@ def get_sweep(scale: int = 1) -> dict:
          text='grammar: it gives a held-out next word less probability than the chain does',
          **needs),
   ]  # fmt: skip
+  grammar = {
+    'model.family': 'causal_lm',
+    'model.dropout_rate': 0.0,
+    'data.task': 'grammar',
+    'data.grammar_holdout': _HOLDOUT,
+    'data.vocab_size': 512,
+    'data.pack': True,
+    'data.max_length': 64,
+    'data.batch_size': 16,
+    'data.num_eval_examples': 500,
+    'train.label_smoothing': 0.0,  # probabilities as the model believes them
+    'train.steps': grammar_steps,
+    'train.eval_every': grammar_steps,
+    'train.checkpoint_every': grammar_steps,
+  }
+  # Positive controls: rules that a model that cannot generalise fails.
+  spells = lambda d: dict(
+    name=f'{_GAP} spells {d}-digit numbers', kind='at_least', metric=f'ood.exact@{d}',
+    variants=[_GAP], value=0.8, every_seed=True,
+    text=f'{_GAP}: exact match >= 0.8 on held-out {d}-digit numbers (a length it trained on), '
+    'at every seed',
+  )  # fmt: skip
+  needs = {'requires': [f'{_GAP} spells 4-digit numbers', f'{_GAP} spells 6-digit numbers']}
+  rules += [
+    dict(kind='at_least', metric='ood.exact@5', variants=[_GAP], value=0.5, every_seed=True,
+         text=f'{_GAP}: exact match >= 0.5 on 5-digit numbers, the length between those it '
+         'trained on, at every seed', **needs),
+    dict(kind='greater', metric='ood.exact@5', a=_GAP, b='rope', margin_std=2.0,
+         text=f'{_GAP} spells 5-digit numbers better than rope, trained on 1-4 digits only',
+         **needs),
+  ]  # fmt: skip
+  fits_classes = dict(
+    name='grammar_classes fits the seen transitions', kind='at_most', metric='ood.excess_seen',
+    variants=['grammar_classes'], value=0.5, every_seed=True,
+    text='grammar_classes: on transitions seen in training, its loss is within 0.5 nats/token '
+    "of the chain's own, at every seed",
+  )  # fmt: skip
+  needs = {'requires': ['grammar_classes fits the seen transitions']}
+  pair = dict(a='grammar_classes', b='grammar_classes', metric='ood.loss_held_out')
+  rules += [
+    dict(kind='less', metric_b='ood.unigram_nll_held_out', margin_std=2.0,
+         text='grammar_classes: its loss on held-out transitions is below that of the best '
+         'model that ignores the previous word (it uses the word it never saw them after)',
+         **pair, **needs),
+    dict(kind='close', metric_b='ood.chain_nll_held_out', tolerance=1.0,
+         text='grammar_classes: its loss on held-out transitions is within 1 nat/token of the '
+         "chain's own on them (twice the 0.5 asked of seen ones)", **pair, **needs),
+    dict(kind='ratio_between', metric='ood.held_out_prob', metric_b='ood.chain_held_out_prob',
+         a='grammar_classes', b='grammar_classes', low=0.5, high=1e6,
+         text='grammar_classes: it gives a held-out next word at least half the probability '
+         'the chain gives it (on average): it predicts the transition from the classmates that '
+         'showed it', **needs),
+  ]  # fmt: skip
   return dict(
     name='ood_generalization',
     claim='A Transformer matches the patterns of its training distribution and fails outside '
     'it: trained on numbers of up to 4 digits it spells held-out 4-digit numbers but not 5- or '
     '6-digit ones, whatever its position scheme; and a language model gives word transitions '
-    'it never saw far less probability than the true grammar does.',
+    'it never saw far less probability than the true grammar does. Positive controls: it does '
+    'reach lengths and transitions that its training data determine.',
     description=f'Numbers: EncoderDecoder 2+2 layers, d_model {width}, numbers task with '
     'numbers_max=9999 (training numbers of 1-4 digits, each digit count equally common), '
     f'{steps} steps of 64 rows (warmup to 3e-3, cosine to 0), one variant per position scheme '
@@ -87,11 +148,25 @@ def get_sweep(scale: int = 1) -> dict:
     'documents by all of its tokens: ood.loss_seen / ood.loss_held_out per token against the '
     "chain's own -log P(next | word) per the same tokens (ood.chain_nll_*), and the mean "
     'probability the model gives a held-out next word (ood.held_out_prob) against the '
-    "chain's (ood.chain_held_out_prob). Budget trials (seed 0, 2 CPU cores): alibi, 500 steps "
+    "chain's (ood.chain_held_out_prob), and the same for the best model that ignores the "
+    'previous word (the stationary probability of the next word: ood.unigram_*). Controls: '
+    f'{_GAP} is rope trained on numbers of 1-4 and 6 digits (data.numbers_max=999999, '
+    'data.numbers_skip_digits=5: no 5-digit number in either split) for 1000 steps, as '
+    'configs/default.py trains numbers of up to 6 digits; every 5-digit spelling ("seventy '
+    'seven thousand three hundred two") occurs inside 6-digit ones, so 5 digits is a length '
+    'between two it trained on. RoPE: relative positions see a pattern shifted by a few '
+    'tokens as the same pattern, and rope got furthest into 5-digit answers above. '
+    f'grammar_classes is the grammar arm on a chain with data.grammar_classes={_CLASSES}: its '
+    '256 words fall into 16 classes whose words share one next-word row (16 next words a '
+    "class), and the same 20% holdout keeps, for each held-out a -> b, a classmate a' of a "
+    "with a' -> b in training: the held-out transitions are predictable from training data. "
+    'Budget trials (seed 0, 2 CPU cores): alibi, 500 steps '
     'with rows of 8/16 tokens, trained in 83 s (measure 12 s): exact match 1.0 at 4 digits, 0.0 '
     'at 5 and 6 (it writes "five thousand eight hundred sixty one" for 58361); grammar, 400 '
     'steps in 30 s (measure 3 s): loss 1.58 nats/token on seen transitions (chain 1.24) and '
-    '10.3 on held-out ones (chain 1.07), held-out words at probability 1e-4 (chain 0.34).',
+    '10.3 on held-out ones (chain 1.07), held-out words at probability 1e-4 (chain 0.34); '
+    f'{_GAP}, 1000 steps in 72 s: exact match 1.0 at 4 and 6 digits, 0.0 at 5; '
+    'grammar_classes, 400 steps in 21 s.',
     base='configs/default.py',
     overrides={
       'model.d_model': width,
@@ -109,21 +184,19 @@ def get_sweep(scale: int = 1) -> dict:
     },
     variants={
       **{p: {'model.position': p} for p in _POSITIONS},
-      'grammar': {
-        'model.family': 'causal_lm',
-        'model.dropout_rate': 0.0,
-        'data.task': 'grammar',
-        'data.grammar_holdout': _HOLDOUT,
-        'data.vocab_size': 512,
-        'data.pack': True,
-        'data.max_length': 64,
-        'data.batch_size': 16,
-        'data.num_eval_examples': 500,
-        'train.label_smoothing': 0.0,  # probabilities as the model believes them
-        'train.steps': grammar_steps,
-        'train.eval_every': grammar_steps,
-        'train.checkpoint_every': grammar_steps,
+      _GAP: {
+        'model.position': 'rope',
+        'data.numbers_max': 999_999,
+        'data.numbers_skip_digits': 5,
+        # Up to 6 digits: at most 6 + 1 source and 9 target tokens, each + eos.
+        'data.max_source_length': 8,
+        'data.max_target_length': 10,
+        'train.steps': 2 * steps,
+        'train.eval_every': 2 * steps,
+        'train.checkpoint_every': 2 * steps,
       },
+      'grammar': grammar,
+      'grammar_classes': {**grammar, 'data.grammar_classes': _CLASSES},
     },
     measure='measure',
     measure_args={'digits': list(_DIGITS), 'examples': 64},
@@ -137,14 +210,16 @@ def get_sweep(scale: int = 1) -> dict:
       'ood.excess_seen',
       'ood.held_out_prob',
       'ood.chain_held_out_prob',
+      'ood.unigram_nll_held_out',
+      'ood.unigram_held_out_prob',
     ],  # fmt: skip
-    preconditions=[*[learns(p) for p in _POSITIONS], fits],
+    preconditions=[*[learns(p) for p in _POSITIONS], fits, spells(4), spells(6), fits_classes],
     nulls=[
       dict(
         name='untrained',
         reason='a model that learned nothing spells no number exactly: '
         'exact match 0 at every length (an analytic value)',
-        values={p: {f'ood.exact@{d}': 0.0 for d in _DIGITS[1:]} for p in _POSITIONS},
+        values={p: {f'ood.exact@{d}': 0.0 for d in _DIGITS[1:]} for p in (*_POSITIONS, _GAP)},
       ),
       dict(
         name='training chain',
@@ -153,10 +228,29 @@ def get_sweep(scale: int = 1) -> dict:
         'probability 1e-9, a loss of ln(1e9) = 20.7 nats, and fits the seen ones as the runs '
         "did; the true chain's own numbers are the task's, as recorded",
         values={
-          'grammar': {
+          name: {
             'ood.loss_held_out': 20.7,
             'ood.held_out_prob': 1e-9,
             'ood.loss_seen': 'as recorded',
+            'ood.chain_nll_held_out': 'as recorded',
+            'ood.chain_held_out_prob': 'as recorded',
+            **({'ood.unigram_nll_held_out': 'as recorded'} if name != 'grammar' else {}),
+          }
+          for name in ('grammar', 'grammar_classes')
+        },
+      ),
+      dict(
+        name='word frequencies',
+        reason='a model that learned how often each word occurs but not what follows what '
+        "(the chain's stationary distribution, the best prediction without the previous "
+        'word) gives each held-out next word its stationary probability: '
+        'ood.unigram_nll_held_out and ood.unigram_held_out_prob, which the measure computes '
+        'on the same transitions and tokens',
+        values={
+          'grammar_classes': {
+            'ood.loss_held_out': 'as recorded: ood.unigram_nll_held_out',
+            'ood.held_out_prob': 'as recorded: ood.unigram_held_out_prob',
+            'ood.unigram_nll_held_out': 'as recorded',
             'ood.chain_nll_held_out': 'as recorded',
             'ood.chain_held_out_prob': 'as recorded',
           }

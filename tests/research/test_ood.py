@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import transformer
-from research import ood
+from research import ood, spec, verdicts
 from research.sweeps import MeasureContext
 from transformer import data
 from transformer.data import grammar
@@ -125,15 +125,19 @@ def test_token_owners_give_spaces_to_the_next_word_and_flag_shared_tokens():
   assert owners == [0, -1, 3] and mixed == {1, 2}
 
 
-def _grammar_config(tiny_config):
+def _grammar_config(tiny_config, classes=0):
   config = tiny_config('causal_lm')
   config.data.update(grammar_holdout=0.2, max_length=128, num_eval_examples=32)
+  config.data.grammar_classes = classes
   return config
 
 
-def test_grammar_held_out_on_an_untrained_model_matches_a_recount(tmp_path_factory, tiny_config):
+@pytest.mark.parametrize('classes', [0, 16])
+def test_grammar_held_out_on_an_untrained_model_matches_a_recount(
+  tmp_path_factory, tiny_config, classes
+):
   directory = tmp_path_factory.mktemp('grammar')
-  config = _grammar_config(tiny_config)
+  config = _grammar_config(tiny_config, classes)
   _workdir(directory, config)
   got = ood.grammar_held_out(_ctx(config, directory), examples=32)
   assert got['ood.holdout'] == pytest.approx(0.2, abs=1e-3)
@@ -146,15 +150,20 @@ def test_grammar_held_out_on_an_untrained_model_matches_a_recount(tmp_path_facto
     )
   # A recount with bytes: the tokens of a word after a word are the space before it and its
   # letters; their log-probabilities come from the inference API's score.
-  chain = grammar.make_grammar(config.data.grammar_seed, config.data.grammar_words)
+  chain = grammar.make_grammar(config.data.grammar_seed, config.data.grammar_words, 0, classes)
+  assert (chain.classes is None) == (classes == 0)
+  values, vectors = np.linalg.eig(chain.transitions.T)  # stationary: eigenvalue 1 of P^T
+  pi = np.real(vectors[:, np.argmin(np.abs(values - 1))])
+  pi /= pi.sum()
   _, evaluation, info = grammar.generate(config.data)
   held = {tuple(e) for e in info['held_out_transitions']}
   model = transformer.load(str(directory))
-  sums = {'seen': [0, 0.0, 0.0], 'held_out': [0, 0.0, 0.0]}  # tokens, nll, chain nll
+  # tokens, nll, chain nll, unigram nll, transitions, unigram p
+  sums = {'seen': [0, 0.0, 0.0, 0.0, 0, 0.0], 'held_out': [0, 0.0, 0.0, 0.0, 0, 0.0]}
   # A document past 127 bytes (bos + 127 + eos = max_length) is cut, and its last word dropped;
   # a causal model scores the rest as it would in the whole row.
   kept = [d if len(d) <= 127 else d[: d[:127].rfind(' ')] for d in evaluation[:32]]
-  assert kept != evaluation[:32]  # some are cut
+  assert kept != evaluation[:32] or classes  # some are cut (the class chain: maybe none)
   for document, scored in zip(kept, model.score(kept)):
     log_probs, at, previous = scored['log_probs'], 0, chain.end
     for piece in document.split(' '):
@@ -165,11 +174,16 @@ def test_grammar_held_out_on_an_untrained_model_matches_a_recount(tmp_path_facto
         sums[kind][0] += len(word) + 1
         sums[kind][1] -= sum(log_probs[at - 1 : at + len(word)])
         sums[kind][2] -= math.log(chain.transitions[previous, state])
+        sums[kind][3] -= math.log(pi[state])
+        sums[kind][4] += 1
+        sums[kind][5] += pi[state]
       previous = chain.period if piece != word else state
       at += len(piece) + 1
-  for kind, (tokens, nll, chain_nll) in sums.items():
+  for kind, (tokens, nll, chain_nll, unigram_nll, count, unigram_p) in sums.items():
     assert got[f'ood.loss_{kind}'] == pytest.approx(nll / tokens, rel=1e-4)
     assert got[f'ood.chain_nll_{kind}'] == pytest.approx(chain_nll / tokens, rel=1e-9)
+    assert got[f'ood.unigram_nll_{kind}'] == pytest.approx(unigram_nll / tokens, rel=1e-6)
+    assert got[f'ood.unigram_{kind}_prob'] == pytest.approx(unigram_p / count, rel=1e-6)
 
 
 def test_grammar_held_out_refuses_a_run_without_a_holdout(tmp_path, tiny_config):
@@ -179,3 +193,38 @@ def test_grammar_held_out_refuses_a_run_without_a_holdout(tmp_path, tiny_config)
     ood.grammar_held_out(_ctx(config, tmp_path))
   with pytest.raises(ValueError, match='examples=0 must be a positive integer'):
     ood.grammar_held_out(_ctx(config, tmp_path), examples=0)
+
+
+# The sweep's positive controls ------------------------------------------------------------------
+def test_the_control_rules_can_hold_and_fail_on_every_null():
+  sweep = spec.load_sweep('configs/sweeps/ood_generalization.py')
+  # Arms that generalise as the controls ask, at two seeds: rope_skip5 spells 5 digits, and the
+  # class grammar gives held-out words 80% of the chain's probability, near its loss.
+  arms = {
+    'rope': {'ood.exact@4': 1.0, 'ood.exact@5': 0.0, 'ood.exact@6': 0.0},
+    'rope_skip5': {'ood.exact@4': 1.0, 'ood.exact@5': 0.9, 'ood.exact@6': 1.0},
+    'grammar_classes': {
+      'ood.excess_seen': 0.1, 'ood.loss_seen': 2.7, 'ood.loss_held_out': 2.9,
+      'ood.chain_nll_held_out': 2.6, 'ood.unigram_nll_held_out': 5.5,
+      'ood.held_out_prob': 0.076, 'ood.chain_held_out_prob': 0.095,
+      'ood.unigram_held_out_prob': 0.0055,
+    },
+  }  # fmt: skip
+  table = {v: {m: [x * 0.99, x * 1.01] for m, x in row.items()} for v, row in arms.items()}
+  controls = [r for r in sweep.rules if r['text'].startswith(('rope_skip5', 'grammar_classes'))]
+  assert len(controls) == 5
+  pre, found = verdicts.judge(controls, table, sweep.preconditions, sweep.nulls)
+  for verdict in found:
+    assert verdict.status == verdicts.REPRODUCED, verdict.text
+    assert ': fails' in verdict.null and ': holds' not in verdict.null, verdict.null
+  by_text = {v.rule['text']: v.null for v in found}
+  for text, null in by_text.items():  # the grammar rules fail on both the memoriser and unigram
+    if text.startswith('grammar_classes'):
+      assert null.count(': fails') == 2, null
+  # An arm that gives held-out words less than their frequency (a memoriser's way) fails them.
+  table['grammar_classes']['ood.held_out_prob'] = [0.006, 0.0061]
+  table['grammar_classes']['ood.loss_held_out'] = [6.0, 6.1]
+  _, found = verdicts.judge(controls[2:], table, sweep.preconditions, sweep.nulls)
+  assert all(v.status == verdicts.NOT_REPRODUCED for v in found), [
+    (v.status, v.text) for v in found
+  ]

@@ -40,6 +40,8 @@ DATA_MIN_INT = {
   'grammar_words': 1,
   'grammar_join': 1,
   'grammar_successors': 0,
+  'grammar_classes': 0,
+  'numbers_skip_digits': 0,
   'repeat_subset': 1,
   'grammar_seed': 0,
   'vocab_size': 7,  # more than the 5 special ids + 1
@@ -126,10 +128,12 @@ class DataConfig:
   mlm_prob: float = 0.15  # bidirectional_lm: fraction of tokens masked and predicted
   numbers_max: int = 999_999  # numbers: largest number (>= 1000)
   numbers_direction: str = 'digits_to_words'  # numbers: digits_to_words | words_to_digits
+  numbers_skip_digits: int = 0  # numbers: no example has this many digits (a gap); 0 = none
   grammar_seed: int = 0  # grammar: fixes the Markov chain and its documents
   grammar_words: int = 256  # grammar: number of word types
   grammar_join: int = 1  # grammar: documents joined into one example (long rows; extrapolation)
   grammar_successors: int = 0  # grammar: successors of each word (0: 2-6, the default chain)
+  grammar_classes: int = 0  # grammar: word classes that share one next-word row; 0 = none
   grammar_holdout: float = 0.0  # grammar: share of word transitions kept out of training; 0 = off
   # Share of the training examples drawn, over and over, from a subset of repeat_subset examples
   # (repeated data, Hernandez et al. 2022); in [0, 1), 0 = off. Generated and text tasks only.
@@ -165,6 +169,12 @@ class DataConfig:
         f'data.grammar_holdout={self.grammar_holdout!r} holds out transitions of the grammar '
         f"chain; data.task={self.task!r} has none: use task='grammar' or grammar_holdout=0"
       )
+    for key, task in (('grammar_classes', 'grammar'), ('numbers_skip_digits', 'numbers')):
+      if getattr(self, key) and self.task != task:
+        raise ValueError(
+          f'data.{key}={getattr(self, key)!r} changes the {task} task; data.task={self.task!r} '
+          f"has no use for it: use task='{task}' or {key}=0"
+        )
     if self.text_format not in TEXT_FORMATS:
       raise ValueError(
         f'data.text_format={self.text_format!r} is not valid; choose one of {TEXT_FORMATS}'

@@ -1,4 +1,5 @@
-"""The built-in `grammar` LM task: documents from a random sparse word-level Markov chain.
+"""The built-in `grammar` LM task: documents from a random sparse word-level Markov chain, or
+from one whose words fall into classes that share their next-word distribution.
 
 Its entropy rate is known exactly, so a trained LM's loss can be compared with the floor.
 """
@@ -6,6 +7,7 @@ Its entropy rate is known exactly, so a trained LM's loss can be compared with t
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 
 import ml_collections
@@ -30,10 +32,13 @@ class Grammar:
   Attributes:
     words: the V word strings.
     transitions: [V+2, V+2] row-stochastic matrix P[from, to].
+    classes: the class of each word when words of a class share one row of P
+      (`make_grammar(classes=C)`); None for the random chain.
   """
 
   words: tuple[str, ...]
   transitions: np.ndarray
+  classes: tuple[int, ...] | None = None
 
   @property
   def period(self) -> int:
@@ -112,7 +117,8 @@ class Grammar:
     p = self.transitions.copy()
     for a, b in transitions:
       p[a, b] = 0.0
-    return Grammar(words=self.words, transitions=p / p.sum(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    return Grammar(words=self.words, transitions=p, classes=self.classes)
 
   def log_prob(self, document: str) -> tuple[float, int]:
     """(log p(document) in nats, number of words incl. '.' and END), starting from END."""
@@ -133,9 +139,15 @@ def _make_words(rng: np.random.Generator, count: int) -> list[str]:
   return list(words)
 
 
-def make_grammar(seed: int, num_words: int = 256, successors: int = 0) -> Grammar:
-  """A random sparse Markov chain over `num_words` word types, fixed by `seed`. Each word has
-  2-6 successors, or exactly `successors` when > 0 (more: text closer to random words)."""
+def make_grammar(seed: int, num_words: int = 256, successors: int = 0, classes: int = 0) -> Grammar:
+  """A sparse Markov chain over `num_words` word types, fixed by `seed`.
+
+  With classes=0 each word has its own random row: 2-6 successors, or exactly `successors` when
+  > 0 (more: text closer to random words). With classes=C > 0 the words fall into C classes of
+  near-equal size, and every word of a class has the class's row: the same sentence-end
+  probability and the same next words, num_words/C of them, each word following exactly one
+  class. A transition a -> b is then predictable from any classmate a' of a that goes to b.
+  """
   if not 2 * _START_WORDS <= num_words <= 5000:
     raise ValueError(f'grammar_words={num_words} is out of range; use {2 * _START_WORDS}..5000')
   if not 0 <= successors <= num_words:
@@ -143,23 +155,55 @@ def make_grammar(seed: int, num_words: int = 256, successors: int = 0) -> Gramma
       f'grammar_successors={successors} is out of range; use 1..grammar_words={num_words}, or '
       '0 for 2-6 per word'
     )
+  if not 0 <= classes <= num_words // 2:
+    raise ValueError(
+      f'grammar_classes={classes} is out of range; use 0 (a random chain) or '
+      f'1..{num_words // 2} (grammar_words={num_words}, at least 2 words a class)'
+    )
+  if classes and successors:
+    raise ValueError(
+      f'grammar_successors={successors} and grammar_classes={classes} do not combine: a class '
+      'is followed by grammar_words / grammar_classes words; set grammar_successors=0'
+    )
   rng = np.random.default_rng(seed)
   words = _make_words(rng, num_words)
   n = num_words + 2
   period, end = num_words, num_words + 1
   p = np.zeros([n, n])
-  for w in range(num_words):
-    count = successors or rng.integers(*_SUCCESSORS, endpoint=True)
-    after = rng.choice(num_words, size=count, replace=False)
-    sentence_end = rng.uniform(*_SENTENCE_END)
-    p[w, after] = (1 - sentence_end) * rng.dirichlet(np.ones(len(after)))
-    p[w, period] = sentence_end
+  of_word = None
+  if classes:
+    of_word = rng.permutation(num_words) % classes  # [V] the class of each word
+    followers = np.array_split(rng.permutation(num_words), classes)  # next words of each class
+    for c, after in enumerate(followers):
+      sentence_end = rng.uniform(*_SENTENCE_END)
+      row = np.zeros(n)
+      row[after] = (1 - sentence_end) * rng.dirichlet(np.ones(len(after)))
+      row[period] = sentence_end
+      p[np.flatnonzero(of_word == c)] = row
+  else:
+    for w in range(num_words):
+      count = successors or rng.integers(*_SUCCESSORS, endpoint=True)
+      after = rng.choice(num_words, size=count, replace=False)
+      sentence_end = rng.uniform(*_SENTENCE_END)
+      p[w, after] = (1 - sentence_end) * rng.dirichlet(np.ones(len(after)))
+      p[w, period] = sentence_end
   starts = rng.choice(num_words, size=_START_WORDS, replace=False)
   start_probs = rng.dirichlet(np.ones(_START_WORDS))
   p[end, starts] = start_probs  # a new document starts a sentence
   p[period, starts] = (1 - _DOCUMENT_END) * start_probs
   p[period, end] = _DOCUMENT_END
-  return Grammar(words=tuple(words), transitions=p)
+  of_word = None if of_word is None else tuple(int(c) for c in of_word)
+  return Grammar(words=tuple(words), transitions=p, classes=of_word)
+
+
+def from_config(cfg) -> Grammar:
+  """The chain of a data config (a ConfigDict or `DataConfig`): its grammar_* knobs."""
+  return make_grammar(
+    int(cfg.grammar_seed),
+    int(cfg.grammar_words),
+    int(getattr(cfg, 'grammar_successors', 0)),
+    int(getattr(cfg, 'grammar_classes', 0)),
+  )
 
 
 def word_transitions(grammar: Grammar) -> list[tuple[int, int]]:
@@ -173,7 +217,9 @@ def held_out_transitions(grammar: Grammar, share: float, seed: int) -> list[tupl
 
   They are drawn at random (fixed by `seed`) among the words with at least 2 next words, and no
   word loses all of them: every held-out transition is valid in the chain, and every word can
-  still be followed by a word in training. round(share * transitions) are held out.
+  still be followed by a word in training. In a chain with classes, a transition a -> b is also
+  kept in training when every other classmate a' of a already lost a' -> b: each held-out one
+  keeps a classmate that shows it (`check_classmates`). round(share * transitions) are held out.
   """
   if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share < 1:
     raise ValueError(f'data.grammar_holdout={share!r} must be a number in [0, 1)')
@@ -192,16 +238,43 @@ def held_out_transitions(grammar: Grammar, share: float, seed: int) -> list[tupl
       f'only {room} can go while every word keeps a next word; use at most '
       f'{room / len(edges):.3f}'
     )
+  classes = grammar.classes
+  shown = collections.Counter((classes[a], b) for a, b in edges) if classes else None
   rng = np.random.default_rng([seed, 5])
   chosen = []
   for i in rng.permutation(len(edges)):
     if len(chosen) == count:
       break
     a, b = edges[i]
-    if left[a] > 1:  # never the last next word of `a`
+    if left[a] > 1 and (shown is None or shown[classes[a], b] > 1):  # never the last one
       left[a] -= 1
+      if shown is not None:
+        shown[classes[a], b] -= 1
       chosen.append((a, b))
+  if len(chosen) < count:  # only a chain with classes can run short
+    raise ValueError(
+      f'data.grammar_holdout={share} asks for {count} of the {len(edges)} word transitions, but '
+      f'only {len(chosen)} can go while every word keeps a next word and every held-out '
+      'transition keeps a classmate that shows it in training; use a smaller share or fewer '
+      'classes'
+    )
   return sorted(chosen)
+
+
+def check_classmates(grammar: Grammar, held_out: list[tuple[int, int]]) -> None:
+  """One ValueError naming a held-out transition a -> b whose class has no other word a' with
+  a' -> b in training; nothing for a chain without classes."""
+  if grammar.classes is None:
+    return
+  classes, held = np.asarray(grammar.classes), set(map(tuple, held_out))
+  for a, b in sorted(held):
+    mates = np.flatnonzero(classes == classes[a])
+    if not any(m != a and grammar.transitions[m, b] > 0 and (m, b) not in held for m in mates):
+      raise ValueError(
+        f'held-out transition {grammar.words[a]!r} -> {grammar.words[b]!r} ({a} -> {b}) has no '
+        f'classmate of {grammar.words[a]!r} that goes to {grammar.words[b]!r} in training: the '
+        'model could not predict it from its class; hold out fewer transitions'
+      )
 
 
 def _repeat(examples: list[str], p: float, rng) -> tuple[list[str], float]:
@@ -229,6 +302,8 @@ def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict
   With `cfg.grammar_holdout` = h > 0, a share h of the chain's word transitions
   (`held_out_transitions`) never occurs in training: the training documents come from the chain
   without them (the rest of each row renormalised), the eval documents from the full chain.
+  With `cfg.grammar_classes` = C > 0 the chain has word classes (`make_grammar`), and each
+  held-out transition keeps a classmate that shows it in training.
 
   Returns:
     (train, eval, info); info holds `entropy_per_word` and `unigram_entropy_per_word` in nats (of
@@ -236,12 +311,13 @@ def generate(cfg: ml_collections.ConfigDict) -> tuple[list[str], list[str], dict
     in the training documents. With a holdout, also `held_out_transitions`, the sorted [from,
     to] word indices held out, and `grammar_holdout`, their share of the word transitions.
   """
-  grammar = make_grammar(int(cfg.grammar_seed), int(cfg.grammar_words), int(cfg.grammar_successors))
+  grammar = from_config(cfg)
   join = int(cfg.grammar_join)
   if join < 1:
     raise ValueError(f'grammar_join={join} must be >= 1 (documents per example)')
   holdout = cfg.grammar_holdout
   held_out = held_out_transitions(grammar, holdout, int(cfg.grammar_seed)) if holdout else []
+  check_classmates(grammar, held_out)
   train_chain = grammar.without(held_out) if held_out else grammar
   train, train_words = train_chain.sample(
     np.random.default_rng([cfg.grammar_seed, 1]), cfg.num_train_examples * join

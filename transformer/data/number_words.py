@@ -80,21 +80,41 @@ def is_held_out(n: np.ndarray) -> np.ndarray:
 
 
 def sample_numbers(
-  rng: np.random.Generator, count: int, max_value: int, held_out: bool
+  rng: np.random.Generator, count: int, max_value: int, held_out: bool, skip_digits: int = 0
 ) -> np.ndarray:
   """Draws `count` numbers: a digit count uniformly from 1..digits(max_value), then the number.
 
   Every magnitude is equally common. Only numbers with is_held_out(n) == held_out are kept.
+  skip_digits=d > 0 leaves out the numbers of d digits: the digit count is drawn uniformly
+  from the others.
   """
   max_digits = len(str(max_value))
+  check_skip_digits(skip_digits, max_value)
+  allowed = np.array([d for d in range(1, max_digits + 1) if d != skip_digits])
   out = np.zeros([0], np.int64)
   while len(out) < count:
-    digits = rng.integers(1, max_digits + 1, size=2 * count + 16)
+    if skip_digits:
+      digits = rng.choice(allowed, size=2 * count + 16)
+    else:
+      digits = rng.integers(1, max_digits + 1, size=2 * count + 16)
     low = np.where(digits == 1, 0, 10 ** (digits - 1))
     high = np.minimum(10**digits - 1, max_value)
     numbers = rng.integers(low, high + 1)
     out = np.concatenate([out, numbers[is_held_out(numbers) == held_out]])
   return out[:count]
+
+
+def check_skip_digits(skip_digits: int, max_value: int) -> None:
+  """One ValueError unless skip_digits is 0 (none) or a digit count below that of max_value (a
+  gap inside the range the task draws from)."""
+  max_digits = len(str(max_value))
+  if isinstance(skip_digits, bool) or not isinstance(skip_digits, int | np.integer):
+    raise ValueError(f'numbers_skip_digits={skip_digits!r} must be an integer')
+  if not 0 <= skip_digits < max_digits:
+    raise ValueError(
+      f'numbers_skip_digits={skip_digits} is out of range; use 0 (none) or a digit count in '
+      f'1..{max_digits - 1}, below the {max_digits} digits of numbers_max={max_value}'
+    )
 
 
 def generate(
@@ -103,14 +123,16 @@ def generate(
   """Train pairs, eval pairs and info for the `numbers` task.
 
   Args:
-    cfg: the data ConfigDict (numbers_max, numbers_direction, num_train_examples,
-      num_eval_examples).
+    cfg: the data ConfigDict (numbers_max, numbers_direction, numbers_skip_digits,
+      num_train_examples, num_eval_examples).
 
   Returns:
     (train, eval, info) where train/eval are lists of (source, target) strings. The two splits
-    never share a number: eval numbers are the held-out ones (>= 100, see `is_held_out`).
+    never share a number: eval numbers are the held-out ones (>= 100, see `is_held_out`). With
+    numbers_skip_digits=d > 0 neither split has a number of d digits.
   """
   max_value, direction = int(cfg.numbers_max), cfg.numbers_direction
+  skip = int(getattr(cfg, 'numbers_skip_digits', 0))
   if not 1000 <= max_value <= LARGEST:
     raise ValueError(
       f'numbers_max={max_value} is out of range; use 1000 <= numbers_max <= {LARGEST} so '
@@ -125,7 +147,8 @@ def generate(
   ):
     rng = np.random.default_rng([_DATA_SEED, split_id])
     pairs = [
-      (str(n), numbers_to_words(int(n))) for n in sample_numbers(rng, count, max_value, held_out)
+      (str(n), numbers_to_words(int(n)))
+      for n in sample_numbers(rng, count, max_value, held_out, skip)
     ]
     if direction == 'words_to_digits':
       pairs = [(words, digits) for digits, words in pairs]
@@ -134,4 +157,6 @@ def generate(
   words_side = 1 if direction == 'digits_to_words' else 0
   word_types = {w for pair in train for w in pair[words_side].split()}
   info = {'numbers_max': max_value, 'direction': direction, 'word_types': len(word_types)}
+  if skip:
+    info['numbers_skip_digits'] = skip
   return train, evaluation, info
