@@ -68,6 +68,9 @@ def final_metrics(curve: Mapping[str, list[dict]]) -> dict[str, float]:
   curve is. With train.log_every = 1 the first logged value is that of the initial parameters.
   train.spikes: the number of loss_spike events (training.faults.SpikeDetector, on when
   train.spike_factor > 0; 0 when it is off).
+  train.nonfinite_skipped: the number of steps whose loss or gradient was not finite and whose
+  update the loop skipped (its 'nonfinite' events, written under train.nonfinite='skip'; a run
+  that rolls back instead records 'rollback' events, not counted here).
   eval.*: the last evaluation (loss and perplexity without label smoothing).
   """
   out: dict[str, float] = {}
@@ -100,6 +103,7 @@ def final_metrics(curve: Mapping[str, list[dict]]) -> dict[str, float]:
       out['train.learned_early'] = float(np.any(nll[: max(1, len(nll) // 2)] < threshold))
     events = curve.get('event', [])
     out['train.spikes'] = float(sum(e.get('event') == 'loss_spike' for e in events))
+    out['train.nonfinite_skipped'] = float(sum(e.get('event') == 'nonfinite' for e in events))
   evals = curve.get('eval', [])
   if evals:
     for key, value in evals[-1].items():

@@ -85,7 +85,9 @@ def test_spikes_count_the_loss_spike_events_the_loop_writes(tmp_path):
   curve = results_lib.read_curve(str(tmp_path))
   assert [e['step'] for e in curve['event']] == [2, 3, 4]
   assert results_lib.final_metrics(curve)['train.spikes'] == 2.0
+  assert results_lib.final_metrics(curve)['train.nonfinite_skipped'] == 1.0
   assert results_lib.final_metrics(_curve([3.0, 2.0]))['train.spikes'] == 0.0
+  assert results_lib.final_metrics(_curve([3.0, 2.0]))['train.nonfinite_skipped'] == 0.0
 
 
 # fit_power_law with a floor --------------------------------------------------------------------

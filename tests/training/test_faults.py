@@ -425,6 +425,17 @@ def test_nonfinite_skip_leaves_the_state_and_goes_on(compile_cache, monkeypatch,
   )
 
 
+def test_skipped_nonfinite_steps_reach_the_sweeps_metrics(compile_cache, monkeypatch, tmp_path):
+  """research.results.final_metrics counts the skipped steps from the run's own metrics.jsonl."""
+  from research import results as results_lib
+
+  poison_batches(monkeypatch, {2, 5})
+  train_and_evaluate(small_config(nonfinite='skip'), str(tmp_path))
+  metrics = results_lib.final_metrics(results_lib.read_curve(str(tmp_path)))
+  assert metrics['train.nonfinite_skipped'] == 2.0
+  assert metrics['train.loss_rise'] == float('inf')  # the logged NaN losses of steps 2 and 5
+
+
 def test_nonfinite_halt_names_the_tensor_and_keeps_the_last_good_checkpoint(
   compile_cache, monkeypatch, tmp_path
 ):
