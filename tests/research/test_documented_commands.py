@@ -17,8 +17,9 @@ from research import report, spec
 from research import results as results_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# A command may wrap across lines: its flags are whitespace-separated, newlines included.
 _COMMAND = re.compile(
-  r'python -m experiments\.(sweep|report|regenerate)((?: --[\w.]+(?:=[^\s`]+)?)*)'
+  r'python -m\s+experiments\.(sweep|report|regenerate)((?:\s+--[\w.]+(?:=[^\s`]+)?)*)'
 )
 _COMMITTED = [os.path.basename(os.path.dirname(p)) for p in sorted(glob.glob(
   os.path.join(ROOT, results_lib.RESULT_ROOTS[0], '*', results_lib.SWEEP_JSON)))]  # fmt: skip
