@@ -75,9 +75,9 @@ class Grammar:
     cdfs = [np.cumsum(row[nz]).tolist() for row, nz in zip(self.transitions, rows)]
     rows = [nz.tolist() for nz in rows]
     uniforms, used = rng.random(4096).tolist(), 0
-    documents, num_words = [], 0
+    documents, num_words, end = [], 0, self.end  # a local: the loop runs millions of times
     for _ in range(count):
-      state, states = self.end, []
+      state, states = end, []
       while True:
         if used == len(uniforms):
           uniforms, used = rng.random(4096).tolist(), 0
@@ -86,7 +86,7 @@ class Grammar:
         used += 1
         state = rows[state][k]
         states.append(state)
-        if state == self.end:
+        if state == end:
           break
       documents.append(self.render(states))
       num_words += len(states)
@@ -94,12 +94,12 @@ class Grammar:
 
   def render(self, states: list[int]) -> str:
     """Text of a state path; END is not written."""
-    text = []
+    text, period, end, words = [], self.period, self.end, self.words
     for s in states:
-      if s == self.period:
+      if s == period:
         text[-1] += '.'
-      elif s != self.end:
-        text.append(self.words[s])
+      elif s != end:
+        text.append(words[s])
     return ' '.join(text)
 
   def parse(self, document: str) -> list[int]:
