@@ -752,3 +752,29 @@ def test_host_checksums_equal_the_device_checksums():
   device = np.asarray(checkpoint._leaf_checksums([jnp.asarray(x) for x in leaves]))
   assert host is not None and host.dtype == np.uint32
   np.testing.assert_array_equal(host, device)
+
+
+def test_late_event_loop_echoes_are_dropped_only_after_a_failed_read_or_full_disk(
+  tmp_path, monkeypatch
+):
+  """orbax's writes that finish after its event loop closed print 'Event loop is closed' through
+  sys.unraisablehook; after the one clear error of a full disk that echo is dropped, and before
+  any failure (or for any other error) it is shown."""
+  shown = []
+  hook = checkpoint._DropOrbaxLeftovers(shown.append)
+  late = type('U', (), dict(exc_value=RuntimeError('Event loop is closed'), object=None))()
+  other = type('U', (), dict(exc_value=RuntimeError('another error'), object=None))()
+  monkeypatch.setattr(checkpoint._DropOrbaxLeftovers, 'failures', 0)
+  hook(late)
+  assert shown == [late]
+  ckpt = checkpoint.Checkpointer(str(tmp_path / 'run'))
+  with pytest.raises(checkpoint.CheckpointError, match='No space left on device'):
+    try:
+      raise OSError(28, 'No space left on device')
+    except OSError as error:
+      ckpt._raise_save_error(2, error)
+  ckpt.close()
+  assert checkpoint._DropOrbaxLeftovers.failures == 1
+  hook(late)
+  hook(other)
+  assert shown == [late, other]

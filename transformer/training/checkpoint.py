@@ -67,15 +67,15 @@ class _DropOrbaxInfo(logging.Filter):
 
 
 class _DropOrbaxLeftovers:
-  """A sys.unraisablehook that drops the echoes of a failed orbax read.
+  """A sys.unraisablehook that drops the echoes of a failed orbax read or full-disk save.
 
-  The read's error was already raised (and turned into CorruptCheckpointError). Without this,
+  The error was already raised (as CorruptCheckpointError or CheckpointError). Without this,
   the garbage collector prints "Exception ignored in: <coroutine ...>" tracebacks for its
-  coroutines later in the run, and tensorstore reads that finish after orbax closed its event
-  loop print "Event loop is closed".
+  coroutines later in the run, and tensorstore reads and writes that finish after orbax closed
+  its event loop print "Event loop is closed".
   """
 
-  failed_reads = 0  # counted by Checkpointer._read
+  failures = 0  # counted by Checkpointer._read and Checkpointer._raise_save_error
 
   def __init__(self, previous):
     self.previous = previous
@@ -85,7 +85,7 @@ class _DropOrbaxLeftovers:
     if code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename:
       return
     late = isinstance(unraisable.exc_value, RuntimeError) and unraisable.object is None
-    if late and self.failed_reads and str(unraisable.exc_value) == 'Event loop is closed':
+    if late and self.failures and str(unraisable.exc_value) == 'Event loop is closed':
       return
     self.previous(unraisable)
 
@@ -286,6 +286,7 @@ class Checkpointer:
     reason = util.no_space_reason(error)
     if reason is None:
       raise error
+    _DropOrbaxLeftovers.failures += 1  # its late writes may echo 'Event loop is closed'
     _remove_partial_saves(self.directory)
     usage = shutil.disk_usage(self.directory)
     previous = [s for s in self.all_steps() if step is None or s < step]
@@ -328,7 +329,7 @@ class Checkpointer:
     except Exception as e:
       if 'RESOURCE_EXHAUSTED' in str(e):  # out of device or host memory: not the files' fault
         raise
-      _DropOrbaxLeftovers.failed_reads += 1
+      _DropOrbaxLeftovers.failures += 1
       raise _Unreadable(f'orbax cannot read it ({type(e).__name__}: {util.first_line(e)})') from e
     state, data_state = restored['state'], restored['data']
     sums = _checksums(state)
