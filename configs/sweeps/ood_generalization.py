@@ -51,10 +51,10 @@ def get_sweep(scale: int = 1) -> dict:
            b=p, margin_std=2.0, text=f'{p}: the teacher-forced loss of the reference rises from '
            '4 to 5 digits', **needs)
     )  # fmt: skip
-  fits = dict(
-    name='grammar fits the seen transitions', kind='at_most', metric='ood.excess_seen',
-    variants=['grammar'], value=0.5, every_seed=True,
-    text='grammar: on transitions seen in training, its loss is within 0.5 nats/token of the '
+  fits = lambda v: dict(
+    name=f'{v} fits the seen transitions', kind='at_most', metric='ood.excess_seen',
+    variants=[v], value=0.5, every_seed=True,
+    text=f'{v}: on transitions seen in training, its loss is within 0.5 nats/token of the '
     "chain's own, at every seed",
   )  # fmt: skip
   needs = {'requires': ['grammar fits the seen transitions']}
@@ -102,12 +102,6 @@ def get_sweep(scale: int = 1) -> dict:
          text=f'{_GAP} spells 5-digit numbers better than rope, trained on 1-4 digits only',
          **needs),
   ]  # fmt: skip
-  fits_classes = dict(
-    name='grammar_classes fits the seen transitions', kind='at_most', metric='ood.excess_seen',
-    variants=['grammar_classes'], value=0.5, every_seed=True,
-    text='grammar_classes: on transitions seen in training, its loss is within 0.5 nats/token '
-    "of the chain's own, at every seed",
-  )  # fmt: skip
   needs = {'requires': ['grammar_classes fits the seen transitions']}
   pair = dict(a='grammar_classes', b='grammar_classes', metric='ood.loss_held_out')
   rules += [
@@ -213,7 +207,13 @@ def get_sweep(scale: int = 1) -> dict:
       'ood.unigram_nll_held_out',
       'ood.unigram_held_out_prob',
     ],  # fmt: skip
-    preconditions=[*[learns(p) for p in _POSITIONS], fits, spells(4), spells(6), fits_classes],
+    preconditions=[
+      *[learns(p) for p in _POSITIONS],
+      fits('grammar'),
+      spells(4),
+      spells(6),
+      fits('grammar_classes'),
+    ],
     nulls=[
       dict(
         name='untrained',
