@@ -29,7 +29,6 @@ SEEDS = {
   'cross_attention_alignment': 1,
   'bidirectional_vs_causal': 1,
   'long_context': 1,
-  'recall': 3,  # its rules compare arms over seeds, and its preconditions hold at every seed
   'recall_mqar': 3,  # its rules compare arms over seeds, each seed on its own data
   'induction': 3,  # a phase change at every seed, not at one
   'rope_scaling_vs_long_training': 3,  # its rules compare means by 2 pooled stds over seeds

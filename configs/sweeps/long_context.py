@@ -1,7 +1,7 @@
 """Claim (seed §6.1): the ways out of attention's O(n^2) keep what nearby tokens need. A local
 window and hierarchical compression match full attention where only nearby tokens matter
 (grammar); the window and linear attention cost O(n) in memory, compression about n^1.5, full
-'xla' attention n^2. What they lose, global recall, is the `recall` sweep's claim."""
+'xla' attention n^2. What they lose, global recall, is the `recall_mqar` sweep's claim."""
 
 from research.spec import task_losses
 
@@ -91,7 +91,8 @@ def get_sweep(scale: int = 1) -> dict:
     'same model at batch 1 and T tokens on CPU, the median of 3 after a warm-up (ms@T), and '
     "XLA's compiled temporary memory of it (mib@T); compressed attention pools blocks of the "
     'power of two nearest sqrt(T) there, where T * (block + T / block) is least. Recall, what '
-    'the windows, linear attention and compression give up, is measured by the `recall` sweep.',
+    'the windows, linear attention and compression give up, is measured by the `recall_mqar` '
+    'sweep.',
     base='configs/gpt_tiny.py',
     overrides={
       'model.position': 'rope',  # no length-bound table: the costs run to 4096 tokens

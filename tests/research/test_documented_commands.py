@@ -110,8 +110,8 @@ def test_each_committed_report_prints_commands_that_work_and_its_current_verdict
 
 
 def test_the_rerender_command_runs_on_a_copy_of_a_committed_folder(tmp_path):
-  source = os.path.join(ROOT, results_lib.RESULT_ROOTS[0], 'recall')
-  workdir = tmp_path / 'recall'
+  source = os.path.join(ROOT, results_lib.RESULT_ROOTS[0], 'emergence')
+  workdir = tmp_path / 'emergence'
   shutil.copytree(source, workdir, ignore=shutil.ignore_patterns('*.png', 'report.md'))
   out = subprocess.run(
     [sys.executable, '-m', 'experiments.report', f'--workdir={workdir}'],
@@ -127,4 +127,4 @@ def test_the_rerender_command_runs_on_a_copy_of_a_committed_folder(tmp_path):
   assert verdict in committed
   assert (workdir / 'metrics.png').exists() and (workdir / 'plot_0.png').exists()
   # Outside a results root the command to rerun is the sweep itself, into that folder.
-  assert f'--sweep=configs/sweeps/recall.py --workdir={workdir} --seeds=3' in written
+  assert f'--sweep=configs/sweeps/emergence.py --workdir={workdir} --seeds=3' in written

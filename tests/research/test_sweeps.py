@@ -240,7 +240,7 @@ def test_every_committed_sweep_file_loads_and_checks():
     'scaling', 'heads', 'positions', 'extrapolation', 'warmup', 'label_smoothing', 'dropout',
     'norm_placement', 'attention_memory', 'remat', 'model_scaling', 'cross_attention_alignment',
     'bidirectional_vs_causal', 'default_recipe', 'long_context', 'rope_scaling_vs_long_training',
-    'recall', 'induction', 'output_init', 'emergence', 'data_repetition', 'ood_generalization',
+    'induction', 'output_init', 'emergence', 'data_repetition', 'ood_generalization',
     'residual_and_norm', 'recall_mqar',
   }  # fmt: skip
   for path in paths:
