@@ -33,8 +33,8 @@ def get_sweep(scale: int = 1) -> dict:
     "for the model. The init is gpt_tiny's (residual outputs scaled by 1/sqrt(2 x layers)): "
     "with Xiong et al.'s plain Xavier init, post-LN with warmup did not learn in these 250 steps "
     'at 12 or 24 layers at 3e-3, 1e-3 or 3e-4 (eval loss 4.48, 3.98-4.49 and 4.73-4.79 against '
-    'the unigram loss 4.43), so no rate trained every variant with warmup there. Xiong et al. state '
-    'the claim at depth; 6 layers (the first version of this sweep) is shallow for it.',
+    'the unigram loss 4.43), so no rate trained every variant with warmup there. Xiong et al. '
+    'state the claim at depth; 6 layers (the first version of this sweep) is shallow for it.',
     base='configs/gpt_tiny.py',
     overrides={
       'model.d_model': width,
