@@ -728,6 +728,23 @@ def test_check_resume_compatible_allows_compute_only_changes(tmp_path):
   checkpoint.check_resume_compatible(str(tmp_path), _config())
 
 
+def test_a_knob_added_since_the_checkpoint_resumes_at_its_default_only(tmp_path):
+  _workdir_with_checkpoint(tmp_path, _config())
+  path = tmp_path / 'config.json'
+  saved = json.loads(path.read_text())
+  del saved['model']['short_conv'], saved['model']['qk_norm']  # written before these knobs
+  path.write_text(json.dumps(saved))
+  checkpoint.check_resume_compatible(str(tmp_path), _config())  # both at their defaults
+  with pytest.raises(ValueError, match=r'model\.short_conv is absent there and 4 here'):
+    checkpoint.check_resume_compatible(str(tmp_path), _config(short_conv=4))
+  with pytest.raises(ValueError, match=r'model\.qk_norm is absent there and true here'):
+    checkpoint.check_resume_compatible(str(tmp_path), _config(qk_norm=True))
+  saved['model']['retired_knob'] = 1  # a knob this version no longer has: not a default
+  path.write_text(json.dumps(saved))
+  with pytest.raises(ValueError, match=r'model\.retired_knob is 1 there and absent here'):
+    checkpoint.check_resume_compatible(str(tmp_path), _config())
+
+
 def test_check_resume_compatible_passes_without_checkpoints(tmp_path):
   checkpoint.check_resume_compatible(str(tmp_path / 'new'), _config())  # a fresh workdir
   checkpoint.write_run_metadata(str(tmp_path), _config())  # a run that never saved a step

@@ -27,6 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from transformer import util
+from transformer.config import ModelConfig
 
 # Model keys that may change between runs of one workdir: they change the compute, not the params.
 RESUMABLE_MODEL_KEYS = ('attention_impl', 'remat', 'dtype')
@@ -716,7 +717,9 @@ def check_resume_compatible(workdir: str, config: ml_collections.ConfigDict) -> 
   """Raises one ValueError if `config` cannot resume the checkpoints in `workdir`; touches nothing.
 
   Every `model` key must match the saved config.json except RESUMABLE_MODEL_KEYS, and so must the
-  DATA_KEYS of `data`. A workdir without checkpoints or without config.json always passes.
+  DATA_KEYS of `data`. A key that one side lacks counts as its `ModelConfig` default there: a run
+  saved before a knob existed resumes while the knob keeps its default (off). A workdir without
+  checkpoints or without config.json always passes.
   """
   saved = read_run_config(workdir)
   if saved is None or not util.has_checkpoints(workdir):
@@ -724,11 +727,18 @@ def check_resume_compatible(workdir: str, config: ml_collections.ConfigDict) -> 
   here = json.loads(config.to_json_best_effort())  # JSON-normalised: tuples are lists, as saved
   missing = object()
   show = lambda value: 'absent' if value is missing else json.dumps(value)
+  defaults = json.loads(json.dumps(ModelConfig().to_dict()))  # JSON-normalised too
   pairs = []
   saved_model, here_model = saved.get('model', {}), here.get('model', {})
   for key in [*here_model, *(k for k in saved_model if k not in here_model)]:
-    if key not in RESUMABLE_MODEL_KEYS:
-      pairs.append((f'model.{key}', saved_model.get(key, missing), here_model.get(key, missing)))
+    if key in RESUMABLE_MODEL_KEYS:
+      continue
+    there_value, here_value = saved_model.get(key, missing), here_model.get(key, missing)
+    if missing in (there_value, here_value) and key in defaults:
+      present = here_value if there_value is missing else there_value
+      if present == defaults[key]:
+        continue  # a knob added (or dropped) since, at its default: the same model
+    pairs.append((f'model.{key}', there_value, here_value))
   saved_data, here_data = saved.get('data', {}), here.get('data', {})
   for key in DATA_KEYS:
     pairs.append((f'data.{key}', saved_data.get(key, missing), here_data.get(key, missing)))
