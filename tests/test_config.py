@@ -6,6 +6,7 @@ import dataclasses
 import json
 import typing
 
+import jax.numpy as jnp
 import ml_collections
 import pytest
 from absl import flags
@@ -13,8 +14,8 @@ from ml_collections import config_flags
 
 from configs import base
 from transformer import config
-from transformer.config import experiment
-from transformer.model import attention, layers
+from transformer.config import ModelConfig, experiment
+from transformer.model import attention, blocks, layers
 
 
 class Ref(typing.NamedTuple):
@@ -225,7 +226,7 @@ def test_default_configdict_keeps_the_key_order_of_saved_configs():
   # A run's config.json lists the keys in insertion order, as base.py used to set them.
   saved = json.loads(experiment.default_configdict().to_json_best_effort())
   assert list(saved) == ['name', 'seed', 'model', 'data', 'train', 'mesh', 'optim']
-  assert list(saved['model']) == [f.name for f in dataclasses.fields(config.ModelConfig)]
+  assert list(saved['model']) == list(config.KNOBS)
   assert list(saved['model']).index('short_conv') + 1 == list(saved['model']).index(
     'compress_block'
   )
@@ -248,7 +249,7 @@ def test_none_able_knobs_parse_from_flags():
 
 def test_model_defaults_are_the_base_config():
   model = base.get_config().model
-  fields = {f.name: f.default for f in dataclasses.fields(config.ModelConfig)}
+  fields = {f.name: f.default for f in dataclasses.fields(config.ModelConfig) if f.init}
   assert sorted(model.keys()) == sorted(fields)  # every field once in base.py, nothing else
   different = {k: (v, model[k]) for k, v in fields.items() if model[k] != v}
   assert different == {}, 'ModelConfig default != configs/base.py (field: (default, base))'
@@ -257,7 +258,7 @@ def test_model_defaults_are_the_base_config():
 def test_choice_lists_are_the_registries():
   # swiglu is a gated pair of projections, not an elementwise function, so FeedForward builds it.
   assert sorted(config.ACTIVATIONS) == sorted([*layers.ACTIVATIONS, 'swiglu'])
-  assert sorted(config.REMAT_POLICIES) == sorted(['none', *layers.REMAT_POLICIES])
+  assert sorted(config.REMAT_POLICIES) == sorted(['none', *blocks.REMAT_POLICIES])
   assert sorted(config.ATTENTION_IMPLEMENTATIONS[1:]) == sorted(attention.registered())
 
 
@@ -285,3 +286,76 @@ def test_from_configdict_names_an_unknown_key_and_the_valid_ones():
     experiment.Config.from_configdict(cd)
   with pytest.raises(ValueError, match="unknown model config key 'nmu_heads'"):
     experiment.Config.from_configdict({'model': {'nmu_heads': 4}})
+
+
+# The model section of config.json as a run of configs/gpt_tiny.py saved it before the derived
+# sizes (head_size, kv_heads, decoder_layers, compute_dtype, params_dtype) became fields.
+_SAVED_GPT_TINY = {
+  'family': 'causal_lm',
+  'vocab_size': 50257,
+  'd_model': 64,
+  'num_heads': 4,
+  'num_kv_heads': None,
+  'head_dim': None,
+  'd_ff': 256,
+  'num_layers': 2,
+  'num_decoder_layers': None,
+  'max_length': 128,
+  'position': 'learned',
+  'rope_theta': 10000.0,
+  'rope_scaling': 'none',
+  'rope_scaling_factor': 1.0,
+  'rope_original_max_length': None,
+  'rope_low_freq_factor': 1.0,
+  'rope_high_freq_factor': 4.0,
+  'norm': 'layernorm',
+  'norm_eps': 1e-05,
+  'norm_placement': 'pre',
+  'embedding_norm': False,
+  'residual': True,
+  'activation': 'gelu_tanh',
+  'use_bias': True,
+  'norm_bias': True,
+  'qkv_bias': None,
+  'qk_norm': False,
+  'dropout_rate': 0.0,
+  'attention_dropout_rate': 0.0,
+  'ffn_dropout_rate': 0.0,
+  'scale_embeddings': False,
+  'share_embeddings': True,
+  'tie_output': True,
+  'output_bias': False,
+  'attention_scale': True,
+  'attention': 'softmax',
+  'linear_feature_map': 'elu',
+  'short_conv': 0,
+  'compress_block': 16,
+  'attention_impl': None,
+  'attention_chunk_size': 128,
+  'window': None,
+  'init': 'scaled',
+  'init_distribution': 'normal',
+  'init_std': 0.02,
+  'type_vocab_size': 0,
+  'num_classes': 0,
+  'output_head': True,
+  'pad_id': 0,
+  'dtype': 'float32',
+  'param_dtype': 'float32',
+  'remat': 'none',
+  'scan_layers': False,
+}
+
+
+def test_saved_model_configs_read_back_and_write_the_same_keys():
+  cfg = ModelConfig.from_config(_SAVED_GPT_TINY)
+  assert json.loads(json.dumps(cfg.to_dict())) == _SAVED_GPT_TINY  # what config.json saves
+  assert list(cfg.to_dict()) == list(_SAVED_GPT_TINY)  # in the same order
+  assert (cfg.head_size, cfg.kv_heads, cfg.decoder_layers) == (16, 4, 2)
+  assert cfg.compute_dtype == jnp.float32 and cfg.params_dtype == jnp.float32
+  other = cfg.replace(num_heads=8, num_kv_heads=2, dtype='bfloat16')  # derived again, not copied
+  assert (other.head_size, other.kv_heads, other.compute_dtype) == (8, 2, jnp.bfloat16)
+  with pytest.raises(ValueError, match="unknown model config key 'head_size'"):
+    ModelConfig.from_config({**_SAVED_GPT_TINY, 'head_size': 16})  # derived, never set
+  with pytest.raises(TypeError):
+    ModelConfig(head_size=16)

@@ -32,6 +32,11 @@ REMAT_POLICIES = ('none', 'full', 'save_matmuls')
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
+def _derived() -> Any:
+  """A field that __post_init__ computes from the knobs: not an argument, not compared."""
+  return dataclasses.field(init=False, repr=False, compare=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Architecture of one model. Defaults are the 2017 base Transformer with a byte vocabulary."""
@@ -95,6 +100,13 @@ class ModelConfig:
   remat: str = 'none'  # gradient checkpointing of each block: one of REMAT_POLICIES
   scan_layers: bool = False  # nn.scan over identical blocks for fast compiles
 
+  # Derived sizes, resolved once from the knobs above: read them, never set them (not saved).
+  kv_heads: int = _derived()  # num_kv_heads or num_heads
+  head_size: int = _derived()  # head_dim or d_model // num_heads
+  decoder_layers: int = _derived()  # num_decoder_layers or num_layers
+  compute_dtype: Any = _derived()  # the jnp dtype of `dtype`
+  params_dtype: Any = _derived()  # the jnp dtype of `param_dtype`
+
   def __post_init__(self):
     # Lists and dicts from ConfigDicts become hashable tuples.
     if self.window is not None:
@@ -104,7 +116,20 @@ class ModelConfig:
       if not all(isinstance(w, int) and not isinstance(w, bool) for w in window):
         raise ValueError(f'window={window!r} must be a pair (left, right) of non-negative integers')
       object.__setattr__(self, 'window', tuple(window))
-    _validate(self)
+    _check_knobs(self)
+    derived = dict(
+      kv_heads=self.num_kv_heads or self.num_heads,
+      head_size=self.head_dim or self.d_model // self.num_heads,
+      decoder_layers=self.num_layers
+      if self.num_decoder_layers is None
+      else self.num_decoder_layers,
+      compute_dtype=DTYPES[self.dtype],
+      params_dtype=DTYPES[self.param_dtype],
+    )
+    for name, value in derived.items():
+      object.__setattr__(self, name, value)
+    _check_sizes(self)
+    _check_combinations(self)
     if self.position == 'sinusoidal' and not self.scale_embeddings and self.init_std < 0.1:
       warnings.warn(
         f'position=sinusoidal with scale_embeddings=False: the table (RMS 0.71) is '
@@ -114,33 +139,12 @@ class ModelConfig:
         stacklevel=2,
       )
 
-  # Derived sizes -----------------------------------------------------------------------------
-  @property
-  def kv_heads(self) -> int:
-    return self.num_kv_heads or self.num_heads
-
-  @property
-  def head_size(self) -> int:
-    return self.head_dim or self.d_model // self.num_heads
-
-  @property
-  def decoder_layers(self) -> int:
-    return self.num_decoder_layers if self.num_decoder_layers is not None else self.num_layers
-
-  @property
-  def compute_dtype(self) -> Any:
-    return DTYPES[self.dtype]
-
-  @property
-  def params_dtype(self) -> Any:
-    return DTYPES[self.param_dtype]
-
   # Constructors ------------------------------------------------------------------------------
   @classmethod
   def from_config(cls, model_config: Mapping[str, Any] | Any) -> ModelConfig:
     """Builds from a ConfigDict or mapping; an unknown key is an error that lists the valid ones."""
     items = dict(model_config.items()) if hasattr(model_config, 'items') else dict(model_config)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = set(KNOBS)
     unknown = sorted(set(items) - names)
     if unknown:
       raise ValueError(
@@ -152,7 +156,12 @@ class ModelConfig:
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    """The knobs (not the derived sizes): what config.json saves and `from_config` reads."""
+    return {name: getattr(self, name) for name in KNOBS}
+
+
+# The settable fields, in declaration order; the rest are derived in __post_init__.
+KNOBS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.init)
 
 
 def _choice(name: str, value: Any, valid: tuple) -> None:
@@ -215,7 +224,7 @@ _KINDS = {  # kind: (test, what the message says the value must be)
 }
 
 
-def _validate(c: ModelConfig) -> None:
+def _check_knobs(c: ModelConfig) -> None:
   """Raises one ValueError that names the first bad value and what would be valid."""
   for name, rule in _RULES.items():
     value = getattr(c, name)
@@ -226,8 +235,6 @@ def _validate(c: ModelConfig) -> None:
       test, must = _KINDS[rule.removeprefix('optional ')]
       if not test(value):
         raise ValueError(f'{name}={value!r} must {must}')
-  _check_sizes(c)
-  _check_combinations(c)
 
 
 def _check_sizes(c: ModelConfig) -> None:

@@ -461,6 +461,8 @@ def to_configdict(config: Any) -> ml_collections.ConfigDict:
   out = ml_collections.ConfigDict()
   hints = typing.get_type_hints(type(config))
   for field in dataclasses.fields(config):
+    if not field.init:  # a derived size (ModelConfig.head_size, ...): not a knob
+      continue
     value = getattr(config, field.name)
     if dataclasses.is_dataclass(value):
       out[field.name] = to_configdict(value)
