@@ -18,7 +18,8 @@ def lines_run(fn: Callable[[], Any], root: str) -> dict[str, set[int]]:
   """{file: distinct line numbers} of the files under `root` that run while `fn()` runs.
 
   A `sys.settrace` tracer over the calling thread: it counts each line once however often it
-  runs, and follows Python only, so jitted and compiled code counts by the Python that traces it.
+  runs, the `def` line of each function entered among them, and follows Python only, so jitted
+  and compiled code counts by the Python that traces it.
   """
   root = os.path.abspath(root) + os.sep
   seen: dict[str, set[int]] = collections.defaultdict(set)
@@ -29,7 +30,10 @@ def lines_run(fn: Callable[[], Any], root: str) -> dict[str, set[int]]:
     return local
 
   def on_call(frame, event, arg):
-    return local if frame.f_code.co_filename.startswith(root) else None
+    if not frame.f_code.co_filename.startswith(root):
+      return None
+    seen[frame.f_code.co_filename].add(frame.f_code.co_firstlineno)  # the def (or decorator)
+    return local
 
   previous = sys.gettrace()
   threading.settrace(on_call)
