@@ -30,7 +30,8 @@ import numpy as np
 from transformer.config import ModelConfig
 from transformer.model import hooks, models
 from transformer.model import positions as positions_lib
-from transformer.model.layers import make_norm
+from transformer.model import primitives as norms
+from transformer.model.parts import parts
 
 SOURCES = ('tokens', 'positions')
 
@@ -76,7 +77,7 @@ def _rows(cfg: ModelConfig, params: Any, source: str) -> np.ndarray:
 
 
 def _normed(cfg: ModelConfig, norm_params: dict, rows: np.ndarray) -> np.ndarray:
-  norm = make_norm(cfg.replace(dtype='float32'))
+  norm = parts(cfg.replace(dtype='float32')).norm()  # the model's own norm, in float32
   return np.asarray(norm.apply({'params': norm_params}, jnp.asarray(rows, jnp.float32)), np.float64)
 
 
@@ -130,7 +131,7 @@ def ov_circuit(cfg: ModelConfig, params: Any, layer: int, head: int) -> np.ndarr
 def _readout(cfg: ModelConfig, params: Any) -> np.ndarray:
   """[D, V]: centring (LayerNorm), the final norm's gain, then the unembedding."""
   D, params = cfg.d_model, nn.meta.unbox(params)
-  centre = np.eye(D) - (1.0 / D if cfg.norm == 'layernorm' else 0.0)
+  centre = np.eye(D) - (1.0 / D if norms.reapplied(cfg.norm, 'the OV readout') else 0.0)
   gain = np.asarray(params['decoder']['stack']['final_norm']['scale'], np.float64)
   return centre @ (gain[:, None] * unembed(cfg, params))
 

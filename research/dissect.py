@@ -13,6 +13,7 @@ from research.inspection import inspect_run, plot_attention, plot_head_entropy
 from transformer import data, util
 from transformer.config import ModelConfig
 from transformer.model import hooks
+from transformer.model import primitives as norms
 
 
 # Measures ------------------------------------------------------------------------------------
@@ -36,10 +37,7 @@ def _norm(cfg: ModelConfig, params: dict, x: np.ndarray) -> np.ndarray:
   if cfg.norm_placement != 'pre':
     return x
   p = {k: np.asarray(v, np.float64) for k, v in params['decoder']['stack']['final_norm'].items()}
-  if cfg.norm == 'layernorm':
-    x = x - x.mean(-1, keepdims=True)
-  y = x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * p['scale']
-  return y + p['bias'] if 'bias' in p else y
+  return norms.normalized(cfg.norm, x, cfg.norm_eps, p['scale'], p.get('bias'), 'the logit lens')
 
 
 def logit_lens(cfg: ModelConfig, params: dict, layers: list[np.ndarray]) -> np.ndarray:

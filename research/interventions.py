@@ -20,6 +20,7 @@ import numpy as np
 from transformer import data
 from transformer.config import ModelConfig
 from transformer.model import hooks, models, probes
+from transformer.model import primitives as norms
 
 Metric = Callable[[jax.Array], jax.Array]
 # The activations `patching` can patch, by position ([L, T] maps) or by head ([L, N] maps).
@@ -226,9 +227,7 @@ def direct_logit_attribution(
   scale = np.asarray(cache['ln_final.hook_scale'], np.float64)[:, position]  # [B, 1]
 
   def through(x):  # [B, D] at `position` -> [B]
-    x = np.asarray(x, np.float64)
-    if cfg.norm == 'layernorm':
-      x = x - x.mean(-1, keepdims=True)
+    x = norms.centred(cfg.norm, np.asarray(x, np.float64), 'direct logit attribution')
     return ((x / scale * w) * direction).sum(-1)
 
   parts = {'embed': through(cache['blocks.0.hook_resid_pre'][:, position])}

@@ -60,7 +60,7 @@ def _train(params, stats, x, segments, use_bias=True):
     {'params': params, 'batch_stats': stats},
     jnp.asarray(x),
     None if segments is None else jnp.asarray(segments),
-    use_running_average=False,
+    deterministic=False,
     mutable=['batch_stats'],
   )
   return np.asarray(y), jax.tree.map(np.asarray, updates['batch_stats'])
@@ -129,9 +129,7 @@ def test_without_the_collection_training_reads_and_writes_no_statistics_and_eval
   x, segments, params = _inputs(0), _segments(), _params(1, True)
   norm = BatchNorm(EPS)
   # A diagnostic forward (faults.describe_nonfinite): batch statistics, nothing to update.
-  y = norm.apply(
-    {'params': params}, jnp.asarray(x), jnp.asarray(segments), use_running_average=False
-  )
+  y = norm.apply({'params': params}, jnp.asarray(x), jnp.asarray(segments), deterministic=False)
   np.testing.assert_allclose(np.asarray(y), reference(x, segments, params)[0], 1e-5, 1e-5)
   with pytest.raises(ValueError, match=r"norm='batchnorm'.*batch_stats"):
     norm.apply({'params': params}, jnp.asarray(x))

@@ -17,6 +17,7 @@ from transformer.config import ModelConfig
 from transformer.model import decode
 from transformer.model import linear_attention as linear
 from transformer.model.attention import CacheMode, MaskSpec, MultiHeadAttention
+from transformer.model.parts import parts
 
 # phi and phi' in float64, written out independently of the JAX feature maps.
 NP_FEATURES = {
@@ -235,7 +236,8 @@ def test_state_steps_equal_parallel_attention():
     family='causal_lm', d_model=24, num_heads=4, num_kv_heads=2, head_dim=6, attention='linear',
     attention_chunk_size=4, position='rope', max_length=32,
   )  # fmt: skip
-  self_attn, cross_attn = MultiHeadAttention(cfg), MultiHeadAttention(cfg)  # RoPE: self only
+  rope = parts(cfg).relative_positions  # RoPE: self attention only
+  self_attn, cross_attn = MultiHeadAttention(cfg, relative_positions=rope), MultiHeadAttention(cfg)
   rng = np.random.default_rng(0)
   B, T, P, S = 2, 9, 3, 7
   x = jnp.asarray(rng.standard_normal((B, T, 16)), jnp.float32)

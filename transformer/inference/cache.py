@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from transformer.model import hooks as hooks_lib
+from transformer.model import primitives as norms
 
 RETURN_TYPES = ('logits', 'loss', 'both', None)
 
@@ -240,10 +241,7 @@ class ActivationCache(Mapping):
       resid = self['resid_post', layer - 1]
     else:
       resid = self['resid_mid' if mlp_input else 'resid_pre', layer]
-    x = resid.astype(np.float32)
-    if cfg.norm == 'layernorm':
-      x = x - x.mean(-1, keepdims=True)
-    return np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(cfg.norm_eps))
+    return norms.divisor(cfg.norm, resid.astype(np.float32), cfg.norm_eps, 'apply_ln_to_stack')
 
   def apply_ln_to_stack(
     self,
@@ -259,28 +257,26 @@ class ActivationCache(Mapping):
     (fold them into the next matrix). `recompute_ln` at the end runs the final norm itself on
     each part, its weight and bias included."""
     cfg = self.model.cfg
-    if cfg.norm_placement != 'pre' or cfg.norm == 'batchnorm':
+    norms.reapplied(cfg.norm, 'apply_ln_to_stack')
+    if cfg.norm_placement != 'pre':
       raise ValueError(
-        f"apply_ln_to_stack needs a pre-LN model with norm 'layernorm' or 'rmsnorm'; this one "
-        f'has norm_placement={cfg.norm_placement!r}, norm={cfg.norm!r}'
+        f'apply_ln_to_stack needs a pre-LN model (each norm reads the residual stream); this one '
+        f'has norm_placement={cfg.norm_placement!r}'
       )
     layer = self._layer(layer)
     stack = np.asarray(residual_stack, np.float32)
     if recompute_ln and layer == cfg.num_layers:
       return self._final_norm(stack)
-    if cfg.norm == 'layernorm':
-      stack = stack - stack.mean(-1, keepdims=True)
+    stack = norms.centred(cfg.norm, stack)
     return stack / _pos(self._ln_scale(layer, mlp_input), pos_slice, -2)
 
   def _final_norm(self, x: np.ndarray) -> np.ndarray:
     """The final norm of the model, weight and bias included, on [..., D]."""
     cfg = self.model.cfg
     norm = _stack(hooks_lib.unscan_params(cfg, self.model.params))['final_norm']
-    if cfg.norm == 'layernorm':
-      x = x - x.mean(-1, keepdims=True)
-    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + np.float32(cfg.norm_eps))
-    y = y * np.asarray(norm['scale'], np.float32)
-    return y + np.asarray(norm['bias'], np.float32) if 'bias' in norm else y
+    bias = np.asarray(norm['bias'], np.float32) if 'bias' in norm else None
+    scale = np.asarray(norm['scale'], np.float32)
+    return norms.normalized(cfg.norm, x, cfg.norm_eps, scale, bias, 'apply_ln_to_stack')
 
 
 def _stack(params: Any) -> Any:

@@ -22,9 +22,8 @@ from transformer.kernels import masks as kernel_masks
 from transformer.model import attention_paths as paths
 from transformer.model import compressed_attention as compressed
 from transformer.model import linear_attention as linear
-from transformer.model import positions as positions_lib
 from transformer.model.masks import MaskSpec
-from transformer.model.primitives import HookPoint, Norm, dot_general
+from transformer.model.primitives import HookPoint, dot_general
 
 _DENSE_MAX_ELEMENTS = 1024 * 1024  # auto-select 'xla' while one head's T * S logits fit this
 
@@ -203,6 +202,9 @@ class MultiHeadAttention(nn.Module):
   cfg: ModelConfig
   kernel_init: Callable = nn.initializers.xavier_uniform()  # q/k/v projections
   out_init: Callable = nn.initializers.xavier_uniform()  # the output projection
+  # RoPE or ALiBi (`parts.RELATIVE_POSITIONS`), in self attention only; None: no relative positions
+  relative_positions: Callable | None = None
+  qk_norm: Callable | None = None  # Qwen3's norm of queries and keys (`parts.qk_norm`), or None
 
   @nn.compact
   def __call__(
@@ -237,8 +239,9 @@ class MultiHeadAttention(nn.Module):
     kind = KINDS[self.cfg.attention]
     q, k, v = self._project(inputs_q, inputs_kv)  # [B, T, N, H], [B, S, K, H], [B, S, K, H]
     alibi_slopes = None
-    if self_attention:  # relative positions mean nothing between two sequences
-      q, k, alibi_slopes, positions = self._positions(q, k, positions)
+    if self.relative_positions is not None:  # RoPE or ALiBi, positions [B or 1, T]
+      positions = jnp.arange(q.shape[1])[None] if positions is None else positions
+      q, k, alibi_slopes = self.relative_positions(self.cfg, q, k, positions)
     if cache_mode is not None:  # decoding: fill the cache, or add one token to it
       _check_cache(cache_mode, self_attention, mask, return_probs)
       k, v = kind.cache(self, cache_mode, k, v, self_attention, mask, positions)
@@ -306,35 +309,9 @@ class MultiHeadAttention(nn.Module):
       for name in ('key', 'value')
     )
     q, k, v = (HookPoint(name=f'hook_{n}')(x) for n, x in (('q', q), ('k', k), ('v', v)))
-    if cfg.qk_norm:  # per head, over H, before RoPE
-      norm = lambda name: Norm(cfg.norm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, 'kv',
-                               name=name)  # fmt: skip
-      q, k = norm('query_norm')(q), norm('key_norm')(k)  # shapes unchanged
+    if self.qk_norm is not None:  # per head, over H, before RoPE
+      q, k = self.qk_norm(name='query_norm')(q), self.qk_norm(name='key_norm')(k)  # same shapes
     return q, k, v
-
-  def _positions(self, q: Array, k: Array, positions: Array | None):
-    """Self attention's relative positions: RoPE rotates q and k, ALiBi returns its slopes [N]
-    for the logits. Returns (q, k, slopes or None, positions [B or 1, T])."""
-    cfg = self.cfg
-    if cfg.position not in ('rope', 'alibi'):
-      return q, k, None, positions
-    if positions is None:
-      positions = jnp.arange(q.shape[1])[None]  # [1, T]
-    if cfg.position == 'alibi':
-      return q, k, positions_lib.alibi_slopes(cfg.num_heads), positions  # [N]
-    inv_freq, mscale = positions_lib.rope_frequencies(
-      cfg.head_size,
-      theta=cfg.rope_theta,
-      scaling=cfg.rope_scaling,
-      factor=cfg.rope_scaling_factor,
-      original_max_length=cfg.rope_original_max_length or cfg.max_length,
-      low_freq_factor=cfg.rope_low_freq_factor,
-      high_freq_factor=cfg.rope_high_freq_factor,
-    )
-    # Rotating q and k by their positions makes q.k depend on the offset i - j only.
-    q = HookPoint(name='hook_rot_q')(positions_lib.apply_rope(q, positions, inv_freq, mscale))
-    k = HookPoint(name='hook_rot_k')(positions_lib.apply_rope(k, positions, inv_freq, mscale))
-    return q, k, None, positions  # q [B, T, N, H], k [B, S, K, H]
 
   @property
   def scale(self) -> float | None:
@@ -363,18 +340,27 @@ class Kind(NamedTuple):
 
 def _softmax_attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout,
                     return_probs):  # fmt: skip
-  """softmax(q.k * scale) v through `dot_product_attention` and the configured implementation."""
+  """softmax(q.k * scale) v through the configured implementation (None: by the shapes); the
+  dense 'xla' path where the probabilities are returned, hooked or dropped out."""
   del self_attention, prefill  # the mask says what each query sees
   cfg = m.cfg
-  # The probabilities exist on the dense path only: to return, drop out or hook them.
-  hooks = None
-  if return_probs:
-    hooks = (HookPoint(name='hook_attn_scores'), HookPoint(name='hook_pattern'))
-  implementation = 'xla' if (dropout or return_probs) else cfg.attention_impl
-  rate, rng = (cfg.attention_dropout_rate, m.make_rng('dropout')) if dropout else (0.0, None)
+  # 1 / sqrt(H) keeps the logits' variance near 1 whatever the head size, so softmax does not
+  # saturate (Vaswani et al. 2017, section 3.2.1).
+  scale = 1.0 / math.sqrt(q.shape[-1]) if m.scale is None else m.scale
   mask = MaskSpec() if mask is None else mask
-  return _attend(q, k, v, mask, m.scale, implementation, return_probs, alibi_slopes,
-                 cfg.attention_chunk_size, rate, rng, hooks)  # fmt: skip
+  kwargs = dict(
+    mask=mask, scale=scale, alibi_slopes=alibi_slopes, chunk_size=cfg.attention_chunk_size
+  )
+  if return_probs or dropout:  # the probabilities exist on the dense path only
+    hooks = None
+    if return_probs:
+      hooks = (HookPoint(name='hook_attn_scores'), HookPoint(name='hook_pattern'))
+    drop = (cfg.attention_dropout_rate, m.make_rng('dropout')) if dropout else None
+    return paths.xla_attention(
+      q, k, v, return_probs=return_probs, dropout=drop, hooks=hooks, **kwargs
+    )
+  implementation = cfg.attention_impl or select_implementation(q.shape[1], k.shape[1])
+  return _IMPLEMENTATIONS[implementation](q, k, v, **kwargs)  # [B, T, N, H]
 
 
 def _check_cache(mode: CacheMode, self_attention: bool, mask, return_probs: bool) -> None:

@@ -1,7 +1,12 @@
-"""Building blocks: embeddings, norms, feed-forward and the one residual block every family uses."""
+"""Building blocks: embeddings, positions, feed-forward, the residual blocks and the stack.
+
+Each variant is its own small module or function; `parts.parts(cfg)` picks them once, when the
+model is built, and the blocks call what it picked without asking the config again.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -9,18 +14,19 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.core import lift
 
 from transformer import sharding
 from transformer.config import ModelConfig
 from transformer.model import positions as positions_lib
-from transformer.model.attention import CacheMode, MaskSpec, MultiHeadAttention
-from transformer.model.primitives import BatchNorm, HookPoint, Norm, dot_general
+from transformer.model.attention import MaskSpec
+from transformer.model.primitives import HookPoint, dot_general
 
 Array = jax.Array
 
 
 # Initialisation ------------------------------------------------------------------------------
+# Each initialiser is made once per config (the config is frozen), not again at every apply.
+@functools.cache
 def kernel_init(cfg: ModelConfig) -> Callable:
   """The weight initialiser of every projection: Xavier uniform (paper) or normal(init_std)."""
   if cfg.init_distribution == 'normal':
@@ -29,6 +35,7 @@ def kernel_init(cfg: ModelConfig) -> Callable:
   return nn.initializers.xavier_uniform()
 
 
+@functools.cache
 def residual_out_init(cfg: ModelConfig, num_layers: int) -> Callable:
   """Init of projections that write into the residual stream (attention out, second FFN layer).
 
@@ -49,6 +56,7 @@ def residual_out_init(cfg: ModelConfig, num_layers: int) -> Callable:
   return init
 
 
+@functools.cache
 def embedding_init(cfg: ModelConfig) -> Callable:
   """Token embeddings: std d_model^-0.5 when they are scaled up by sqrt(d_model), else init_std."""
   # d_model^-0.5 x sqrt(d_model) = 1: the scaled embedding has unit-variance entries, the scale
@@ -75,33 +83,6 @@ def dense(
   )
 
 
-# Norms ---------------------------------------------------------------------------------------
-def make_norm(cfg: ModelConfig, name: str | None = None) -> Norm | BatchNorm:
-  """The norm module of `cfg.norm`; call it through `apply_norm`, which feeds BatchNorm."""
-  if cfg.norm == 'batchnorm':
-    return BatchNorm(
-      cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, use_bias=cfg.norm_bias, name=name
-    )
-  return Norm(
-    cfg.norm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, use_bias=cfg.norm_bias, name=name
-  )
-
-
-def apply_norm(
-  cfg: ModelConfig, name: str, x: Array, segments: Array | None, deterministic: bool
-) -> Array:
-  """The norm `name` of `cfg` on x [B, T, D] -> [B, T, D].
-
-  LayerNorm and RMSNorm work on each token alone. BatchNorm takes its statistics from the real
-  tokens of the batch (segment ids [B, T] > 0; None: all of them) while training (not
-  `deterministic`), and normalises by its running statistics otherwise.
-  """
-  norm = make_norm(cfg, name)
-  if isinstance(norm, BatchNorm):
-    return norm(x, segments, use_running_average=deterministic)
-  return norm(x)
-
-
 # Embeddings ----------------------------------------------------------------------------------
 class Embed(nn.Module):
   """Token embedding table [V, D] of `cfg`; `attend` reuses it as the tied output projection."""
@@ -121,11 +102,7 @@ class Embed(nn.Module):
     # FSDP: gather the table's d_model shards first, so the lookup's rows stay batch-sharded.
     table = sharding.constrain(self.embedding, ('vocab', None))
     x = jnp.take(table, tokens, axis=0).astype(self.cfg.compute_dtype)  # [B, T] -> [B, T, D]
-    x = sharding.constrain(x, ('batch', 'length', 'embed'))
-    if not self.cfg.scale_embeddings:
-      return x
-    # x sqrt(D): brings entries of std D^-0.5 (see embedding_init) up to the positions' scale.
-    return x * jnp.asarray(math.sqrt(self.cfg.d_model), x.dtype)  # [B, T, D]
+    return sharding.constrain(x, ('batch', 'length', 'embed'))  # [B, T, D]
 
   def attend(self, x: Array) -> Array:
     """Logits against every embedding: [B, T, D] -> [B, T, V]."""
@@ -138,32 +115,100 @@ class Embed(nn.Module):
     return self.embedding.astype(self.cfg.compute_dtype)
 
 
-class AddPositions(nn.Module):
-  """Adds absolute positions (sinusoidal or learned) to embeddings; other schemes pass through."""
+class ScaledEmbed(Embed):
+  """`Embed` whose lookups are multiplied by sqrt(d_model) (the paper's); the tied output
+  projection uses the table unscaled."""
+
+  def __call__(self, tokens: Array) -> Array:
+    x = super().__call__(tokens)  # [B, T, D]
+    # x sqrt(D): brings entries of std D^-0.5 (see embedding_init) up to the positions' scale.
+    return x * jnp.asarray(math.sqrt(self.cfg.d_model), x.dtype)  # [B, T, D]
+
+
+def _hook_pos_embed(table: Array, x: Array) -> Array:
+  """hook_pos_embed: what is added, [B, T, D] like x (TransformerLens repeats it per row)."""
+  return HookPoint(name='hook_pos_embed')(jnp.broadcast_to(table, x.shape))
+
+
+class AddSinusoidal(nn.Module):
+  """x [B, T, D] + the paper's sinusoids of `positions` [B or 1, T]."""
 
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x: Array, positions: Array | None) -> Array:
+  def __call__(self, x: Array, positions: Array) -> Array:
+    table = positions_lib.sinusoidal(positions, self.cfg.d_model).astype(x.dtype)
+    return x + _hook_pos_embed(table, x)  # [B, T, D]
+
+
+class AddLearned(nn.Module):
+  """x [B, T, D] + a learned [max_length, D] table at `positions` [B or 1, T] (GPT-2, BERT)."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: Array, positions: Array) -> Array:
     cfg = self.cfg
-    if positions is None:
-      positions = jnp.arange(x.shape[1])[None]  # [1, T], broadcast over the batch
-    # hook_pos_embed: what is added, [B, T, D] like x (TransformerLens repeats it per row).
-    hook = lambda table: HookPoint(name='hook_pos_embed')(jnp.broadcast_to(table, x.shape))
-    if cfg.position == 'sinusoidal':
-      return x + hook(positions_lib.sinusoidal(positions, cfg.d_model).astype(x.dtype))
-    if cfg.position == 'learned':
-      table = positions_lib.LearnedPositions(
-        cfg.max_length,
+    table = positions_lib.LearnedPositions(
+      cfg.max_length,
+      cfg.d_model,
+      embedding_init=nn.with_logical_partitioning(
+        nn.initializers.normal(cfg.init_std), (None, 'embed')
+      ),
+      param_dtype=cfg.params_dtype,
+      name='positions',
+    )
+    return x + _hook_pos_embed(table(positions).astype(x.dtype), x)  # [B, T, D]
+
+
+class Embedder(nn.Module):
+  """Token embedding + absolute positions (if the model has them) + dropout: [B, T] -> [B, T, D]."""
+
+  cfg: ModelConfig
+  embed: nn.Module  # the token table (shared with a tied output head)
+  positions: Callable | None = None  # parts.absolute_positions: AddLearned, AddSinusoidal or None
+
+  @nn.compact
+  def __call__(self, tokens, positions=None, *, deterministic: bool, segments=None, **extra):
+    """tokens [B, T]; positions [B or 1, T] or None (0, 1, ...); segments [B, T] (0 = padding)
+    for BatchNorm's statistics; `extra`: TypedEmbedder's token types."""
+    x = HookPoint(name='hook_embed')(self.embed(tokens))  # [B, T, D]
+    if self.positions is not None:  # learned or sinusoidal; RoPE and ALiBi act in attention
+      positions = jnp.arange(x.shape[1])[None] if positions is None else positions  # [1, T]
+      x = self.positions(self.cfg, name='positions')(x, positions)  # [B, T, D]
+    x = self._more(x, tokens, segments, deterministic, **extra)
+    # Logical axis names; config.mesh.rules map them to mesh axes (see transformer/sharding.py).
+    x = sharding.constrain(x, ('batch', 'length', 'embed'))
+    return nn.Dropout(self.cfg.dropout_rate)(x, deterministic=deterministic)  # [B, T, D]
+
+  def _more(self, x: Array, tokens: Array, segments, deterministic: bool) -> Array:
+    return x
+
+
+class TypedEmbedder(Embedder):
+  """BERT's embedder: also sentence A/B token types (type_vocab_size > 0) and a norm over the
+  summed embeddings (`norm`, when embedding_norm)."""
+
+  norm: Callable | None = None  # parts.norm, or None
+
+  def _more(self, x, tokens, segments, deterministic, token_types=None):
+    cfg = self.cfg
+    if cfg.type_vocab_size:  # BERT's sentence A/B embedding
+      token_types = jnp.zeros_like(tokens) if token_types is None else token_types  # [B, T]
+      types = nn.Embed(
+        cfg.type_vocab_size,
         cfg.d_model,
         embedding_init=nn.with_logical_partitioning(
           nn.initializers.normal(cfg.init_std), (None, 'embed')
         ),
         param_dtype=cfg.params_dtype,
-        name='positions',
+        dtype=cfg.compute_dtype,
+        name='token_types',
       )
-      return x + hook(table(positions).astype(x.dtype))  # [B, T, D]
-    return x  # 'rope' and 'alibi' act inside attention; 'none' adds nothing
+      x = x + HookPoint(name='hook_token_type_embed')(types(token_types))  # [B, T, D]
+    if self.norm is not None:  # BERT normalises the summed embeddings
+      x = self.norm(name='norm')(x, segments, deterministic)
+    return x
 
 
 # Feed-forward --------------------------------------------------------------------------------
@@ -176,31 +221,41 @@ ACTIVATIONS = {
 
 
 class FeedForward(nn.Module):
-  """Position-wise MLP: D -> d_ff -> D with ReLU, GELU (exact or tanh) or SwiGLU."""
+  """Position-wise MLP: D -> d_ff -> D with ReLU or GELU (exact or tanh) between."""
 
   cfg: ModelConfig
   out_init: Callable = nn.initializers.xavier_uniform()
 
+  def _proj(self, features: int, name: str, axes: tuple, init=None) -> nn.Dense:
+    return dense(self.cfg, features, axes, name, init, self.cfg.use_bias, dot_general)
+
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
     cfg = self.cfg
+    h = ACTIVATIONS[cfg.activation](HookPoint(name='hook_pre')(self._up(x)))  # [B, T, F]
+    return self._down(h, deterministic)
 
-    def proj(features, name, axes, init=None):
-      return dense(cfg, features, axes, name, init, cfg.use_bias, dot_general)
+  def _up(self, x: Array, name: str = 'wi') -> Array:
+    """x [B, T, D] -> [B, T, F] by the up projection `name` (logical axes embed, mlp)."""
+    return self._proj(self.cfg.d_ff, name, ('embed', 'mlp'))(x)
 
-    up = ('embed', 'mlp')  # logical axes of the [D, F] up projections
-    if cfg.activation == 'swiglu':
-      # SwiGLU: silu(x W_gate) * (x W_in), a gated unit with two up projections (LLaMA).
-      pre = HookPoint(name='hook_pre')(proj(cfg.d_ff, 'gate', up)(x))  # [B, T, F]
-      linear = HookPoint(name='hook_pre_linear')(proj(cfg.d_ff, 'wi', up)(x))  # [B, T, F]
-      h = nn.silu(pre) * linear  # [B, T, F]
-    else:
-      h = ACTIVATIONS[cfg.activation](HookPoint(name='hook_pre')(proj(cfg.d_ff, 'wi', up)(x)))
+  def _down(self, h: Array, deterministic: bool) -> Array:
+    """The hidden h [B, T, F] -> [B, T, D], after the hidden dropout and hook_post."""
     h = sharding.constrain(h, ('batch', 'length', 'mlp'))
-    h = nn.Dropout(cfg.ffn_dropout_rate)(h, deterministic=deterministic)
+    h = nn.Dropout(self.cfg.ffn_dropout_rate)(h, deterministic=deterministic)
     h = HookPoint(name='hook_post')(h)  # [B, T, F]
     # 'wo' writes into the residual stream, so it takes the block's (maybe scaled) out_init.
-    return proj(cfg.d_model, 'wo', ('mlp', 'embed'), self.out_init)(h)  # [B, T, D]
+    return self._proj(self.cfg.d_model, 'wo', ('mlp', 'embed'), self.out_init)(h)  # [B, T, D]
+
+
+class GatedFeedForward(FeedForward):
+  """SwiGLU: silu(x W_gate) * (x W_in), a gated unit with two up projections (LLaMA)."""
+
+  @nn.compact
+  def __call__(self, x: Array, deterministic: bool) -> Array:
+    pre = HookPoint(name='hook_pre')(self._up(x, 'gate'))  # [B, T, F]
+    linear = HookPoint(name='hook_pre_linear')(self._up(x, 'wi'))  # [B, T, F]
+    return self._down(nn.silu(pre) * linear, deterministic)
 
 
 # The residual block --------------------------------------------------------------------------
@@ -254,230 +309,3 @@ class ShortConv(nn.Module):
         shifted = jnp.where(same[..., None], shifted, 0)
       out = out + shifted * w[i]
     return out  # [B, T, D]
-
-
-class Block(nn.Module):
-  """One Transformer layer: self attention, optional cross attention, feed-forward (none when
-  `d_ff=0`: attention only).
-
-  Each sub-layer is `x + dropout(f(norm(x)))` with pre-LN, or `norm(x + dropout(f(x)))` with
-  post-LN (the paper). `scanned=True` returns `(x, None)` for `nn.scan`. With `cache_mode`, the
-  attentions decode with a KV cache (see `attention.CacheMode`).
-  """
-
-  cfg: ModelConfig
-  num_layers: int  # depth of the stack, for the scaled init
-  cross_attention: bool = False
-  deterministic: bool = True
-  scanned: bool = False
-  cache_mode: CacheMode | None = None
-
-  @nn.compact
-  def __call__(
-    self,
-    x: Array,
-    encoded: Array | None,
-    self_mask: MaskSpec,
-    cross_mask: MaskSpec | None,
-    positions: Array | None,
-  ):
-    """x: [B, T, D]; encoded: [B, S, D] for cross attention. Returns [B, T, D]."""
-    cfg = self.cfg
-    out_init = residual_out_init(cfg, self.num_layers)
-    drop = nn.Dropout(cfg.dropout_rate)
-    # x's tokens: segment ids [B, T], 0 = padding (BatchNorm's statistics skip those).
-    segments = None if self_mask is None else self_mask.q_segment_ids
-
-    def sublayer(x, fn, name):  # [B, T, D] -> [B, T, D]
-      # Pre-LN leaves the residual path un-normalised (stable deep stacks, needs a final norm);
-      # post-LN normalises the sum, as in the 2017 paper.
-      # residual=False ablates the skip connection: the sub-layer's output replaces x.
-      skip = x if cfg.residual else 0
-      norm = lambda h: apply_norm(cfg, f'{name}_norm', h, segments, self.deterministic)
-      if cfg.norm_placement == 'pre':
-        return skip + drop(fn(norm(x)), deterministic=self.deterministic)
-      return norm(skip + drop(fn(x), deterministic=self.deterministic))
-
-    # RoPE and ALiBi act in self attention only: in cross attention, decoder and encoder
-    # positions index different sequences, so their distance means nothing.
-    attention = lambda name: MultiHeadAttention(cfg, kernel_init(cfg), out_init, name=name)
-
-    self_attn = attention('self_attention')
-    conv = lambda h: h
-    if cfg.short_conv:
-      short = ShortConv(cfg.short_conv, param_dtype=cfg.params_dtype, name='short_conv')
-      conv = lambda h: short(h, self_mask, positions, self.cache_mode)
-    hook = lambda name, h: HookPoint(name=name)(h)  # TransformerLens's names; see hooks.py
-    x = hook('hook_resid_pre', x)  # [B, T, D]
-    # Self attention: causal in a decoder, not in an encoder (self_mask says which).
-    x = sublayer(
-      x,
-      lambda h: hook(
-        'hook_attn_out',
-        self_attn(
-          conv(h),
-          mask=self_mask,
-          positions=positions,
-          deterministic=self.deterministic,
-          cache_mode=self.cache_mode,
-        ),
-      ),
-      'self_attention',
-    )  # [B, T, D]
-    if cfg.d_ff or self.cross_attention:  # attention-only: resid_post follows (TransformerLens)
-      x = hook('hook_resid_mid', x)
-    if self.cross_attention:
-      cross_attn = attention('cross_attention')
-      # Queries from x [B, T, D], keys/values from the encoder output [B, S, D].
-      x = sublayer(
-        x,
-        lambda h: hook(
-          'hook_cross_attn_out',
-          cross_attn(
-            h,
-            encoded,
-            mask=cross_mask,
-            deterministic=self.deterministic,
-            cache_mode=self.cache_mode,
-          ),
-        ),
-        'cross_attention',
-      )  # [B, T, D]
-    if cfg.d_ff:  # d_ff=0: an attention-only layer (Elhage et al. 2021), no MLP sub-layer
-      ffn = FeedForward(cfg, out_init, name='mlp')
-      x = sublayer(x, lambda h: hook('hook_mlp_out', ffn(h, self.deterministic)), 'mlp')
-    x = sharding.constrain(x, ('batch', 'length', 'embed'))  # [B, T, D]
-    x = hook('hook_resid_post', x)
-    return (x, None) if self.scanned else x
-
-
-REMAT_POLICIES = {
-  'full': None,  # save nothing, recompute the whole block
-  # Keep the weight matmuls' outputs (attention's batched einsums are recomputed, as is the rest).
-  'save_matmuls': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-# Rematerialisation ---------------------------------------------------------------------------
-# jax.checkpoint alone does not save memory in an unscanned stack on XLA:CPU: its guard against
-# CSE, an optimization barrier on the residuals (and cotangents) in the backward, is removed by
-# XLA:CPU before CSE runs, which then merges each recomputed forward back into the original one
-# (the activations stay live from forward to backward, as without remat). Here the residuals
-# instead get a data dependence on the block's incoming cotangent: `x + 0 * ct[0]`, which no
-# backend may fold (0 * NaN is NaN), so the recomputation can neither be merged with the forward
-# nor scheduled before the backward reaches the block. It is exact for finite cotangents.
-def _tie_to_cotangent(residuals, ct):
-  """`residuals` with each numeric leaf made to depend on the first float leaf of `ct`."""
-  floats = [c for c in jax.tree.leaves(ct) if jnp.issubdtype(c.dtype, jnp.inexact)]
-  if not floats:
-    return residuals
-  zero = floats[0].ravel()[0] * 0  # a traced 0: the dependence, not a constant XLA may fold
-
-  def tie(r):
-    if jnp.issubdtype(r.dtype, jnp.inexact) or jnp.issubdtype(r.dtype, jnp.integer):
-      return r + zero.astype(r.dtype)
-    return r  # bool masks and PRNG keys: cheap to rebuild, and `+` does not apply
-
-  return jax.tree.map(tie, residuals)
-
-
-def _checkpoint(fn: Callable, policy: Callable | None) -> Callable:
-  """`jax.checkpoint(fn, policy=policy)` whose recomputation waits for the output cotangent."""
-
-  def call(*args):
-    # Trace `fn` once, here: flax's scope functions are stateful (RNG counters), and custom_vjp
-    # would retrace them later (inside nn.scan, with other dropout masks than the forward's).
-    pure, consts = jax.closure_convert(fn, *args)
-    rematted = jax.checkpoint(pure, policy=policy, prevent_cse=False)  # the tie prevents CSE
-
-    @jax.custom_vjp
-    def checkpointed(*args):
-      return pure(*args)
-
-    def forward(*args):
-      return jax.vjp(rematted, *args)  # residuals: the inputs and what `policy` saves
-
-    def backward(vjp_fn, ct):
-      return _tie_to_cotangent(vjp_fn, ct)(ct)  # recompute the block, then its vjp
-
-    checkpointed.defvjp(forward, backward)
-    return checkpointed(*args, *consts)
-
-  return call
-
-
-def _lift_checkpoint(fn: Callable, policy: Callable | None) -> Callable:
-  """`flax.core.lift.checkpoint` with `_checkpoint` in place of `jax.checkpoint`."""
-
-  def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args):
-    def pure(variable_groups, rng_groups, *args):
-      scope = scope_fn(variable_groups, rng_groups)
-      return fn(scope, *args), repack_fn(scope)
-
-    return _checkpoint(pure, policy)(variable_groups, rng_groups, *args)
-
-  return lift.pack(inner, (True,), (True,), (True,), name='remat')
-
-
-def remat(module: type[nn.Module], policy: Callable | None) -> type[nn.Module]:
-  """`nn.remat(module, policy=policy)` that saves memory on every backend, scanned or not.
-
-  The parameter tree is that of `module`: only the gradient computation changes.
-  """
-  return nn.transforms.lift_transform(_lift_checkpoint, module, policy=policy)
-
-
-class Stack(nn.Module):
-  """`num_layers` blocks, optionally rematerialised and/or scanned, plus the pre-LN final norm."""
-
-  cfg: ModelConfig
-  num_layers: int
-  cross_attention: bool = False
-
-  @nn.compact
-  def __call__(
-    self,
-    x,
-    encoded,
-    self_mask,
-    cross_mask,
-    positions,
-    deterministic: bool,
-    cache_mode: CacheMode | None = None,
-  ):
-    cfg = self.cfg
-    block = Block
-    if cfg.remat != 'none':
-      # Recompute activations in the backward pass instead of keeping them (see `remat`).
-      block = remat(block, REMAT_POLICIES[cfg.remat])
-    kwargs = dict(
-      cfg=cfg,
-      num_layers=self.num_layers,
-      cross_attention=self.cross_attention,
-      deterministic=deterministic,
-      cache_mode=cache_mode,
-    )
-    # Scanning compiles one block and loops it L times (compile time independent of depth);
-    # the Python loop unrolls L separate blocks.
-    if cfg.scan_layers and self.num_layers:
-      axes = {'params': 0, 'cache': 0}  # each layer its own params and KV cache
-      if cfg.norm == 'batchnorm':
-        axes['batch_stats'] = 0  # and its own running statistics
-      scanned = nn.scan(
-        block,
-        variable_axes=axes,
-        split_rngs={'params': True, 'dropout': True},  # each layer its own init and dropout
-        in_axes=(nn.broadcast,) * 4,  # encoded, masks and positions: the same for every layer
-        length=self.num_layers,
-        metadata_params={nn.PARTITION_NAME: 'layers'},  # stacked params: [layers, ...]
-      )
-      x, _ = scanned(**kwargs, scanned=True, name='layers')(
-        x, encoded, self_mask, cross_mask, positions
-      )  # [B, T, D]; x is the carry
-    else:
-      for i in range(self.num_layers):
-        x = block(**kwargs, name=f'layer_{i}')(x, encoded, self_mask, cross_mask, positions)
-    if cfg.norm_placement == 'pre':  # pre-LN's residual stream was never normalised
-      segments = None if self_mask is None else self_mask.q_segment_ids  # [B, T]
-      x = apply_norm(cfg, 'final_norm', x, segments, deterministic)
-    return x  # [B, T, D]

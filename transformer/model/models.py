@@ -38,15 +38,9 @@ import numpy as np
 from transformer import sharding
 from transformer.config import ModelConfig
 from transformer.model.attention import CacheMode, MaskSpec
-from transformer.model.layers import (
-  ACTIVATIONS,
-  AddPositions,
-  Embed,
-  Stack,
-  apply_norm,
-  dense,
-)
-from transformer.model.primitives import HookPoint
+from transformer.model.blocks import Block, CrossBlock, Stack
+from transformer.model.layers import ACTIVATIONS, dense
+from transformer.model.parts import parts
 
 Array = jax.Array
 
@@ -70,87 +64,44 @@ def _cross_mask(q_segments: Array | None, kv_segments: Array | None, q_len, kv_l
   return MaskSpec(q_segment_ids=q_segments, kv_segment_ids=kv_segments)
 
 
-class Embedder(nn.Module):
-  """Token embedding + absolute positions (+ token types, + norm) + dropout: [B, T] -> [B, T, D]."""
-
-  cfg: ModelConfig
-  embed: nn.Module
-
-  @nn.compact
-  def __call__(
-    self, tokens, positions=None, token_types=None, *, deterministic: bool, segments=None
-  ) -> Array:
-    """tokens [B, T]; segments [B, T] (0 = padding) for BatchNorm's statistics."""
-    cfg = self.cfg
-    x = HookPoint(name='hook_embed')(self.embed(tokens))  # [B, T, D]
-    x = AddPositions(cfg, name='positions')(x, positions)  # [B, T, D]; RoPE/ALiBi: unchanged
-    if cfg.type_vocab_size:  # BERT's sentence A/B embedding
-      if token_types is None:
-        token_types = jnp.zeros_like(tokens)
-      types = nn.Embed(
-        cfg.type_vocab_size,
-        cfg.d_model,
-        embedding_init=nn.with_logical_partitioning(
-          nn.initializers.normal(cfg.init_std), (None, 'embed')
-        ),
-        param_dtype=cfg.params_dtype,
-        dtype=cfg.compute_dtype,
-        name='token_types',
-      )
-      x = x + HookPoint(name='hook_token_type_embed')(types(token_types))  # [B, T, D]
-    if cfg.embedding_norm:  # BERT normalises the summed embeddings
-      x = apply_norm(cfg, 'norm', x, segments, deterministic)
-    # Logical axis names; config.mesh.rules map them to mesh axes (see transformer/sharding.py).
-    x = sharding.constrain(x, ('batch', 'length', 'embed'))
-    return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)  # [B, T, D]
-
-
 class Encoder(nn.Module):
-  """Bidirectional stack: tokens [B, S] -> hidden states [B, S, D]."""
+  """Embeddings and a bidirectional stack: tokens [B, S] -> hidden states [B, S, D]. The 2017
+  encoder and BERT's."""
 
   cfg: ModelConfig
   embed: nn.Module
 
   @nn.compact
-  def __call__(
-    self, inputs, *, segments=None, positions=None, token_types=None, deterministic=True
-  ):
-    cfg = self.cfg
-    x = Embedder(cfg, self.embed, name='embedder')(
-      inputs, positions, token_types, deterministic=deterministic, segments=segments
+  def __call__(self, inputs, *, segments=None, positions=None, deterministic=True, **extra):
+    """`extra`: BERT's token types, for its embedder."""
+    cfg, p = self.cfg, parts(self.cfg)
+    x = p.embedder(cfg, self.embed, name='embedder')(
+      inputs, positions, deterministic=deterministic, segments=segments, **extra
     )  # [B, S, D]
     # Not causal: a source token sees every token of its own segment (within cfg.window, if set).
     mask = MaskSpec(q_segment_ids=segments, kv_segment_ids=segments, window=cfg.window)
-    # encoded=None and cross_mask=None: the encoder's blocks have no cross attention.
-    return Stack(cfg, cfg.num_layers, name='stack')(x, None, mask, None, positions, deterministic)
+    stack = Stack(cfg, p, cfg.num_layers, name='stack')
+    return stack(x, mask, positions, deterministic=deterministic)  # [B, S, D]
 
 
 class Decoder(nn.Module):
-  """Causal stack with optional cross attention: tokens [B, T] -> hidden states [B, T, D]."""
+  """Embeddings and a causal stack: tokens [B, T] -> hidden states [B, T, D]. GPT's whole model
+  below the head; the 2017 decoder passes `CrossBlock` and the encoder's output as `context`."""
 
   cfg: ModelConfig
   embed: nn.Module
   num_layers: int
-  cross_attention: bool = True  # False for CausalLM: no encoder to attend to
+  block: type[nn.Module] = Block
 
   @nn.compact
-  def __call__(
-    self,
-    encoded,
-    tokens,
-    *,
-    self_mask,
-    cross_mask,
-    positions=None,
-    deterministic=True,
-    cache_mode: CacheMode | None = None,
-  ) -> Array:
-    x = Embedder(self.cfg, self.embed, name='embedder')(
-      tokens, positions, deterministic=deterministic, segments=self_mask.q_segment_ids
+  def __call__(self, tokens, mask, *context, positions=None, deterministic=True, cache_mode=None):
+    """mask: the causal self-attention MaskSpec; context: CrossBlock's (encoded, cross_mask)."""
+    cfg, p = self.cfg, parts(self.cfg)
+    x = p.embedder(cfg, self.embed, name='embedder')(
+      tokens, positions, deterministic=deterministic, segments=mask.q_segment_ids
     )  # [B, T, D]
-    stack = Stack(self.cfg, self.num_layers, self.cross_attention, name='stack')
-    # encoded [B, S, D] (None for CausalLM) -> [B, T, D]
-    return stack(x, encoded, self_mask, cross_mask, positions, deterministic, cache_mode)
+    stack = Stack(cfg, p, self.num_layers, self.block, name='stack')
+    return stack(x, mask, positions, *context, deterministic=deterministic, cache_mode=cache_mode)
 
 
 class HeadInputs(NamedTuple):
@@ -166,27 +117,40 @@ def has_fused_head(cfg: ModelConfig) -> bool:
   return cfg.tie_output and cfg.num_classes == 0
 
 
-class OutputHead(nn.Module):
-  """Hidden states [B, T, D] -> logits [B, T, V]: the tied embedding or its own projection."""
+class TiedHead(nn.Module):
+  """Hidden states [B, T, D] -> logits [B, T, V] by the transposed input embedding."""
 
   cfg: ModelConfig
   embed: nn.Module
 
-  @nn.compact
   def __call__(self, x: Array, head_inputs: bool = False) -> Array | HeadInputs:
-    """`head_inputs=True` (tied heads only) returns what `objectives.head_cross_entropy` takes."""
-    cfg = self.cfg
-    if head_inputs:  # for a loss that never builds the [B, T, V] logits (objectives.py)
-      if not cfg.tie_output:
-        raise ValueError('head_inputs=True needs tie_output=True (the head is the embedding)')
+    """`head_inputs=True` returns what `objectives.head_cross_entropy` takes, for a loss that
+    never builds the [B, T, V] logits (objectives.py)."""
+    if head_inputs:
       return HeadInputs(x, self.embed.table(), None)
     # Logits stay in the compute dtype here; the losses (objectives.py) cast them to float32
     # before the softmax, where bfloat16 would lose precision over V classes.
-    if cfg.tie_output:  # reuse the input embedding [V, D] as the output projection
-      return self.embed.attend(x)  # [B, T, V]
-    # An untied head: its own [D, V] matrix (and bias [V], where weight processing put one).
+    return self.embed.attend(x)  # [B, T, V]
+
+
+class UntiedHead(nn.Module):
+  """Hidden states [B, T, D] -> logits [B, T, V] by its own [D, V] matrix (and bias [V], where
+  weight processing put one)."""
+
+  cfg: ModelConfig
+  embed: nn.Module  # unused: the head has its own matrix
+
+  @nn.compact
+  def __call__(self, x: Array, head_inputs: bool = False) -> Array:
+    cfg = self.cfg
+    if head_inputs:
+      raise ValueError('head_inputs=True needs tie_output=True (the head is the embedding)')
     logits = dense(cfg, cfg.vocab_size, ('embed', 'vocab'), 'logits', use_bias=cfg.output_bias)(x)
-    return sharding.constrain(logits, ('batch', 'length', 'vocab'))
+    return sharding.constrain(logits, ('batch', 'length', 'vocab'))  # [B, T, V]
+
+
+def _head(cfg: ModelConfig) -> type[nn.Module]:
+  return TiedHead if cfg.tie_output else UntiedHead
 
 
 class EncoderDecoder(nn.Module):
@@ -197,16 +161,17 @@ class EncoderDecoder(nn.Module):
   def setup(self):
     cfg = self.cfg
     # One table for source, target and output (the paper's shared vocabulary), or two.
+    embed = parts(cfg).embed
     if cfg.share_embeddings:
-      self.embedding = Embed(cfg)
+      self.embedding = embed(cfg)
       source, target = self.embedding, self.embedding
     else:
-      self.source_embedding = Embed(cfg)
-      self.target_embedding = Embed(cfg)
+      self.source_embedding = embed(cfg)
+      self.target_embedding = embed(cfg)
       source, target = self.source_embedding, self.target_embedding
     self.encoder = Encoder(cfg, source)
-    self.decoder = Decoder(cfg, target, cfg.decoder_layers)
-    self.head = OutputHead(cfg, target)  # tied to the target embedding when cfg.tie_output
+    self.decoder = Decoder(cfg, target, cfg.decoder_layers, CrossBlock)
+    self.head = _head(cfg)(cfg, target)  # tied to the target embedding when cfg.tie_output
 
   def encode(self, inputs, *, inputs_segments=None, inputs_positions=None, deterministic=True):
     """Source tokens [B, S] -> encoded [B, S, D]."""
@@ -241,10 +206,10 @@ class EncoderDecoder(nn.Module):
     # Decoder segment k sees all of source segment k (packed examples stay apart).
     cross_mask = _cross_mask(segments, inputs_segments, decoder_inputs.shape[1], encoded.shape[1])
     y = self.decoder(
-      encoded,
       decoder_inputs,
-      self_mask=self_mask,
-      cross_mask=cross_mask,
+      self_mask,
+      encoded,  # [B, S, D]: what the cross attention reads
+      cross_mask,
       positions=targets_positions,
       deterministic=deterministic,
       cache_mode=cache_mode,
@@ -293,9 +258,10 @@ class CausalLM(nn.Module):
   cfg: ModelConfig
 
   def setup(self):
-    self.embedding = Embed(self.cfg)
-    self.decoder = Decoder(self.cfg, self.embedding, self.cfg.num_layers, cross_attention=False)
-    self.head = OutputHead(self.cfg, self.embedding)
+    cfg = self.cfg
+    self.embedding = parts(cfg).embed(cfg)
+    self.decoder = Decoder(cfg, self.embedding, cfg.num_layers)
+    self.head = _head(cfg)(cfg, self.embedding)
 
   def __call__(
     self,
@@ -316,13 +282,7 @@ class CausalLM(nn.Module):
     # Token t sees tokens <= t of its own segment: packed documents do not see each other.
     mask = MaskSpec(causal=True, q_segment_ids=segments, kv_segment_ids=segments, window=cfg.window)
     y = self.decoder(
-      None,  # no encoder: the Decoder's blocks were built without cross attention
-      inputs,
-      self_mask=mask,
-      cross_mask=None,
-      positions=positions,
-      deterministic=deterministic,
-      cache_mode=cache_mode,
+      inputs, mask, positions=positions, deterministic=deterministic, cache_mode=cache_mode
     )  # [B, T, D]
     return self.head(y, head_inputs)  # [B, T, V], or HeadInputs
 
@@ -352,7 +312,7 @@ class BidirectionalLM(nn.Module):
     if head_inputs and not has_fused_head(cfg):
       raise ValueError('head_inputs=True needs the tied MLM head (tie_output, num_classes=0)')
     segments = _segments(inputs, segments, cfg.pad_id)  # [B, T] or None
-    embedding = Embed(cfg, name='embedding')  # also the MLM head's output matrix
+    embedding = parts(cfg).embed(cfg, name='embedding')  # also the MLM head's output matrix
     x = Encoder(cfg, embedding, name='encoder')(
       inputs,
       segments=segments,
@@ -360,27 +320,50 @@ class BidirectionalLM(nn.Module):
       token_types=token_types,
       deterministic=deterministic,
     )  # [B, T, D]
-    if not cfg.output_head:  # an encoder without a head (HF BertModel): the hidden states
-      return x
-    head = lambda features, name: dense(cfg, features, ('embed', None), name)
-    if cfg.num_classes:  # pooler on the first token, then a classifier
-      # x[:, 0] is BERT's [CLS]: the one position trained to summarise the whole input.
-      pooled = jnp.tanh(head(cfg.d_model, 'pooler')(x[:, 0]))  # [B, D]
-      pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
-      return head(cfg.num_classes, 'classifier')(pooled)  # [B, C]
-    # BERT's MLM transform: dense, activation, norm, then the tied projection plus a bias.
-    # SwiGLU needs two projections, so this one-matrix head falls back to GELU.
-    activation = 'gelu' if cfg.activation == 'swiglu' else cfg.activation
-    h = ACTIVATIONS[activation](head(cfg.d_model, 'mlm_dense')(x))  # [B, T, D]
-    h = apply_norm(cfg, 'mlm_norm', h, segments, deterministic)
-    zeros = nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',))
-    bias = self.param('mlm_bias', zeros, (cfg.vocab_size,), cfg.params_dtype)  # [V]
-    if head_inputs:
-      return HeadInputs(h, embedding.table(), bias)
-    return embedding.attend(h) + bias.astype(h.dtype)  # [B, T, V]
+    return _bert_head(cfg)(self, x, embedding, segments, deterministic, head_inputs)
 
   def dummy_inputs(self, batch: int = 1, length: int | None = None) -> dict[str, Any]:
     return {'inputs': jnp.ones((batch, length or _dummy_length(self.cfg)), jnp.int32)}
+
+
+# BERT's heads, called inside BidirectionalLM (their parameters sit at its top level) as
+# head(model, x [B, T, D], embedding, segments, deterministic, head_inputs).
+def _bert_dense(model, features: int, name: str) -> nn.Dense:
+  return dense(model.cfg, features, ('embed', None), name)
+
+
+def _hidden_states(model, x, embedding, segments, deterministic, head_inputs):
+  """No head (HF's BertModel): the final hidden states [B, T, D]."""
+  return x
+
+
+def _classifier(model, x, embedding, segments, deterministic, head_inputs):
+  """A pooler on the first token, then a classifier: [B, C]."""
+  cfg = model.cfg
+  # x[:, 0] is BERT's [CLS]: the one position trained to summarise the whole input.
+  pooled = jnp.tanh(_bert_dense(model, cfg.d_model, 'pooler')(x[:, 0]))  # [B, D]
+  pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
+  return _bert_dense(model, cfg.num_classes, 'classifier')(pooled)  # [B, C]
+
+
+def _masked_lm(model, x, embedding, segments, deterministic, head_inputs):
+  """BERT's MLM transform (dense, activation, norm), then the tied projection plus a bias."""
+  cfg = model.cfg
+  # SwiGLU needs two projections, so this one-matrix head falls back to GELU.
+  activation = 'gelu' if cfg.activation == 'swiglu' else cfg.activation
+  h = ACTIVATIONS[activation](_bert_dense(model, cfg.d_model, 'mlm_dense')(x))  # [B, T, D]
+  h = parts(cfg).norm(name='mlm_norm')(h, segments, deterministic)
+  zeros = nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',))
+  bias = model.param('mlm_bias', zeros, (cfg.vocab_size,), cfg.params_dtype)  # [V]
+  if head_inputs:
+    return HeadInputs(h, embedding.table(), bias)
+  return embedding.attend(h) + bias.astype(h.dtype)  # [B, T, V]
+
+
+def _bert_head(cfg: ModelConfig):
+  if not cfg.output_head:
+    return _hidden_states
+  return _classifier if cfg.num_classes else _masked_lm
 
 
 def _dummy_length(cfg: ModelConfig) -> int:

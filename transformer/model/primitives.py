@@ -10,6 +10,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Array = jax.Array
@@ -89,7 +90,10 @@ class Norm(nn.Module):
   use_bias: bool = True  # LayerNorm's bias (RMSNorm never has one)
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def __call__(self, x: Array, segments: Array | None = None, deterministic: bool = True) -> Array:
+    """x [..., D] -> x's shape; the norm of each token alone (the other arguments are BatchNorm's,
+    so that every norm has one call signature)."""
+    del segments, deterministic
     features = x.shape[-1]
     # float32 statistics: a bfloat16 mean of squares over D features loses too many digits.
     x32 = x.astype(jnp.float32)  # [..., D]
@@ -113,6 +117,42 @@ class Norm(nn.Module):
     return HookPoint(name='hook_out')(y.astype(self.dtype))  # x's shape, compute dtype
 
 
+# The norms again, in NumPy, for the analyses that reapply one outside the model (the cache's
+# apply_ln_to_stack, the logit lens, direct logit attribution, the OV readout): the arithmetic of
+# `Norm`, written once per kind. BatchNorm divides by running statistics, not by the token's own,
+# so an analysis cannot reapply it; `reapplied` refuses it in one line.
+CENTRES = {'layernorm': True, 'rmsnorm': False}  # kind -> whether it subtracts the mean
+
+
+def reapplied(kind: str, what: str) -> bool:
+  """Whether norm `kind` centres its input; an error that names `what` for a norm that cannot
+  be reapplied."""
+  if kind not in CENTRES:
+    raise ValueError(
+      f"{what} reapplies the model's norm to parts of the residual stream, which needs "
+      f"norm='layernorm' or 'rmsnorm' (each token normalised by its own statistics); this model "
+      f'has norm={kind!r}'
+    )
+  return CENTRES[kind]
+
+
+def centred(kind: str, x, what: str = 'this analysis'):
+  """x [..., D] minus its mean over D (LayerNorm), or x itself (RMSNorm)."""
+  return x - x.mean(-1, keepdims=True) if reapplied(kind, what) else x
+
+
+def divisor(kind: str, x, eps: float, what: str = 'this analysis'):
+  """The norm's divisor sqrt(var + eps) [..., 1] of x [..., D] (RMSNorm: of the mean square)."""
+  x = centred(kind, x, what)
+  return np.sqrt((x * x).mean(-1, keepdims=True) + np.asarray(eps, x.dtype))
+
+
+def normalized(kind: str, x, eps: float, scale, bias=None, what: str = 'this analysis'):
+  """The whole norm on x [..., D], in x's NumPy dtype: centred, divided, times scale, + bias."""
+  y = centred(kind, x, what) / divisor(kind, x, eps, what) * scale
+  return y if bias is None else y + bias
+
+
 # Running statistics: new = MOMENTUM * old + (1 - MOMENTUM) * the batch's. PyTorch's default
 # (its momentum=0.1): flax's 0.99 keeps 0.99^250 = 8% of the initial variance of 1 after 250
 # steps, which outweighs a Transformer's real variances (about 0.01 at the first norm of a small
@@ -123,12 +163,12 @@ BATCHNORM_MOMENTUM = 0.9
 class BatchNorm(nn.Module):
   """BatchNorm over the real tokens of a batch: per-feature statistics over batch and time.
 
-  Training (`use_running_average=False`): each feature's mean and biased variance over every
+  Training (`deterministic=False`): each feature's mean and biased variance over every
   token whose segment id is > 0 (padding, id 0, never enters them; `segments=None`: every token
   is real), then the learned scale and bias. Where the 'batch_stats' collection is mutable (the
   train step), the running mean and variance move toward the batch's by BATCHNORM_MOMENTUM;
   where it is not (a diagnostic forward), they are neither read nor written. Evaluation,
-  decoding and inference (`use_running_average=True`) normalise by the running statistics
+  decoding and inference (`deterministic=True`) normalise by the running statistics
   alone, so a token's output depends on no other token. Statistics are float32.
   """
 
@@ -140,11 +180,10 @@ class BatchNorm(nn.Module):
   momentum: float = BATCHNORM_MOMENTUM
 
   @nn.compact
-  def __call__(
-    self, x: Array, segments: Array | None = None, use_running_average: bool = True
-  ) -> Array:
+  def __call__(self, x: Array, segments: Array | None = None, deterministic: bool = True) -> Array:
     """x [..., D] (e.g. [B, T, D]); segments [...] (e.g. [B, T]) int, 0 = padding. Returns x's
-    shape in the compute dtype."""
+    shape in the compute dtype. `deterministic`: normalise by the running statistics."""
+    use_running_average = deterministic
     features = x.shape[-1]
     x32 = x.astype(jnp.float32)  # [B, T, D]
     initializing = self.is_initializing()

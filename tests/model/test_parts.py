@@ -1,0 +1,179 @@
+"""The parts table: each variant is chosen once, and a forward runs the code of its own parts only.
+
+A line tracer (bench/reading.py's kind) records the library functions one forward pass enters. For
+each option below, the functions that belong to it must run exactly when the config uses it: a
+model never walks through the code of an option it does not have, and the one it has is the one
+that runs.
+"""
+
+import inspect
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer.config import ModelConfig
+from transformer.model import (
+  attention,
+  blocks,
+  compressed_attention,
+  layers,
+  linear_attention,
+  models,
+  parts,
+  primitives,
+)
+
+
+def _code(fn):
+  return inspect.unwrap(fn).__code__
+
+
+# option: (does cfg use it?, the functions only it runs)
+OPTIONS = {
+  'dense mlp': (lambda c: c.d_ff and c.activation != 'swiglu', [layers.FeedForward.__call__]),
+  'gated mlp': (lambda c: c.d_ff and c.activation == 'swiglu', [layers.GatedFeedForward.__call__]),
+  'mlp sub-layer': (lambda c: c.d_ff > 0, [blocks.Block._mlp]),
+  'cross attention': (
+    lambda c: c.family == 'encoder_decoder',
+    [blocks.CrossBlock._after_attention],
+  ),
+  'token types or embedding norm': (
+    lambda c: c.family == 'bidirectional_lm' or c.type_vocab_size or c.embedding_norm,
+    [layers.TypedEmbedder._more],
+  ),
+  'sinusoidal': (lambda c: c.position == 'sinusoidal', [layers.AddSinusoidal.__call__]),
+  'learned': (lambda c: c.position == 'learned', [layers.AddLearned.__call__]),
+  'rope': (lambda c: c.position == 'rope', [parts.rope]),
+  'alibi': (lambda c: c.position == 'alibi', [parts.alibi]),
+  'scaled embeddings': (lambda c: c.scale_embeddings, [layers.ScaledEmbed.__call__]),
+  'layernorm or rmsnorm': (
+    lambda c: c.norm != 'batchnorm' or c.qk_norm,
+    [primitives.Norm.__call__],
+  ),
+  'batchnorm': (lambda c: c.norm == 'batchnorm', [primitives.BatchNorm.__call__]),
+  'pre-norm': (lambda c: c.norm_placement == 'pre' and c.residual, [parts.pre_norm]),
+  'post-norm': (lambda c: c.norm_placement == 'post' and c.residual, [parts.post_norm]),
+  'no residual, pre': (
+    lambda c: c.norm_placement == 'pre' and not c.residual,
+    [parts.pre_norm_no_residual],
+  ),
+  'no residual, post': (
+    lambda c: c.norm_placement == 'post' and not c.residual,
+    [parts.post_norm_no_residual],
+  ),
+  'short convolution': (lambda c: c.short_conv > 0, [layers.ShortConv.__call__]),
+  'scan': (lambda c: c.scan_layers, [blocks.scan]),
+  'loop': (lambda c: not c.scan_layers, [blocks.loop]),
+  'remat': (lambda c: c.remat != 'none', [blocks._lift_checkpoint]),
+  'softmax': (lambda c: c.attention == 'softmax', [attention._softmax_attend]),
+  'linear attention': (lambda c: c.attention == 'linear', [linear_attention.attend]),
+  'compressed attention': (lambda c: c.attention == 'compressed', [compressed_attention.attend]),
+  'tied head': (
+    lambda c: c.family != 'bidirectional_lm' and c.tie_output,
+    [models.TiedHead.__call__],
+  ),
+  'untied head': (
+    lambda c: c.family != 'bidirectional_lm' and not c.tie_output,
+    [models.UntiedHead.__call__],
+  ),
+  'masked-LM head': (
+    lambda c: c.family == 'bidirectional_lm' and c.output_head and not c.num_classes,
+    [models._masked_lm],
+  ),
+  'classifier head': (lambda c: c.num_classes > 0, [models._classifier]),
+  'no head': (lambda c: not c.output_head, [models._hidden_states]),
+}
+
+_BASE = dict(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_layers=2, max_length=16)
+CONFIGS = {
+  'gpt2': dict(family='causal_lm', position='learned', norm_placement='pre', activation='gelu'),
+  'llama': dict(family='causal_lm', position='rope', norm='rmsnorm', norm_placement='pre',
+                activation='swiglu', tie_output=False, scale_embeddings=False, qk_norm=True),
+  'transformer': dict(family='encoder_decoder'),
+  'bert': dict(family='bidirectional_lm', position='learned', embedding_norm=True,
+               type_vocab_size=2, activation='gelu'),
+  'bert_classifier': dict(family='bidirectional_lm', num_classes=3, norm='batchnorm'),
+  'bert_hidden': dict(family='bidirectional_lm', output_head=False, position='none'),
+  'alibi_attention_only': dict(family='causal_lm', position='alibi', d_ff=0, residual=False),
+  'no_residual_pre': dict(family='causal_lm', norm_placement='pre', residual=False),
+  'linear_scan_remat': dict(family='causal_lm', attention='linear', scan_layers=True,
+                            remat='full', position='rope'),
+  'compressed_conv': dict(family='causal_lm', attention='compressed', compress_block=4,
+                          short_conv=3, norm_placement='pre'),
+}  # fmt: skip
+
+
+def _entered(cfg: ModelConfig) -> set:
+  """The code objects that one forward pass of `cfg`'s model enters (the parts table is built
+  before, by init, as a model is built once and applied many times)."""
+  model = models.build(cfg)
+  inputs = {k: v[:, :8] for k, v in model.dummy_inputs(2, 8).items()}
+  variables = models.init_variables(model, jax.random.PRNGKey(0))
+  seen = set()
+
+  def tracer(frame, event, arg):
+    seen.add(frame.f_code)
+
+  previous = sys.getprofile()
+  sys.setprofile(tracer)
+  try:
+    jax.eval_shape(lambda v: model.apply(v, **inputs), variables)
+  finally:
+    sys.setprofile(previous)
+  return seen
+
+
+@pytest.mark.parametrize('name', sorted(CONFIGS))
+def test_a_forward_runs_the_parts_of_its_options_and_no_others(name):
+  cfg = ModelConfig(**{**_BASE, **CONFIGS[name]})
+  entered = _entered(cfg)
+  wrong = []
+  for option, (used, functions) in OPTIONS.items():
+    for fn in functions:
+      if bool(used(cfg)) != (_code(fn) in entered):
+        wrong.append(f'{option}: {fn.__qualname__} {"did not run" if used(cfg) else "ran"}')
+  assert wrong == [], wrong
+
+
+def test_the_table_is_chosen_once_per_config():
+  cfg = ModelConfig(**{**_BASE, **CONFIGS['gpt2']})
+  assert parts.parts(cfg) is parts.parts(cfg.replace())  # memoised on the frozen config
+  assert parts.parts(cfg) is not parts.parts(cfg.replace(norm='rmsnorm'))
+  assert parts.parts(cfg).sublayer is parts.pre_norm
+  assert parts.parts(cfg.replace(norm_placement='post')).sublayer is parts.post_norm
+
+
+def test_every_norm_kind_has_one_call_signature():
+  x = jnp.asarray(jax.random.normal(jax.random.PRNGKey(0), (2, 3, 8)))
+  segments = jnp.asarray([[1, 1, 0], [1, 1, 1]])
+  for kind in ('layernorm', 'rmsnorm', 'batchnorm'):
+    norm = parts.parts(ModelConfig(**{**_BASE, 'norm': kind})).norm()
+    variables = norm.init(jax.random.PRNGKey(1), x, segments, False)
+    y = norm.apply(variables, x, segments, True)  # deterministic: running statistics
+    assert y.shape == x.shape, kind
+
+
+@pytest.mark.parametrize('kind', ['layernorm', 'rmsnorm'])
+def test_the_analyses_numpy_norm_is_the_models_norm(kind):
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((2, 5, 8)) * 3 + 1
+  weights = {'scale': rng.standard_normal(8) + 1}
+  if kind == 'layernorm':
+    weights['bias'] = rng.standard_normal(8)
+  module = primitives.Norm(kind, 1e-5)
+  want = module.apply({'params': weights}, jnp.asarray(x, jnp.float32))
+  got = primitives.normalized(kind, x, 1e-5, weights['scale'], weights.get('bias'))
+  np.testing.assert_allclose(got, np.asarray(want, np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_an_analysis_refuses_a_norm_it_cannot_reapply():
+  from research import dissect
+
+  cfg = ModelConfig(**{**_BASE, **CONFIGS['gpt2'], 'norm': 'batchnorm'})
+  params = models.init_params(models.build(cfg), jax.random.PRNGKey(0))
+  message = "the logit lens reapplies the model's norm .* this model has norm='batchnorm'"
+  with pytest.raises(ValueError, match=message):
+    dissect.logit_lens(cfg, params, [np.zeros((3, cfg.d_model))])

@@ -1,0 +1,168 @@
+"""The parts of a model, chosen once per frozen config: the one table of variants.
+
+`parts(cfg)` picks every variant of `cfg` (its norm, residual wiring, positions, MLP, embedder,
+qk-norm, short convolution, remat and layer loop) as a small module or function, and is
+memoised per config. The blocks and families call what it picked and never ask the config which
+option it holds, so a forward runs only the code of the parts its model has. A new variant is
+one part (a module or function beside its kind) and one line in a table here.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+
+from transformer.config import ModelConfig
+from transformer.model import blocks, layers
+from transformer.model import positions as positions_lib
+from transformer.model.primitives import BatchNorm, HookPoint, Norm
+
+Array = jax.Array
+
+
+# Residual wiring: sublayer(x, f, norm, drop) -> [B, T, D], for the sub-layer f, its norm and the
+# residual dropout. Pre-norm leaves the residual stream un-normalised (stable deep stacks; needs
+# a final norm); post-norm normalises the sum, as in the 2017 paper. Without the residual the
+# sub-layer's output replaces x (an ablation).
+def pre_norm(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
+  return x + drop(f(norm(x)))
+
+
+def post_norm(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
+  return norm(x + drop(f(x)))
+
+
+def pre_norm_no_residual(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
+  return drop(f(norm(x)))
+
+
+def post_norm_no_residual(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
+  return norm(drop(f(x)))
+
+
+# (norm_placement, residual) -> wiring, and whether the stack ends in a final norm.
+WIRINGS = {
+  ('pre', True): (pre_norm, True),
+  ('post', True): (post_norm, False),
+  ('pre', False): (pre_norm_no_residual, True),
+  ('post', False): (post_norm_no_residual, False),
+}
+
+
+# Norms: a module class with cfg's settings bound, made as norm(name=...) and called as
+# norm(x [..., D], segments [...] or None, deterministic) -> x's shape in the compute dtype.
+def _norm(cfg: ModelConfig, kind: str) -> Callable[..., nn.Module]:
+  return functools.partial(
+    Norm, kind, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, use_bias=cfg.norm_bias
+  )
+
+
+NORMS: dict[str, Callable[[ModelConfig], Callable[..., nn.Module]]] = {
+  'layernorm': lambda cfg: _norm(cfg, 'layernorm'),
+  'rmsnorm': lambda cfg: _norm(cfg, 'rmsnorm'),
+  'batchnorm': lambda cfg: functools.partial(
+    BatchNorm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, use_bias=cfg.norm_bias
+  ),
+}
+
+
+def qk_norm(cfg: ModelConfig) -> Callable[..., nn.Module] | None:
+  """Qwen3's norm of each head's queries and keys over head_dim (logical axis 'kv'), or None."""
+  if not cfg.qk_norm:
+    return None
+  return functools.partial(Norm, cfg.norm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, 'kv')
+
+
+# Relative positions, in self attention: fn(cfg, q [B, T, N, H], k [B, S, K, H], positions [B or
+# 1, T]) -> (q, k, ALiBi slopes [N] or None); called inside the attention module, whose hook
+# points (hook_rot_q, hook_rot_k) they declare.
+def rope(cfg: ModelConfig, q: Array, k: Array, positions: Array):
+  """Rotates q and k by their positions, so that q.k depends on the offset i - j only."""
+  inv_freq, mscale = positions_lib.rope_frequencies(
+    cfg.head_size,
+    theta=cfg.rope_theta,
+    scaling=cfg.rope_scaling,
+    factor=cfg.rope_scaling_factor,
+    original_max_length=cfg.rope_original_max_length or cfg.max_length,
+    low_freq_factor=cfg.rope_low_freq_factor,
+    high_freq_factor=cfg.rope_high_freq_factor,
+  )
+  q = HookPoint(name='hook_rot_q')(positions_lib.apply_rope(q, positions, inv_freq, mscale))
+  k = HookPoint(name='hook_rot_k')(positions_lib.apply_rope(k, positions, inv_freq, mscale))
+  return q, k, None  # q [B, T, N, H], k [B, S, K, H]
+
+
+def alibi(cfg: ModelConfig, q: Array, k: Array, positions: Array):
+  """Leaves q and k alone; the slopes [N] bias the logits by distance."""
+  return q, k, positions_lib.alibi_slopes(cfg.num_heads)
+
+
+RELATIVE_POSITIONS = {'rope': rope, 'alibi': alibi}  # others: none in attention
+# Absolute positions, added to the token embeddings: module(cfg, name='positions')(x, positions).
+ABSOLUTE_POSITIONS = {'sinusoidal': layers.AddSinusoidal, 'learned': layers.AddLearned}
+
+
+def embedder(cfg: ModelConfig) -> Callable[..., nn.Module]:
+  """embedder(cfg, embed, name=...): tokens, absolute positions (if any), then BERT's token
+  types and embedding norm where the model has them."""
+  positions = ABSOLUTE_POSITIONS.get(cfg.position)
+  if not (cfg.family == 'bidirectional_lm' or cfg.type_vocab_size or cfg.embedding_norm):
+    return functools.partial(layers.Embedder, positions=positions)
+  norm = NORMS[cfg.norm](cfg) if cfg.embedding_norm else None
+  return functools.partial(layers.TypedEmbedder, positions=positions, norm=norm)
+
+
+def mlp(cfg: ModelConfig) -> type[nn.Module] | None:
+  """The feed-forward sub-layer: dense, gated (SwiGLU), or none (d_ff=0: attention only)."""
+  if not cfg.d_ff:
+    return None
+  return layers.GatedFeedForward if cfg.activation == 'swiglu' else layers.FeedForward
+
+
+def remat(cfg: ModelConfig) -> Callable[[type[nn.Module]], type[nn.Module]]:
+  """The block class as it is, or rematerialised under the named policy."""
+  if cfg.remat == 'none':
+    return lambda block: block
+  return functools.partial(blocks.remat, policy=blocks.REMAT_POLICIES[cfg.remat])
+
+
+class Parts(NamedTuple):
+  """What `parts(cfg)` picked; None where the model has no such part."""
+
+  norm: Callable[..., nn.Module]  # norm(name=...)(x, segments, deterministic)
+  sublayer: Callable  # the residual wiring: sublayer(x, f, norm, drop)
+  final_norm: bool  # the stack ends in a norm (pre-norm wiring)
+  embed: type[nn.Module]  # the token table: layers.Embed, or ScaledEmbed (x sqrt(d_model))
+  embedder: Callable[..., nn.Module]  # embedder(cfg, embed, name=...)(tokens, positions, ...)
+  relative_positions: Callable | None  # fn(cfg, q, k, positions) in self attention
+  qk_norm: Callable[..., nn.Module] | None  # norm(name=...)(q or k) over head_dim
+  short_conv: Callable[..., nn.Module] | None  # conv(name=...)(x, mask, positions, cache_mode)
+  mlp: type[nn.Module] | None  # mlp(cfg, out_init, name=...)(x, deterministic)
+  remat: Callable[[type[nn.Module]], type[nn.Module]]  # block class -> block class
+  layers: Callable  # layers(block, num_layers, x, *args): blocks.loop or blocks.scan
+
+
+@functools.lru_cache(maxsize=256)
+def parts(cfg: ModelConfig) -> Parts:
+  """The parts of `cfg`'s model, chosen once (the config is frozen and hashable)."""
+  sublayer, final_norm = WIRINGS[cfg.norm_placement, cfg.residual]
+  short_conv = None
+  if cfg.short_conv:
+    short_conv = functools.partial(layers.ShortConv, cfg.short_conv, param_dtype=cfg.params_dtype)
+  return Parts(
+    norm=NORMS[cfg.norm](cfg),
+    sublayer=sublayer,
+    final_norm=final_norm,
+    embed=layers.ScaledEmbed if cfg.scale_embeddings else layers.Embed,
+    embedder=embedder(cfg),
+    relative_positions=RELATIVE_POSITIONS.get(cfg.position),
+    qk_norm=qk_norm(cfg),
+    short_conv=short_conv,
+    mlp=mlp(cfg),
+    remat=remat(cfg),
+    layers=blocks.scan if cfg.scan_layers else blocks.loop,
+  )
