@@ -1,7 +1,7 @@
 """How far a reader walks: the distinct library lines one call runs, counted by a line tracer.
 
-`python -m experiments.trace_forward` counts building and applying a preset once (STYLE.md's
-"how far a reader walks"); docs/architecture.md holds the figures.
+`python -m experiments.trace_forward` counts building and applying a preset once ("how far a
+reader walks"); docs/architecture.md holds the figures.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Learning-rate schedules and the optax optimizer, both built from the experiment config.
 
-The training loop logs the learning rate by calling `make_schedule(config)(step)` itself.
+The train step (steps.py) reports the learning rate of each update as `schedule(state.step)`,
+from the same schedule the optimizer uses.
 """
 
 from __future__ import annotations
