@@ -382,7 +382,11 @@ def test_export_refuses_other_shapes(imported, tmp_path):
   'arch, changes, message',
   [
     ('gpt2', dict(position='rope'), "model.position is 'rope', but gpt2 has 'learned'"),
-    ('gpt2', dict(num_kv_heads=2), 'model.kv_heads is 2, but gpt2 has 4'),
+    ('gpt2', dict(num_kv_heads=2), 'model.num_kv_heads is 2, but gpt2 has 4'),
+    # Knobs that an export does not map are refused at any value but their default.
+    ('gpt2', dict(norm_bias=False), 'model.norm_bias is False, but gpt2 has True'),
+    ('gpt2', dict(rope_theta=500.0), 'model.rope_theta is 500.0, but gpt2 has 10000.0'),
+    ('bert', dict(compress_block=8), 'model.compress_block is 8, but bert has 16'),
     ('gpt2', dict(activation='swiglu'), "cannot export activation='swiglu' as gpt2"),
     ('bert', dict(type_vocab_size=0), 'BERT needs token types'),
     ('bert', dict(norm_placement='pre'), "model.norm_placement is 'pre', but bert has 'post'"),

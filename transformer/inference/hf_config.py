@@ -7,6 +7,7 @@ from typing import Any
 
 import ml_collections
 
+from transformer import config as config_lib
 from transformer.config import ModelConfig, experiment
 
 ARCHS = ('gpt2', 'bert', 'llama', 'qwen2', 'qwen3', 'mistral')
@@ -151,13 +152,13 @@ _ACTIVATIONS = {'gelu': 'gelu', 'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'g
 _ACTIVATIONS['relu'] = 'relu'
 _HF_ACTIVATIONS = {'gelu': 'gelu', 'gelu_tanh': 'gelu_new', 'relu': 'relu'}
 ROPE_TYPES = {'default': 'none', 'linear': 'linear', 'llama3': 'llama3'}  # HF rope_type -> ours
-# Model keys that change the logits: an export checks them against what the arch can express.
-_LOGIT_KEYS = tuple(
+# Model knobs that never change a forward pass's logits: training, initialisation and compute
+# choices. An export compares every other knob with what the arch expresses, so a knob added
+# later is refused until the export maps it (opt-out, not opt-in).
+_NEUTRAL_KEYS = frozenset(
   (
-    'family vocab_size d_model num_heads kv_heads head_size d_ff num_layers max_length position '
-    'norm norm_eps norm_placement embedding_norm residual activation use_bias qkv_bias qk_norm '
-    'scale_embeddings attention_scale type_vocab_size num_classes output_head window rope_theta '
-    'rope_scaling rope_scaling_factor attention short_conv output_bias'
+    'dropout_rate attention_dropout_rate ffn_dropout_rate init init_distribution init_std '
+    'attention_impl attention_chunk_size dtype param_dtype remat scan_layers pad_id'
   ).split()
 )
 
@@ -367,6 +368,21 @@ def hf_config(arch: str, cfg: ModelConfig, original: dict | None = None) -> dict
   return hf
 
 
+def _resolved(cfg: ModelConfig, key: str) -> Any:
+  """A knob's value as the model uses it: None resolved where it stands for another value."""
+  value = getattr(cfg, key)
+  if value is not None:
+    return value
+  fallback = {
+    'num_kv_heads': cfg.kv_heads,
+    'head_dim': cfg.head_size,
+    'num_decoder_layers': cfg.decoder_layers,
+    'rope_original_max_length': cfg.max_length,
+    'qkv_bias': cfg.use_bias,
+  }
+  return fallback.get(key)
+
+
 def check_exportable(arch: str, cfg: ModelConfig) -> None:
   """Raises one ValueError naming the first model field that `arch` cannot express."""
   check_arch(arch)
@@ -381,12 +397,15 @@ def check_exportable(arch: str, cfg: ModelConfig) -> None:
     )
   if arch == 'bert' and cfg.type_vocab_size < 1:
     raise ValueError('cannot export this model as bert: BERT needs token types, model has none')
+  # The model that config.json describes: what the arch sets, every other knob at its default.
+  neutral = {key: getattr(cfg, key) for key in _NEUTRAL_KEYS}
   try:
-    back = ModelConfig.from_config({**cfg.to_dict(), **model_fields(arch, hf_config(arch, cfg))})
+    back = ModelConfig.from_config({**neutral, **model_fields(arch, hf_config(arch, cfg))})
   except ValueError as e:
     raise ValueError(f'cannot export this model as {arch}: {e}') from e
-  for key in _LOGIT_KEYS + (('tie_output',) if arch != 'bert' else ()):
-    mine, theirs = getattr(cfg, key), getattr(back, key)
+  skip = _NEUTRAL_KEYS | ({'tie_output'} if arch == 'bert' else set())  # BERT's MLM head is tied
+  for key in (k for k in config_lib.KNOBS if k not in skip):
+    mine, theirs = _resolved(cfg, key), _resolved(back, key)
     if mine != theirs:
       raise ValueError(
         f'cannot export this model as {arch}: model.{key} is {mine!r}, but {arch} has {theirs!r}'
