@@ -178,10 +178,7 @@ def compute(cfg: ModelConfig, full: ModelConfig | None) -> dict:
   training = training[0] if mutable else training
   arrays = {'eval': np.asarray(evaluation, np.float32), 'train': np.asarray(training, np.float32)}
   # The hook points, in the order the forward pass calls them, on the unscanned model.
-  # Linear and compressed attention form no probabilities: no pattern or scores to hook.
-  dense = cfg.attention == 'softmax'
-  names = None if dense else (lambda n: not hooks.patterns_and_scores(n))
-  logits, cache = hooks.run(cfg, variables, inputs, names=names)
+  logits, cache = hooks.run(cfg, variables, inputs, names=None)
   out['hook_order'] = list(cache)
   out['hook_names'] = hooks.hook_names(cfg)  # the list `run` selects from
   arrays['hooked'] = np.asarray(logits, np.float32)
@@ -233,7 +230,7 @@ def test_paths_hooks_and_logits_stay_frozen(name):
   assert values['full_paths'] == frozen['full_paths']
   assert values['hook_order'] == frozen['hook_order']
   assert values['hook_names'] == frozen['hook_names']
-  assert set(values['hook_order']) <= set(values['hook_names'])
+  assert values['hook_order'] == values['hook_names']  # every declared point, in call order
   for path, (total, squares) in frozen['init_sums'].items():
     np.testing.assert_allclose(values['init_sums'][path], [total, squares], rtol=1e-5, atol=1e-5)
   keys = sorted(k.split('/')[1] for k in arrays.files if k.startswith(name + '/'))

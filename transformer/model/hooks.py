@@ -20,8 +20,10 @@ encoder-only model, with l the layer:
   blocks.{l}.ln1.hook_out       [B, T, D]  the norm's output: the attention's input with pre-LN
   blocks.{l}.attn.hook_q        [B, T, N, H]  queries, before RoPE (and k, v: [B, S, K, H])
   blocks.{l}.attn.hook_k, blocks.{l}.attn.hook_v
+  blocks.{l}.attn.q_norm.hook_scale, hook_normalized, hook_out  qk-norm models: the norm of
+  blocks.{l}.attn.k_norm.hook_scale, ...   the queries (keys) per head, [B, T, N, H]
   blocks.{l}.attn.hook_rot_q    [B, T, N, H]  queries after RoPE (RoPE models; and hook_rot_k)
-  blocks.{l}.attn.hook_attn_scores  [B, N, T, S]  scaled scores, -inf where masked
+  blocks.{l}.attn.hook_attn_scores  [B, N, T, S]  scaled scores, -inf where masked (softmax only)
   blocks.{l}.attn.hook_pattern  [B, N, T, S]  probabilities
   blocks.{l}.attn.hook_z        [B, T, N, H]  each head's output, before the output projection
   blocks.{l}.attn.hook_result   [B, T, N, D]  each head's output projected (no bias); computed
@@ -40,7 +42,8 @@ encoder-only model, with l the layer:
 
 A BERT-style model (bidirectional_lm) names its embeddings as TransformerLens's HookedEncoder
 does: embed.hook_embed, embed.hook_pos_embed, embed.hook_token_type_embed and the embeddings'
-norm embed.ln.hook_scale, hook_normalized and hook_out. Pre-LN: hook_resid_mid = hook_resid_pre +
+norm embed.ln.hook_scale, hook_normalized and hook_out; its MLM head's norm is
+mlm_head.ln.hook_scale, hook_normalized and hook_out. Pre-LN: hook_resid_mid = hook_resid_pre +
 hook_attn_out. Post-LN (BERT, the 2017 paper): ln1 and ln2 normalise the sums after attention
 and MLP, and hook_resid_mid is ln1's hook_out.
 
@@ -54,11 +57,12 @@ keys), hook_z, hook_result, and decoder.blocks.{l}.hook_cross_attn_out, added to
 stream.
 
 Each name is a `HookPoint` declared in the module where its activation is made (models.py,
-layers.py, attention.py, primitives.py); `run` intercepts those calls, so nothing here computes
-an activation a second time. Patterns and scores are computed only for the layers whose pattern
-or scores are asked for or hooked, on the 'xla' path there, and per-head results only for those
-whose hook_result is; every other layer runs as configured, so a long text needs only the memory
-of what was asked for.
+layers.py, blocks.py, attention.py, parts.py, primitives.py); `hook_names` lists them as an
+abstract forward pass calls them, and `run` intercepts those calls, so nothing here computes an
+activation a second time or keeps a second list of them. Patterns and scores are computed only
+for the layers whose pattern or scores are asked for or hooked, on the 'xla' path there, and
+per-head results only for those whose hook_result is; every other layer runs as configured, so a
+long text needs only the memory of what was asked for.
 
 `run_jit` is `run` under `jax.jit` (see there what it compiles and when). `run_xla` runs every
 attention on the 'xla' path, as the inspection tools do, and `attention_entropy` reads each
@@ -111,65 +115,32 @@ def patterns_and_scores(name: str) -> bool:
   return name.endswith(('.hook_pattern', '.hook_attn_scores'))
 
 
-def _norm_names(cfg: ModelConfig, norm: str) -> list[str]:
-  """A norm's hook names: its divisor (none with batchnorm, whose divisor is per feature), the
-  normalised input (before the weight and bias), and its output."""
-  scale = [f'{norm}.hook_scale'] if cfg.norm != 'batchnorm' else []
-  return scale + [f'{norm}.hook_normalized', f'{norm}.hook_out']
-
-
-def _embedding_names(cfg: ModelConfig, prefix: str) -> list[str]:
-  """The embeddings' hook names: at the top (GPT-2's), under embed. (BERT's)."""
-  e = prefix + ('embed.' if cfg.family == 'bidirectional_lm' else '')
-  out = [e + 'hook_embed']
-  if cfg.position in ('learned', 'sinusoidal'):  # RoPE and ALiBi act inside attention
-    out.append(e + 'hook_pos_embed')
-  if cfg.type_vocab_size:
-    out.append(e + 'hook_token_type_embed')
-  return out + (_norm_names(cfg, prefix + 'embed.ln') if cfg.embedding_norm else [])
-
-
-def _attention_names(cfg: ModelConfig, attn: str, cross: bool) -> list[str]:
-  rot = ['hook_rot_q', 'hook_rot_k'] if cfg.position == 'rope' and not cross else []
-  hooks = ['hook_q', 'hook_k', 'hook_v', *rot, 'hook_attn_scores', 'hook_pattern', 'hook_z']
-  return [f'{attn}.{h}' for h in hooks + ['hook_result']]
-
-
-def _block_names(cfg: ModelConfig, b: str, cross: bool) -> list[str]:
-  """The hook names of block `b` ('blocks.3.'), in forward order."""
-  pre = cfg.norm_placement == 'pre'
-  # Pre-LN: a norm makes the sub-layer's input; post-LN: it normalises the sum after it.
-  before = lambda norm: _norm_names(cfg, b + norm) if pre else []
-  after = lambda norm: [] if pre else _norm_names(cfg, b + norm)
-  out = [b + 'hook_resid_pre', *before('ln1'), *_attention_names(cfg, b + 'attn', False)]
-  out += [b + 'hook_attn_out', *after('ln1')]
-  if cfg.d_ff or cross:  # attention-only: resid_post follows the attention (TransformerLens)
-    out.append(b + 'hook_resid_mid')
-  if cross:
-    out += [*before('ln_cross'), *_attention_names(cfg, b + 'cross_attn', True)]
-    out += [b + 'hook_cross_attn_out', *after('ln_cross')]
-  if cfg.d_ff:
-    out += [*before('ln2'), b + 'mlp.hook_pre']
-    if cfg.activation == 'swiglu':
-      out.append(b + 'mlp.hook_pre_linear')
-    out += [b + 'mlp.hook_post', b + 'hook_mlp_out', *after('ln2')]
-  return out + [b + 'hook_resid_post']
-
-
 def hook_names(cfg: ModelConfig) -> list[str]:
-  """Every hook name of a model of `cfg`, in forward order."""
-  if cfg.family == 'encoder_decoder':
-    stacks = [('encoder.', cfg.num_layers, False), ('decoder.', cfg.decoder_layers, True)]
-  else:
-    stacks = [('', cfg.num_layers, False)]
+  """Every hook name of a model of `cfg`, in forward order: the `HookPoint`s its modules declare,
+  as one abstract forward pass calls them (shapes only, no arithmetic; once per config)."""
+  return list(_declared(cfg))
+
+
+@functools.lru_cache(maxsize=64)
+def _declared(cfg: ModelConfig) -> tuple[str, ...]:
+  model = models.build(hook_config(cfg))
   names = []
-  for prefix, layers, cross in stacks:
-    names += _embedding_names(cfg, prefix)
-    for layer in range(layers):
-      names += _block_names(cfg, f'{prefix}blocks.{layer}.', cross)
-    if cfg.norm_placement == 'pre':  # pre-LN's residual stream is normalised at the end
-      names += _norm_names(cfg, prefix + 'ln_final')
-  return names
+
+  def intercept(next_fun, args, kwargs, context):
+    module = context.module
+    if context.method_name == '__call__' and isinstance(module, HookPoint):
+      names.append(hook_name(cfg, module.path))
+    elif context.method_name == '__call__' and isinstance(module, MultiHeadAttention):
+      # The points that exist on request: per-head results, and a softmax's scores and pattern.
+      extra = {'per_head': True, 'return_probs': cfg.attention == 'softmax'}
+      out = next_fun(*args, **{**kwargs, **extra})
+      return out[0] if extra['return_probs'] else out
+    return next_fun(*args, **kwargs)
+
+  shapes = jax.eval_shape(lambda: models.init_variables(model, jax.random.PRNGKey(0)))
+  with nn.intercept_methods(intercept):
+    jax.eval_shape(lambda v: model.apply(v, **model.dummy_inputs()), shapes)
+  return tuple(dict.fromkeys(names))
 
 
 def select(
@@ -211,6 +182,9 @@ _PARTS = {
   'cross_attention_norm': 'ln_cross',
   'mlp_norm': 'ln2',
   'final_norm': 'ln_final',
+  'query_norm': 'q_norm',  # qk-norm (Qwen3): the norms of each head's queries and keys
+  'key_norm': 'k_norm',
+  'mlm_norm': 'mlm_head.ln',  # BERT's MLM head (TransformerLens's HookedEncoder)
 }
 
 
@@ -224,7 +198,9 @@ def hook_name(cfg: ModelConfig, path: tuple[str, ...]) -> str:
       parts += ['blocks', part[len('layer_') :]]
     elif part not in ('stack', 'positions'):
       parts.append(_PARTS.get(part, part))
-  name = '.'.join(parts if cfg.family == 'encoder_decoder' else parts[1:])
+  if cfg.family != 'encoder_decoder' and parts[0] in ('encoder', 'decoder'):
+    parts = parts[1:]  # one stack: no prefix (the head's modules sit beside it)
+  name = '.'.join(parts)
   if cfg.family != 'bidirectional_lm':  # GPT-2's hook_embed and hook_pos_embed sit at the top;
     name = name.replace('embed.hook_', 'hook_')  # BERT's under embed., as in TransformerLens
   return name
