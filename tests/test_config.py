@@ -16,6 +16,7 @@ from configs import base
 from transformer import config
 from transformer.config import ModelConfig, experiment
 from transformer.model import attention, blocks, layers
+from transformer.training import optim
 
 
 class Ref(typing.NamedTuple):
@@ -260,6 +261,7 @@ def test_choice_lists_are_the_registries():
   assert sorted(config.ACTIVATIONS) == sorted([*layers.ACTIVATIONS, 'swiglu'])
   assert sorted(config.REMAT_POLICIES) == sorted(['none', *blocks.REMAT_POLICIES])
   assert sorted(config.ATTENTION_IMPLEMENTATIONS[1:]) == sorted(attention.registered())
+  assert sorted(experiment.SCHEDULES) == sorted(optim.SCHEDULE_BUILDERS)
 
 
 def test_from_configdict_types_every_section():

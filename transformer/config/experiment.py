@@ -259,7 +259,7 @@ class OptimConfig:
 
   optimizer: str = 'adam'  # adam | adamw (decay masks out norms and biases)
   learning_rate: float = 1.0  # peak LR; for 'rsqrt' a multiplier of d_model^-0.5 * min(...)
-  schedule: str = 'rsqrt'  # rsqrt | warmup_cosine | cosine_restarts | constant | linear
+  schedule: str = 'rsqrt'  # one of SCHEDULES (training.optim.SCHEDULE_BUILDERS makes each)
   warmup_steps: int = 4000  # linear warmup steps (paper: 4000)
   end_learning_rate_factor: float = 0.0  # cosine/linear: final LR as a fraction of the peak
   restart_period: int = 1000  # cosine_restarts: steps per cycle

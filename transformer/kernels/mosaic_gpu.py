@@ -66,7 +66,7 @@ def _scores(a_ref, b_ref, shape, interpret):
     return lax.dot_general(a_ref[...], b_ref[...], dims, preferred_element_type=jnp.float32)
 
   def body(acc_ref):
-    plgpu.wgmma(acc_ref, a_ref, plgpu.transpose_ref(b_ref, (1, 0)))
+    plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
     return acc_ref[...]
 
   return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
