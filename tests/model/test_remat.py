@@ -50,9 +50,11 @@ def test_remat_lowers_temp_memory_and_keeps_gradients(scan_layers):
   # scanned. Before the cotangent tie, unscanned remat compiled to 8.06: no saving at all.
   assert temp['full'] < 0.6 * temp['none'], temp
   assert temp['full'] < temp['save_matmuls'] < 0.8 * temp['none'], temp
-  for remat in ('full', 'save_matmuls'):  # the same numbers, recomputed
+  # The same numbers, recomputed, up to float32 rounding where XLA fuses the recomputation
+  # differently (newer jax: 1.2e-8 on a gradient of 4e-4 in an array whose largest is 0.86).
+  for remat in ('full', 'save_matmuls'):
     jax.tree.map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8),
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max()),
       grads[remat],
       grads['none'],
     )
