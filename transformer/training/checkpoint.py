@@ -4,7 +4,9 @@ A workdir holds `checkpoints/<step>/{state,data,integrity}` plus, shared by all 
 `config.json`, `git_revision.txt` and `revisions.jsonl` (every revision that trained it, with its
 steps; written here) and `tokenizer/` (written by transformer.data).
 Every checkpoint carries checksums of its arrays and data state (`integrity`), checked on restore:
-a damaged latest checkpoint is moved aside and the previous good one is restored instead.
+a latest checkpoint proven damaged is moved aside and the previous good one is restored instead;
+one that fails to read for any other reason (permissions, I/O, versions, topology: see
+`unreadable.py`) stays where it is and the restore fails with one line.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any, NoReturn
 
 import jax
@@ -28,6 +31,7 @@ import orbax.checkpoint as ocp
 
 from transformer import util
 from transformer.config import ModelConfig
+from transformer.training import unreadable
 
 # Model keys that may change between runs of one workdir: they change the compute, not the params.
 RESUMABLE_MODEL_KEYS = ('attention_impl', 'remat', 'dtype')
@@ -46,8 +50,13 @@ class CorruptCheckpointError(CheckpointError):
   """A checkpoint's files are damaged: it does not restore to what was saved."""
 
 
+class UnreadableCheckpointError(CheckpointError):
+  """A checkpoint failed to read for a reason that is not damage (permissions, I/O, versions,
+  topology); it was left in place, and the message says what to do."""
+
+
 class _Unreadable(Exception):
-  """Internal: one checkpoint failed its read or its checksums (the message says how)."""
+  """Internal: one checkpoint is proven damaged (the message says how)."""
 
 
 class _DropOrbaxInfo(logging.Filter):
@@ -182,9 +191,12 @@ class Checkpointer:
     """Reads checkpoint `step` (None = latest good one) into the structure of `abstract_state`.
 
     Every array and the data state are checked against the checksums saved with them. With
-    step=None a damaged checkpoint is moved aside to `checkpoints/<step>.corrupt` (kept for
-    inspection, never listed again) and the newest good one older than it is restored, with a
-    warning naming both; the returned step says which one was read.
+    step=None a checkpoint proven damaged (a checksum, a missing or malformed integrity record, a
+    stored file truncated, absent or not decoding) is moved aside to `checkpoints/<step>.corrupt`
+    (kept for inspection, never listed again) once the newest good one older than it has
+    restored, with a warning naming both; the returned step says which one was read. Any other
+    failure to read (a permission, an I/O error after its retries, a newer orbax's layout,
+    another topology) moves nothing and raises UnreadableCheckpointError.
 
     Args:
       abstract_state: the target pytree: jax.ShapeDtypeStruct leaves (with .sharding, or the
@@ -200,6 +212,7 @@ class Checkpointer:
       FileNotFoundError: no checkpoint at all, or none for `step`.
       ValueError: the checkpoint's arrays do not fit `abstract_state` (another model config).
       CorruptCheckpointError: `step` is damaged, or (step=None) every checkpoint is.
+      UnreadableCheckpointError: a checkpoint failed to read through no proven damage.
     """
     self._check_pending()
     steps = self.all_steps()
@@ -323,15 +336,7 @@ class Checkpointer:
 
     target = jax.tree_util.tree_map_with_path(as_saved, abstract_state)
     args = ocp.args.Composite(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
-    try:
-      restored = self._manager.restore(step, args=args)
-    except MemoryError:
-      raise
-    except Exception as e:
-      if 'RESOURCE_EXHAUSTED' in str(e):  # out of device or host memory: not the files' fault
-        raise
-      _DropOrbaxLeftovers.failures += 1
-      raise _Unreadable(f'orbax cannot read it ({type(e).__name__}: {util.first_line(e)})') from e
+    restored = self._orbax_restore(step, args, record.get('written_by'))
     state, data_state = restored['state'], restored['data']
     sums = _checksums(state)
     for name, leaf in saved.items():
@@ -348,15 +353,52 @@ class Checkpointer:
 
     return jax.tree.map(cast, state, abstract_state), data_state
 
+  def _orbax_restore(self, step: int, args: Any, written_by: dict | None) -> dict:
+    """orbax's restore of `step`, with a transient I/O error retried (a warning line each time).
+
+    Raises _Unreadable when what failed proves the files damaged, UnreadableCheckpointError for
+    any other failure, and MemoryError or RESOURCE_EXHAUSTED (not the files' fault) as they are.
+    """
+    waits = list(unreadable.RETRY_SECONDS)
+    while True:
+      try:
+        return self._manager.restore(step, args=args)
+      except MemoryError:
+        raise
+      except Exception as e:
+        if 'RESOURCE_EXHAUSTED' in str(e):  # out of device or host memory
+          raise
+        io = unreadable.transient(e)
+        if io and waits:
+          wait = waits.pop(0)
+          tries = len(unreadable.RETRY_SECONDS) - len(waits)
+          logging.getLogger(__name__).warning(
+            'checkpoint %s: %s while reading it (%s); retry %d of %d in %.0f s',
+            self._path(step), io, util.first_line(e, 160), tries,
+            len(unreadable.RETRY_SECONDS), wait,
+          )  # fmt: skip
+          time.sleep(wait)
+          continue
+        _DropOrbaxLeftovers.failures += 1
+        damaged, text = unreadable.diagnose(e, self._path(step), written_by, _installed())
+        if damaged:
+          raise _Unreadable(f'orbax cannot read it ({text})') from e
+        raise UnreadableCheckpointError(text) from None
+
   def _read_record(self, step: int) -> dict:
     """The checkpoint's integrity record, checked against its own checksum; else _Unreadable."""
     if not os.path.isdir(os.path.join(self._path(step), 'integrity')):
+      problem = unreadable.access_problem(self._path(step))
+      if problem:  # a directory this user cannot list looks absent
+        raise UnreadableCheckpointError(
+          unreadable.diagnose(PermissionError(problem), self._path(step), None, _installed())[1]
+        )
       raise _Unreadable('it has no integrity record (integrity/ is missing)')
     args = ocp.args.Composite(integrity=ocp.args.JsonRestore())
     try:
-      record = self._manager.restore(step, args=args)['integrity']
-    except Exception as e:
-      raise _Unreadable(f'its integrity record is unreadable ({util.first_line(e)})') from e
+      record = self._orbax_restore(step, args, None)['integrity']
+    except _Unreadable as e:
+      raise _Unreadable(f'its integrity record is unreadable ({e})') from e
     if not isinstance(record, dict) or record.get('format') != _INTEGRITY_FORMAT:
       raise _Unreadable(f'its integrity record is not format {_INTEGRITY_FORMAT}')
     body = {k: v for k, v in record.items() if k != 'sha256'}
@@ -571,8 +613,14 @@ def _integrity_record(state: Any, data_state: dict) -> dict:
     dtype = getattr(x, 'dtype', None) or jnp.asarray(x).dtype
     leaves[name] = {'shape': list(np.shape(x)), 'dtype': str(dtype), 'checksum': sums[name]}
   record = {'format': _INTEGRITY_FORMAT, 'leaves': leaves, 'data_sha256': _json_sha256(data_state)}
+  record['written_by'] = _installed()  # a reader older than this is told so, not called damage
   record['sha256'] = _json_sha256(record)
   return record
+
+
+def _installed() -> dict[str, str]:
+  """The versions of the libraries that write and read a checkpoint's files."""
+  return {'orbax-checkpoint': getattr(ocp, '__version__', 'unknown'), 'jax': jax.__version__}
 
 
 def _git_revision(source_dir: str = _SOURCE_DIR) -> str:
