@@ -23,6 +23,15 @@ def first_line(error: BaseException, limit: int = 300) -> str:
   return text if len(text) <= limit else text[: limit - 3] + '...'
 
 
+def coordination_client() -> Any:
+  """jax.distributed's coordination client (its key-value store), or None in a single process."""
+  try:
+    from jax._src import distributed  # jax has no public handle on its coordination client
+  except ImportError:
+    return None
+  return distributed.global_state.client
+
+
 def key_name(path: tuple) -> str:
   """'opt_state/1/mu/w' for a jax key path (dict keys, attributes and indices alike)."""
   return jax.tree_util.keystr(path, simple=True, separator='/')

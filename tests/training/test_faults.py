@@ -295,6 +295,74 @@ def test_a_lost_process_ends_the_others_cleanly_and_the_pair_resumes(compile_cac
   assert_same_losses(workdir, expected)
 
 
+def test_when_process_0_cannot_prepare_the_corpus_every_process_ends_with_its_error(
+  compile_cache, tmp_path
+):
+  """Process 0 prepares a corpus whose second jsonl line has no text, while process 1 waits for
+  dataset.json: both end within 60 s of process 0's error, status 2, with one line naming it."""
+  corpus = tmp_path / 'bad.jsonl'
+  corpus.write_text('{"text": "a first document"}\n{"body": "no text field"}\n')
+  overrides = {**OVERRIDES, 'data.task': 'corpus', 'data.train_path': str(corpus)}
+  logs = [tmp_path / 'p0', tmp_path / 'p1']
+  procs = _launch_pair(tmp_path / 'run', compile_cache, logs, overrides)
+  ended = [None, None]
+  try:
+    deadline = time.time() + 180
+    while None in ended and time.time() < deadline:
+      for i, proc in enumerate(procs):
+        if ended[i] is None and proc.poll() is not None:
+          ended[i] = time.time()
+      time.sleep(0.05)
+    results = [_finish(proc, log, timeout=1) for proc, log in zip(procs, logs)]
+  finally:
+    _end_all(procs)
+  assert ended[1] - ended[0] < 60, ended  # bounded by process 0's error, not a timeout
+  cause = f"{corpus}:2: no string 'text' field"
+  (code0, err0), (code1, err1) = results
+  assert code0 == 2 and [line for line in err0.splitlines() if line.startswith('error:')] == [
+    f"error: {cause} (found ['body']); each line needs one"
+  ], err0
+  errors = [line for line in err1.splitlines() if line.startswith('error:')]
+  assert code1 == 2 and len(errors) == 1 and 'Traceback' not in err1, err1
+  assert errors[0].startswith('error: process 0 could not prepare the corpus in ')
+  assert cause in errors[0]
+
+
+def test_a_process_waiting_for_the_corpus_says_so_and_stops_at_process_0s_error(
+  monkeypatch, capsys, tmp_path
+):
+  """The wait itself, against a key-value store that has no error for 3 polls, then one."""
+  from transformer import util
+  from transformer.data import prepare
+
+  class Store:
+    polls = 0
+
+    def key_value_try_get(self, key):
+      assert key == prepare._FAILED_KEY
+      Store.polls += 1
+      if Store.polls <= 3:
+        raise RuntimeError(f'NOT_FOUND: {key}')
+      return 'ValueError: the disk is full'
+
+  monkeypatch.setattr(util, 'coordination_client', Store)
+  monkeypatch.setattr(prepare, '_WAIT_SECONDS', 0.05)
+  monkeypatch.setattr(prepare, '_REPORT_SECONDS', 0.0)
+  full = r'process 0 could not prepare .*: ValueError: the disk is full'
+  with pytest.raises(ValueError, match=full):
+    prepare._wait_for_process_0(str(tmp_path))
+  waited = [line for line in capsys.readouterr().err.splitlines() if 'waiting' in line]
+  assert len(waited) == 3 and all('for process 0 to prepare the corpus in' in w for w in waited)
+
+  class Gone:
+    def key_value_try_get(self, key):
+      raise RuntimeError('UNAVAILABLE: failed to connect to all addresses')
+
+  monkeypatch.setattr(util, 'coordination_client', Gone)
+  with pytest.raises(ConnectionError, match=r'process 0 \(the coordinator\) was lost'):
+    prepare._wait_for_process_0(str(tmp_path))
+
+
 def _wait_for_a_save(procs, directory, timeout=120.0):
   """Waits until a checkpoint's temp directory (a save under way) appears in `directory`."""
   deadline = time.time() + timeout

@@ -484,9 +484,13 @@ def ready(cfg, workdir: str | None, process_index: int) -> dict:
     return {'train': train, 'eval': evaluation, 'tokenizer': tokenizer, 'separator': separator}
   out = prepared_dir(cfg, workdir)
   if process_index == 0:
-    prepare(cfg, out, workers=cfg.prepare_workers)
-  while not is_prepared(out):
-    time.sleep(_WAIT_SECONDS)
+    try:
+      prepare(cfg, out, workers=cfg.prepare_workers)
+    except BaseException as error:  # the others stop waiting, and say why
+      _tell_the_others(f'{type(error).__name__}: {util.first_line(error)}')
+      raise
+  else:
+    _wait_for_process_0(out)
   meta = read_dataset(out)
   tokenizer = load_tokenizer(os.path.join(out, 'tokenizer'))
   if cfg.tokenizer_path:
@@ -503,6 +507,50 @@ def ready(cfg, workdir: str | None, process_index: int) -> dict:
       if tokens != entry['tokens']:
         raise ValueError(f'{path}: holds {tokens} tokens, dataset.json {entry["tokens"]}: corrupt')
   return {**paths, 'tokenizer': tokenizer, 'separator': meta['separator'], 'meta': meta}
+
+
+_FAILED_KEY = 'sparrow_prepare_failed'  # in jax.distributed's key-value store: process 0's error
+_REPORT_SECONDS = 10.0  # how often a waiting process says that it still waits
+
+
+def _tell_the_others(error: str) -> None:
+  """Publishes process 0's preparation error, so the waiting processes end with it."""
+  client = util.coordination_client()
+  if client is None:
+    return
+  try:
+    client.key_value_set(_FAILED_KEY, error)
+  except Exception:  # noqa: S110 (the service is gone: the others see that too)
+    pass
+
+
+def _wait_for_process_0(out: str) -> None:
+  """Waits for process 0 to prepare `out`, with a line every _REPORT_SECONDS. Ends with one error
+  when process 0 reports its preparation failed, or when its coordination service is gone."""
+  client, start, said = util.coordination_client(), time.time(), time.time()
+  while not is_prepared(out):
+    if client is not None:
+      try:
+        failed = client.key_value_try_get(_FAILED_KEY)
+      except Exception as e:  # NOT_FOUND: no error yet; anything else: process 0 is gone
+        if 'NOT_FOUND' not in str(e):
+          raise ConnectionError(
+            f'process 0 (the coordinator) was lost while it prepared the corpus in {out} '
+            f'({util.first_line(e, 160)}); rerun the same command on every host'
+          ) from None
+      else:
+        raise ValueError(
+          f'process 0 could not prepare the corpus in {out}: {failed}; fix that and rerun the '
+          'same command on every host'
+        )
+    if time.time() - said >= _REPORT_SECONDS:
+      said = time.time()
+      print(
+        f'prepare: waiting {said - start:.0f} s for process 0 to prepare the corpus in {out}',
+        file=sys.stderr,
+        flush=True,
+      )
+    time.sleep(_WAIT_SECONDS)
 
 
 def _same_tokenizer(mine: Tokenizer, theirs: Tokenizer, where: str, what: str) -> None:

@@ -17,6 +17,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from transformer import util
+
 RESUME = 'rerun the same command on every host to resume'
 INFO_ENV = 'SPARROW_SUPERVISOR_INFO'  # where a supervised process tells its supervisor its run
 
@@ -65,18 +67,10 @@ def lost_process(text: str) -> int | None:
 BEAT_SECONDS = 1.0  # how often each process bumps its counter in the coordination service
 
 
-def _client():
-  try:
-    from jax._src import distributed  # jax has no public handle on its coordination client
-  except ImportError:
-    return None
-  return distributed.global_state.client
-
-
 def start_beating(process_index: int) -> None:
   """Bumps `sparrow_beat/<process>` in the coordination service's key-value store every
   BEAT_SECONDS from a daemon thread, so that survivors can tell which process stopped."""
-  client = _client()
+  client = util.coordination_client()
   if client is None or _BEATING:
     return
   _BEATING.append(process_index)
@@ -109,7 +103,7 @@ _BEATING: list[int] = []
 def ask_who_is_lost(num_processes: int) -> int | None:
   """The lowest process whose beat stopped (read twice, 3 beats apart); 0 when the service
   itself is gone (it runs in process 0); None when no beat stopped or nobody beats."""
-  client = _client()
+  client = util.coordination_client()
   if client is None or not _BEATING:
     return None
 
