@@ -31,6 +31,7 @@ from transformer.config import ModelConfig
 from transformer.model import hooks, models
 from transformer.model import positions as positions_lib
 from transformer.model import primitives as norms
+from transformer.model.attention import logit_scale
 from transformer.model.parts import parts
 
 SOURCES = ('tokens', 'positions')
@@ -111,7 +112,7 @@ def qk_circuit(
   """[S, S]: the attention score of query row i on key row j (tokens or positions)."""
   w = head_weights(cfg, params, layer, head)
   x = _normed(cfg, _layer(cfg, params, layer)['self_attention_norm'], _rows(cfg, params, source))
-  scale = 1 / math.sqrt(cfg.head_size) if cfg.attention_scale else 1.0
+  scale = logit_scale(cfg)  # the model's own rule
   return (x @ w['W_Q'] + w['b_Q']) @ (x @ w['W_K'] + w['b_K']).T * scale
 
 

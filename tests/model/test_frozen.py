@@ -4,8 +4,9 @@ For every preset in `configs/` and every option the model tests exercise, `tests
 holds the sorted parameter paths and shapes, the hook points in the order a forward pass calls
 them, a checksum of each initial parameter, and the logits on fixed tokens: evaluation, training
 (dropout on) and a cached decoding step, from the initial parameters with every weight perturbed.
-A change that moves any of them fails here. On the jax that wrote them the logits must agree bit
-for bit; another jax (another XLA) may round differently, so there they agree to 1e-5.
+A change that moves any of them fails here. On the jax and the CPU that wrote them the logits
+must agree bit for bit; another jax (another XLA), or a CPU with other vector instructions (XLA:CPU
+compiles for the host it runs on), may round differently, so there they agree to 1e-5.
 
   python tests/model/test_frozen.py --write   # rewrite the fixtures (only when a change is meant)
 """
@@ -195,7 +196,8 @@ def compute(cfg: ModelConfig, full: ModelConfig | None) -> dict:
 
 def _write() -> None:
   FROZEN.mkdir(exist_ok=True)
-  record = {'jax': jax.__version__, 'xla_flags': os.environ['XLA_FLAGS'], 'cases': {}}
+  record = {'jax': jax.__version__, 'xla_flags': os.environ['XLA_FLAGS'], 'cpu': _cpu()}
+  record['cases'] = {}
   arrays = {}
   for name, (cfg, full) in cases().items():
     start = time.perf_counter()
@@ -206,6 +208,25 @@ def _write() -> None:
     print(name, {k: v.shape for k, v in logits.items()})
   (FROZEN / 'models.json').write_text(json.dumps(record, indent=0, sort_keys=True) + '\n')
   np.savez_compressed(FROZEN / 'logits.npz', **arrays)
+
+
+# The instructions XLA:CPU picks its code by: two hosts that differ in these round differently.
+_ISA = ('sse4_2', 'avx', 'avx2', 'fma', 'f16c', 'avx512f', 'avx512bw', 'avx512vl', 'avx512_bf16',
+        'avx512_vnni', 'avx512vnni', 'amx_bf16', 'amx_tile', 'asimd', 'sve')  # fmt: skip
+
+
+def _cpu() -> str:
+  """The host's machine and the instruction sets of _ISA it has (from /proc/cpuinfo)."""
+  import platform
+
+  try:
+    with open('/proc/cpuinfo') as f:
+      flags = set(
+        ' '.join(x.split(':', 1)[1] for x in f if x.startswith(('flags', 'Features'))).split()
+      )
+  except OSError:
+    flags = set()
+  return ' '.join([platform.machine(), *(isa for isa in _ISA if isa in flags)])
 
 
 def _frozen():
@@ -235,7 +256,8 @@ def test_paths_hooks_and_logits_stay_frozen(name):
     np.testing.assert_allclose(values['init_sums'][path], [total, squares], rtol=1e-5, atol=1e-5)
   keys = sorted(k.split('/')[1] for k in arrays.files if k.startswith(name + '/'))
   assert keys == sorted(logits)
-  same_jax = (record['jax'], record['xla_flags']) == (jax.__version__, os.environ.get('XLA_FLAGS'))
+  here = (jax.__version__, os.environ.get('XLA_FLAGS'), _cpu())
+  same_jax = (record['jax'], record['xla_flags'], record.get('cpu')) == here
   for key in keys:
     want = arrays[f'{name}/{key}']
     if same_jax:

@@ -8,7 +8,6 @@ in `transformer.model.attention_paths`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -159,9 +158,7 @@ def _attend(q, k, v, mask, scale, implementation, return_probs, alibi_slopes, ch
       f"dropout_rate={dropout_rate} on attention probabilities needs implementation='xla' and a "
       f'dropout_rng; got implementation={implementation!r}'
     )
-  # 1 / sqrt(H) keeps the logits' variance near 1 whatever the head size, so softmax does not
-  # saturate (Vaswani et al. 2017, section 3.2.1).
-  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+  scale = paths.default_scale(q.shape[-1]) if scale is None else scale
   kwargs = dict(mask=mask, scale=scale, alibi_slopes=alibi_slopes, chunk_size=chunk_size)
   # Only the dense path materialises the probabilities [B, N, T, S], to return or drop out.
   if return_probs or dropout_rate > 0:
@@ -314,9 +311,13 @@ class MultiHeadAttention(nn.Module):
     return q, k, v
 
   @property
-  def scale(self) -> float | None:
-    """The logits' multiplier: None is 1/sqrt(head_dim); 1.0 is the unscaled ablation."""
-    return None if self.cfg.attention_scale else 1.0
+  def scale(self) -> float:
+    return logit_scale(self.cfg)
+
+
+def logit_scale(cfg: ModelConfig) -> float:
+  """The logits' multiplier: 1/sqrt(head_size), or 1.0 for the unscaled ablation."""
+  return paths.default_scale(cfg.head_size) if cfg.attention_scale else 1.0
 
 
 # The attention kinds ---------------------------------------------------------------------------
@@ -344,12 +345,9 @@ def _softmax_attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dro
   dense 'xla' path where the probabilities are returned, hooked or dropped out."""
   del self_attention, prefill  # the mask says what each query sees
   cfg = m.cfg
-  # 1 / sqrt(H) keeps the logits' variance near 1 whatever the head size, so softmax does not
-  # saturate (Vaswani et al. 2017, section 3.2.1).
-  scale = 1.0 / math.sqrt(q.shape[-1]) if m.scale is None else m.scale
   mask = MaskSpec() if mask is None else mask
   kwargs = dict(
-    mask=mask, scale=scale, alibi_slopes=alibi_slopes, chunk_size=cfg.attention_chunk_size
+    mask=mask, scale=m.scale, alibi_slopes=alibi_slopes, chunk_size=cfg.attention_chunk_size
   )
   if return_probs or dropout:  # the probabilities exist on the dense path only
     hooks = None
@@ -409,7 +407,7 @@ def _kv_cache(m, mode, k, v, self_attention, mask, positions):
 
 def _softmax_step(m, q, k, v, self_attention, mask, positions, alibi_slopes):
   """q [B, 1, N, H] over the cached k/v [B, L, K, H]."""
-  scale = 1.0 / math.sqrt(m.cfg.head_size) if m.scale is None else m.scale
+  scale = m.scale
   if not self_attention:  # the cross mask is top-left aligned already: [B or 1, S]
     visible = (MaskSpec() if mask is None else mask).dense(1, k.shape[1])[:, 0, 0]
     return paths.attend_one_step(q, k, v, visible, scale=scale)

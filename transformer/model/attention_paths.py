@@ -8,6 +8,7 @@ chunk_size) and returns out `[B, T, N, H]`, exactly 0 on fully masked query rows
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -17,6 +18,40 @@ from jax import Array
 from transformer.model.masks import NEG, MaskSpec
 from transformer.model.masks import visible as visible_keys
 from transformer.model.positions import alibi_bias
+
+
+def default_scale(head_dim: int) -> float:
+  """1 / sqrt(H), the logits' default multiplier: it keeps their variance near 1 whatever the
+  head size, so softmax does not saturate (Vaswani et al. 2017, section 3.2.1)."""
+  return 1.0 / math.sqrt(head_dim)
+
+
+def scores(
+  qg: Array, k: Array, scale: float, bias: Array | None = None, *, form: str = 'grouped'
+) -> Array:
+  """The attention logits of every softmax path (dense, chunked, one decoding step): q.k * scale
+  in float32 (bfloat16 exp/sum over S keys loses too much), plus an additive bias (ALiBi).
+
+  qg: queries grouped by kv head `[B, T, K, G, H]` (query head n = k * G + g, so the G heads
+  that share kv head k line up against it without repeating k); k: `[B, S, K, H]`; bias:
+  broadcastable to `[B, K, G, T, S]`. form: how the product is written, which XLA:CPU runs at
+  different speeds (same values, other rounding): 'grouped', one 5-d einsum; 'merged' (G = 1),
+  the heads merged into the batch, a plain batched matmul; 'step' (T = 1), the query axis out
+  of the product. Returns float32 `[B, K, G, T, S]`.
+  """
+  B, T, K, G, H = qg.shape
+  S = k.shape[1]
+  if form == 'step':
+    logits = jnp.einsum('bkgh,bskh->bkgs', qg[:, 0], k, preferred_element_type=jnp.float32)
+    logits = (logits * scale)[:, :, :, None]  # [B, K, G, 1, S]
+  elif form == 'merged':
+    qt = qg.reshape(B, T, K, H).transpose(0, 2, 1, 3).reshape(B * K, T, H)
+    kt = k.transpose(0, 2, 1, 3).reshape(B * K, S, H)
+    logits = jnp.matmul(qt, kt.transpose(0, 2, 1), preferred_element_type=jnp.float32)
+    logits = logits.reshape(B, K, 1, T, S) * scale  # [B, K, G, T, S]
+  else:
+    logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=jnp.float32) * scale
+  return logits if bias is None else logits + bias
 
 
 def xla_attention(
@@ -42,32 +77,23 @@ def xla_attention(
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   f32 = jnp.float32
-  if K == N and not return_probs and dropout is None and hooks is None:
-    # One kv head per query head: heads merged into the batch, [B * N, T, H], so that both
-    # products are plain batched matmuls (XLA:CPU transposes the 5-d einsums' operands instead).
-    qt, kt, vt = (x.transpose(0, 2, 1, 3).reshape(B * N, -1, H) for x in (q, k, v))
-    logits = jnp.matmul(qt, kt.transpose(0, 2, 1), preferred_element_type=f32)  # [B * N, T, S]
-    logits = logits.reshape(B, N, T, S) * scale
-    if alibi_slopes is not None:
-      logits = logits + alibi_bias(alibi_slopes, jnp.arange(T), jnp.arange(S))  # [B, N, T, S]
-    visible = mask.dense(T, S)  # [B or 1, 1, T, S]
-    logits = jnp.where(visible, logits, NEG)
-    probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
-    out = jnp.matmul(probs.reshape(B * N, T, S).astype(v.dtype), vt, preferred_element_type=f32)
-    return out.reshape(B, N, T, H).transpose(0, 2, 1, 3).astype(q.dtype)  # [B, T, N, H]
-  # Query head n = k * G + g reads kv head k: grouping N as (K, G) lets one einsum broadcast
-  # each kv head over its G query heads, without copying k or v G times.
-  qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
-  # float32 logits whatever the input dtype: bfloat16 exp/sum over S keys loses too much.
-  logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=f32) * scale
+  bias = None
   if alibi_slopes is not None:
     bias = alibi_bias(alibi_slopes, jnp.arange(T), jnp.arange(S)).reshape(K, -1, T, S)
-    logits = logits + bias  # [B, K, G, T, S]
+  merged = K == N and not return_probs and dropout is None and hooks is None
+  form = 'merged' if merged else 'grouped'
+  logits = scores(q.reshape(B, T, K, N // K, H), k, scale, bias, form=form)  # [B, K, G, T, S]
   visible = mask.dense(T, S)[:, :, None]  # [B or 1, 1, 1, T, S]
+  if merged:  # one kv head per query head: the product with v is a plain batched matmul too
+    logits = jnp.where(visible, logits, NEG).reshape(B, N, T, S)
+    probs = jnp.where(visible[:, :, 0], jax.nn.softmax(logits, axis=-1), 0.0)  # masked rows: 0
+    vt = v.transpose(0, 2, 1, 3).reshape(B * N, S, H)
+    out = jnp.matmul(probs.reshape(B * N, T, S).astype(v.dtype), vt, preferred_element_type=f32)
+    return out.reshape(B, N, T, H).transpose(0, 2, 1, 3).astype(q.dtype)  # [B, T, N, H]
   if hooks is not None:  # [B, K, G, T, S] <-> [B, N, T, S]: query head n = k * G + g
     on_scores, on_pattern = hooks
-    scores = on_scores(jnp.where(visible, logits, -jnp.inf).reshape(B, N, T, S))
-    logits = scores.reshape(logits.shape)
+    hooked = on_scores(jnp.where(visible, logits, -jnp.inf).reshape(B, N, T, S))
+    logits = hooked.reshape(logits.shape)
   logits = jnp.where(visible, logits, NEG)  # [B, K, G, T, S]
   probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
   if hooks is not None:
@@ -108,9 +134,8 @@ def _chunk_logits(cfg, qg, k_c, start, q_seg, kv_seg_c, slopes):
   """Scaled, biased, masked logits of one key block: (float32[B, K, G, T, C], visible)."""
   T, K, C = qg.shape[1], qg.shape[2], k_c.shape[1]
   q_pos, k_pos = jnp.arange(T), start + jnp.arange(C)
-  s = jnp.einsum('btkgh,bckh->bkgtc', qg, k_c, preferred_element_type=jnp.float32) * cfg.scale
-  if slopes is not None:
-    s = s + alibi_bias(slopes, q_pos, k_pos).reshape(K, -1, T, C)  # [B, K, G, T, C]
+  bias = None if slopes is None else alibi_bias(slopes, q_pos, k_pos).reshape(K, -1, T, C)
+  s = scores(qg, k_c, cfg.scale, bias)  # [B, K, G, T, C]
   visible = visible_keys(cfg.causal, cfg.window, q_pos, k_pos, q_seg, kv_seg_c, cfg.kv_len)
   visible = visible[:, :, None]  # [B or 1, 1, 1, T, C]
   return jnp.where(visible, s, NEG), visible
@@ -288,13 +313,12 @@ def attend_one_step(q, k, v, visible, *, scale, alibi_slopes=None, q_pos=None) -
   B, _, N, H = q.shape
   L, K = k.shape[1], k.shape[2]
   f32 = jnp.float32
-  # The one query position is dropped: [B, 1, N, H] -> [B, K, G, H], query head n = k * G + g,
-  # so the G heads that share kv head k line up against it without repeating k or v.
-  qg = q.reshape(B, K, N // K, H)  # [B, K, G, H]
-  logits = jnp.einsum('bkgh,blkh->bkgl', qg, k, preferred_element_type=f32) * scale  # [B, K, G, L]
+  # The one query position is dropped after the logits: [B, K, G, L], query head n = k * G + g.
+  bias = None
   if alibi_slopes is not None:
     bias = alibi_bias(alibi_slopes, q_pos, jnp.arange(L))  # [N, B, L]: row b's query at q_pos[b]
-    logits = logits + bias.reshape(K, N // K, B, L).transpose(2, 0, 1, 3)  # [B, K, G, L]
+    bias = bias.reshape(K, N // K, B, 1, L).transpose(2, 0, 1, 3, 4)  # [B, K, G, 1, L]
+  logits = scores(q.reshape(B, 1, K, N // K, H), k, scale, bias, form='step')[:, :, :, 0]
   visible = visible[:, None, None, :]  # [B or 1, 1, 1, L]
   probs = jax.nn.softmax(jnp.where(visible, logits, NEG), axis=-1)
   # A row with no visible key has uniform softmax over NEG logits; zero it so it outputs 0.

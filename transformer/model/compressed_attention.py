@@ -21,6 +21,7 @@ import math
 import jax.numpy as jnp
 from jax import Array
 
+from transformer.model.attention_paths import default_scale
 from transformer.model.masks import NEG, MaskSpec
 
 _F32 = jnp.float32
@@ -83,7 +84,7 @@ def compressed_attention(
   B, T, N, H = q.shape
   K, C, b = k.shape[2], T // block, block
   G = N // K
-  scale = 1.0 / math.sqrt(H) if scale is None else scale
+  scale = default_scale(H) if scale is None else scale
   # [B, C, b, K, G, H]: queries by block; [B, C, b, K, H]: the block's own keys and values.
   qb = q.astype(_F32).reshape(B, C, b, K, G, H) * scale
   kb, vb = (x.astype(_F32).reshape(B, C, b, K, H) for x in (k, v))
@@ -130,7 +131,7 @@ def attend_step(q: Array, k: Array, v: Array, q_pos: Array, *, block: int, scale
   B, L, K, H = k.shape
   N = q.shape[2]
   G, b = N // K, block
-  scale = 1.0 / math.sqrt(H) if scale is None else scale
+  scale = default_scale(H) if scale is None else scale
   pad = -L % b  # the cache rounded up to whole blocks; the padding sits after every query
   if pad:
     k, v = (jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]) for x in (k, v))
