@@ -48,7 +48,7 @@ def scores(
     qt = qg.reshape(B, T, K, H).transpose(0, 2, 1, 3).reshape(B * K, T, H)
     kt = k.transpose(0, 2, 1, 3).reshape(B * K, S, H)
     logits = jnp.matmul(qt, kt.transpose(0, 2, 1), preferred_element_type=jnp.float32)
-    logits = logits.reshape(B, K, 1, T, S) * scale  # [B, K, G, T, S]
+    logits = (logits.reshape(B, K, T, S) * scale)[:, :, None]  # [B, K, G, T, S]
   else:
     logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=jnp.float32) * scale
   return logits if bias is None else logits + bias
@@ -83,13 +83,14 @@ def xla_attention(
   merged = K == N and not return_probs and dropout is None and hooks is None
   form = 'merged' if merged else 'grouped'
   logits = scores(q.reshape(B, T, K, N // K, H), k, scale, bias, form=form)  # [B, K, G, T, S]
-  visible = mask.dense(T, S)[:, :, None]  # [B or 1, 1, 1, T, S]
   if merged:  # one kv head per query head: the product with v is a plain batched matmul too
-    logits = jnp.where(visible, logits, NEG).reshape(B, N, T, S)
-    probs = jnp.where(visible[:, :, 0], jax.nn.softmax(logits, axis=-1), 0.0)  # masked rows: 0
+    visible = mask.dense(T, S)  # [B or 1, 1, T, S]
+    logits = jnp.where(visible, logits.reshape(B, N, T, S), NEG)
+    probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
     vt = v.transpose(0, 2, 1, 3).reshape(B * N, S, H)
     out = jnp.matmul(probs.reshape(B * N, T, S).astype(v.dtype), vt, preferred_element_type=f32)
     return out.reshape(B, N, T, H).transpose(0, 2, 1, 3).astype(q.dtype)  # [B, T, N, H]
+  visible = mask.dense(T, S)[:, :, None]  # [B or 1, 1, 1, T, S]
   if hooks is not None:  # [B, K, G, T, S] <-> [B, N, T, S]: query head n = k * G + g
     on_scores, on_pattern = hooks
     hooked = on_scores(jnp.where(visible, logits, -jnp.inf).reshape(B, N, T, S))
