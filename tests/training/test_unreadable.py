@@ -208,3 +208,24 @@ def test_a_run_whose_checkpoint_it_may_not_read_stops_with_one_line_and_keeps_it
   for path in data_files:
     os.chmod(path, 0o644)
   assert checkpoint.Checkpointer(str(workdir)).latest_step() == 4  # intact, once readable again
+
+
+def test_a_run_resumes_through_an_io_error_that_passes(tmp_path, tiny_config, monkeypatch, capsys):
+  """orbax's restore raises OSError(EIO) once when the run resumes: one retry line, and the run
+  goes on from its checkpoint, not from scratch nor from an older one."""
+  config = tiny_config('causal_lm', steps=4, checkpoint_every=2, eval_every=100)
+  train_and_evaluate(config, str(tmp_path))
+  real, calls = ocp.CheckpointManager.restore, []
+
+  def restore(self, step, *args, **kwargs):
+    calls.append(step)
+    if len(calls) == 1:
+      raise OSError(errno.EIO, 'Input/output error')
+    return real(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, 'restore', restore)
+  config.train.steps = 6
+  history = train_and_evaluate(config, str(tmp_path))['train']
+  assert [h['step'] for h in history] == [5, 6] and calls[0] == 4
+  assert 'resumed from step 4' in capsys.readouterr().out
+  assert _listing(tmp_path) == ['2', '4', '6']  # nothing moved aside
