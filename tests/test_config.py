@@ -361,3 +361,24 @@ def test_saved_model_configs_read_back_and_write_the_same_keys():
     ModelConfig.from_config({**_SAVED_GPT_TINY, 'head_size': 16})  # derived, never set
   with pytest.raises(TypeError):
     ModelConfig(head_size=16)
+
+
+def test_transformer_lens_names_read_the_same_values():
+  cfg = ModelConfig(
+    num_layers=3, num_heads=6, num_kv_heads=2, head_dim=6, d_model=24, d_ff=40, vocab_size=97,
+    max_length=33, norm='rmsnorm', activation='swiglu', position='rope', norm_eps=1e-6,
+  )  # fmt: skip
+  tl = {name: getattr(cfg, name) for name in config.TL_NAMES}
+  assert tl == {
+    'n_layers': 3, 'n_heads': 6, 'n_key_value_heads': 2, 'd_head': 6, 'd_mlp': 40, 'd_vocab': 97,
+    'd_vocab_out': 97, 'n_ctx': 33, 'eps': 1e-6, 'act_fn': 'silu', 'gated_mlp': True,
+    'normalization_type': 'RMS', 'positional_embedding_type': 'rotary',
+  }  # fmt: skip
+  gpt2_like = ModelConfig(activation='gelu_tanh', position='learned')
+  assert (gpt2_like.act_fn, gpt2_like.normalization_type) == ('gelu_new', 'LN')
+  assert gpt2_like.positional_embedding_type == 'standard' and gpt2_like.d_model == 512
+  assert 'n_layers' not in cfg.to_dict()  # read-only names, never saved
+  with pytest.raises(AttributeError, match="'n_layer'; did you mean n_layers or num_layers"):
+    cfg.n_layer  # noqa: B018
+  with pytest.raises(AttributeError, match="no attribute 'nonsense' \\(sparrow's names"):
+    cfg.nonsense  # noqa: B018

@@ -8,7 +8,7 @@ import pytest
 
 from transformer import data
 from transformer.config.experiment import DataConfig, section
-from transformer.data import tasks
+from transformer.data import tasks, tokenizers
 
 
 def test_special_ids_are_fixed():
@@ -83,3 +83,25 @@ def test_sentencepiece_is_cached_in_workdir_and_reused(tmp_path, monkeypatch):
 def test_load_tokenizer_missing_directory(tmp_path):
   with pytest.raises(FileNotFoundError, match='no tokenizer'):
     data.load_tokenizer(str(tmp_path / 'nothing'))
+
+
+def test_a_token_piece_names_the_specials_as_transformer_lens_shows_them(tmp_path):
+  """`Model.to_str_tokens` shows a special token by its name, not as '' (what decode gives)."""
+  import tokenizers as hf_tokenizers
+
+  byte = tokenizers.ByteTokenizer()
+  assert [byte.piece(i) for i in (tokenizers.BOS_ID, tokenizers.EOS_ID, 5 + ord('a'))] == [
+    '<bos>',
+    '<eos>',
+    'a',
+  ]
+  assert byte.decode([tokenizers.BOS_ID]) == ''  # decoding text still drops it
+  vocab = {'<|endoftext|>': 0, 'When': 1, 'Mary': 2}
+  model = hf_tokenizers.models.WordLevel(vocab, unk_token='<|endoftext|>')
+  tok = hf_tokenizers.Tokenizer(model)
+  tok.pre_tokenizer = hf_tokenizers.pre_tokenizers.Whitespace()
+  tok.add_special_tokens(['<|endoftext|>'])  # as GPT-2's tokenizer.json marks it
+  (tmp_path / 'hf').mkdir()
+  tok.save(str(tmp_path / 'hf' / 'tokenizer.json'))
+  hf = tokenizers.HFTokenizer(str(tmp_path / 'hf'))
+  assert hf.decode([0, 1]) == 'When' and [hf.piece(i) for i in (0, 2)] == ['<|endoftext|>', 'Mary']

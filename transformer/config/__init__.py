@@ -7,6 +7,7 @@ experiment (data, train, optim, mesh) and its defaults live beside it, in `confi
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 import warnings
@@ -159,9 +160,45 @@ class ModelConfig:
     """The knobs (not the derived sizes): what config.json saves and `from_config` reads."""
     return {name: getattr(self, name) for name in KNOBS}
 
+  def __getattr__(self, name: str) -> Any:
+    """TransformerLens's names read sparrow's values (`cfg.n_layers` is `cfg.num_layers`); any
+    other unknown name is an error that offers the closest names of both."""
+    if name in TL_NAMES:
+      value = TL_NAMES[name]
+      return value(self) if callable(value) else getattr(self, value)
+    if name.startswith('_'):  # copy, pickle and friends probe for these
+      raise AttributeError(name)
+    known = [*KNOBS, *_DERIVED, *TL_NAMES]
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f'; did you mean {" or ".join(close)}?' if close else ''
+    raise AttributeError(
+      f"'ModelConfig' has no attribute {name!r}{hint} (sparrow's names are the keys of "
+      "config.json; TransformerLens's n_layers, n_heads, d_head, d_mlp, ... read them too)"
+    )
+
 
 # The settable fields, in declaration order; the rest are derived in __post_init__.
 KNOBS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.init)
+_DERIVED = tuple(f.name for f in dataclasses.fields(ModelConfig) if not f.init)
+# TransformerLens's HookedTransformerConfig names -> sparrow's field, or how to compute the value.
+_TL_ACTIVATIONS = {'relu': 'relu', 'gelu': 'gelu', 'gelu_tanh': 'gelu_new', 'swiglu': 'silu'}
+TL_NAMES: dict[str, Any] = {
+  'n_layers': 'num_layers',
+  'n_heads': 'num_heads',
+  'n_key_value_heads': 'kv_heads',
+  'd_head': 'head_size',
+  'd_mlp': 'd_ff',
+  'd_vocab': 'vocab_size',
+  'd_vocab_out': 'vocab_size',
+  'n_ctx': 'max_length',
+  'eps': 'norm_eps',
+  'act_fn': lambda c: _TL_ACTIVATIONS[c.activation],
+  'gated_mlp': lambda c: c.activation == 'swiglu',
+  'normalization_type': lambda c: {'layernorm': 'LN', 'rmsnorm': 'RMS'}.get(c.norm, c.norm),
+  'positional_embedding_type': lambda c: {'learned': 'standard', 'rope': 'rotary'}.get(
+    c.position, c.position
+  ),
+}
 
 
 def _choice(name: str, value: Any, valid: tuple) -> None:

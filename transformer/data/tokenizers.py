@@ -36,6 +36,14 @@ class _Specials:
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     return [self.encode(t) for t in texts]
 
+  def piece(self, token_id: int) -> str:
+    """One token's text, a special one by its name ('<bos>'), as TransformerLens shows it."""
+    return _SPECIAL_NAMES.get(int(token_id)) or self.decode([token_id])
+
+
+_SPECIAL_NAMES = {PAD_ID: '<pad>', BOS_ID: '<bos>', EOS_ID: '<eos>', MASK_ID: '<mask>'}
+_SPECIAL_NAMES[UNK_ID] = '<unk>'
+
 
 def _save_json(directory: str, meta: dict) -> None:
   """Writes `meta` as directory/tokenizer.json, making the directory."""
@@ -221,6 +229,10 @@ class HFTokenizer:
     """Text of `ids`, special tokens skipped."""
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+  def piece(self, token_id: int) -> str:
+    """One token's text, a special one by its name ('<|endoftext|>', '[CLS]')."""
+    return self._tok.decode([int(token_id)], skip_special_tokens=False)
+
   def token(self, token_id: int) -> str | None:
     """The vocabulary entry of one id, special tokens included ('[CLS]'); None if out of range."""
     return self._tok.id_to_token(int(token_id))
@@ -256,6 +268,9 @@ class IdsTokenizer:
 
   def decode(self, ids: Iterable[int]) -> str:
     return ' '.join(str(int(i)) for i in ids)
+
+  def piece(self, token_id: int) -> str:
+    return str(int(token_id))
 
   def save(self, directory: str) -> None:
     _save_json(directory, {'kind': self.kind, 'vocab_size': self.vocab_size, 'eos_id': self.eos_id})

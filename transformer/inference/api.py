@@ -565,13 +565,13 @@ class Model:
 
   def to_str_tokens(self, text: str | Any, prepend_bos: bool = True) -> list:
     """Each token of a text as a string (with the bos prefix, as `to_tokens`), or of ids [T] or
-    [1, T]; ids [B, T] give one list per row."""
+    [1, T]; ids [B, T] give one list per row. Special tokens show their names ('<|endoftext|>')."""
     ids = self.to_tokens(text, prepend_bos) if isinstance(text, str) else _array(text, 'text')
     if ids.ndim == 2 and ids.shape[0] == 1:
       ids = ids[0]
     if ids.ndim == 2:
       return [self.to_str_tokens(row) for row in ids]
-    return [self.tokenizer.decode([int(t)]) for t in ids]
+    return [self.tokenizer.piece(int(t)) for t in ids]  # the bos as '<|endoftext|>', as TL
 
   def to_single_token(self, text: str) -> int:
     """The id of a string that is exactly one token (' John'); anything else is an error."""
