@@ -51,10 +51,12 @@ def test_remat_lowers_temp_memory_and_keeps_gradients(scan_layers):
   assert temp['full'] < 0.6 * temp['none'], temp
   assert temp['full'] < temp['save_matmuls'] < 0.8 * temp['none'], temp
   # The same numbers, recomputed, up to float32 rounding where XLA fuses the recomputation
-  # differently (newer jax: 1.2e-8 on a gradient of 4e-4 in an array whose largest is 0.86).
+  # differently (newer jax: 1.2e-8 on a gradient of 4e-4; 9e-10 on a bias whose gradient is
+  # rounding noise), so the tolerance scales with the largest gradient of the model.
+  largest = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads['none']))
   for remat in ('full', 'save_matmuls'):
     jax.tree.map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max()),
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * largest),
       grads[remat],
       grads['none'],
     )
