@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from transformer.config.experiment import MeshConfig
@@ -358,12 +359,14 @@ def initialize_distributed(
       raise ValueError(f'--process_id={process_id} must be in [0, {num_processes})')
     _cpu_collectives()
     jax.distributed.initialize(coordinator_address, num_processes, process_id, **_TIMEOUTS)
+    _no_cache_on_cpu()
     return True
   slurm = int(os.environ.get('SLURM_NTASKS', '1')) > 1
   tpu_pod = len(os.environ.get('TPU_WORKER_HOSTNAMES', '').split(',')) > 1
   if slurm or tpu_pod:
     _cpu_collectives()
     jax.distributed.initialize(**_TIMEOUTS)
+    _no_cache_on_cpu()
     return True
   return False
 
@@ -373,6 +376,21 @@ _TIMEOUTS = {
   'heartbeat_timeout_seconds': HEARTBEAT_TIMEOUT_SECONDS,
   'shutdown_timeout_seconds': SHUTDOWN_TIMEOUT_SECONDS,
 }
+
+
+def _no_cache_on_cpu() -> None:
+  """Multi-process CPU runs (gloo) compile afresh: with jax 0.12.1, a two-process run resumed on a
+  warm persistent compilation cache (JAX_COMPILATION_CACHE_DIR) waited forever before its first
+  step (jax 0.10 resumes fine). One line says so; GPU and TPU runs keep the cache."""
+  newer = tuple(int(x) for x in jax.__version__.split('.')[:2]) >= (0, 12)  # 0.10 resumes fine
+  if newer and jax.default_backend() == 'cpu' and jax.config.jax_compilation_cache_dir:
+    jax.config.update('jax_enable_compilation_cache', False)
+    if jax.process_index() == 0:
+      logging.warning(
+        'the persistent compilation cache (%s) is off in this multi-process CPU run: a resumed '
+        'run on jax 0.12 waited forever on it',
+        jax.config.jax_compilation_cache_dir,
+      )
 
 
 def _cpu_collectives() -> None:
