@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -105,26 +106,34 @@ def release_host_memory() -> bool:
 _LIBC: Any = None
 
 
-def no_space_reason(error: BaseException | str) -> str | None:
-  """'No space left on device' (or quota, file size) if `error` or its causes say so, else None.
-
-  orbax's tensorstore writes report the errno only in their message (`[os_error_code='28']`).
-  """
+def causes(error: BaseException) -> Iterator[BaseException]:
+  """`error`, then each error it was raised from or during, once each."""
   seen, todo = set(), [error]
   while todo:
     item = todo.pop()
     if item is None or id(item) in seen:
       continue
     seen.add(id(item))
-    if isinstance(item, OSError) and item.errno in NO_SPACE:
-      return NO_SPACE[item.errno]
+    yield item
+    todo += [item.__cause__, item.__context__]
+
+
+def os_reason(error: BaseException | str, codes: dict[int, str]) -> str | None:
+  """codes[errno] when `error` or a cause is an OSError with one of those errnos, or says so in
+  its text (orbax's tensorstore reports the errno only there: `[os_error_code='28']`)."""
+  for item in causes(error) if isinstance(error, BaseException) else [error]:
+    if isinstance(item, OSError) and item.errno in codes:
+      return codes[item.errno]
     text = str(item)
-    for code, reason in NO_SPACE.items():
+    for code, reason in codes.items():
       if reason in text or f"os_error_code='{code}'" in text:
         return reason
-    if isinstance(item, BaseException):
-      todo += [item.__cause__, item.__context__]
   return None
+
+
+def no_space_reason(error: BaseException | str) -> str | None:
+  """'No space left on device' (or quota, file size) if `error` or its causes say so, else None."""
+  return os_reason(error, NO_SPACE)
 
 
 def byte_size(num_bytes: float) -> str:

@@ -17,7 +17,6 @@ import errno
 import json
 import os
 import re
-from collections.abc import Iterator
 
 from transformer import util
 
@@ -45,31 +44,16 @@ _VERSION = re.compile(
 )
 
 
-def causes(error: BaseException) -> Iterator[BaseException]:
-  """`error`, then each error it was raised from or during, once each."""
-  seen, todo = set(), [error]
-  while todo:
-    item = todo.pop()
-    if item is None or id(item) in seen:
-      continue
-    seen.add(id(item))
-    yield item
-    todo += [item.__cause__, item.__context__]
+causes = util.causes
 
 
 def _os_reason(error: BaseException, codes: dict[int, str]) -> str | None:
-  """codes' reason when `error` or a cause is such an OSError or says so (tensorstore writes
-  `[os_error_code='13']`, or `PERMISSION_DENIED`), else None."""
-  for item in causes(error):
-    if isinstance(item, OSError) and item.errno in codes:
-      return codes[item.errno]
-    text = str(item)
-    for code, reason in codes.items():
-      if reason in text or f"os_error_code='{code}'" in text:
-        return reason
-    if codes is _PERMISSION and 'PERMISSION_DENIED' in text:
+  """util.os_reason, where tensorstore's `PERMISSION_DENIED` also counts as EACCES."""
+  reason = util.os_reason(error, codes)
+  if reason is None and codes is _PERMISSION:
+    if any('PERMISSION_DENIED' in str(item) for item in causes(error)):
       return _PERMISSION[errno.EACCES]
-  return None
+  return reason
 
 
 def transient(error: BaseException) -> str | None:
