@@ -253,7 +253,7 @@ def _matmul_row(name: str, rows: int, k: int, m: int, n: int, rounds: int) -> st
   jx, jw, jg = map(jnp.asarray, (x, w, g))
   tx, tw, tg = map(torch.from_numpy, (x, w, g))
   mm, dx = jax.jit(jnp.matmul), jax.jit(lambda g, w: g @ w.T)
-  dw = jax.jit(lambda x, g: lax.dot_general(x, g, (((0,), (0,)), ((), ()))))  # as primitives.py
+  dw = jax.jit(lambda x, g: lax.dot_general(x, g, (((0,), (0,)), ((), ()))))  # as layers.cpu_matmul
   t = _alternate(
     {
       'jf': lambda: mm(jx, jw).block_until_ready(),

@@ -28,9 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.config import ModelConfig
-from transformer.model import hooks, models
+from transformer.model import hooks, models, norms
 from transformer.model import positions as positions_lib
-from transformer.model import primitives as norms
 from transformer.model.attention import logit_scale
 from transformer.model.parts import parts
 

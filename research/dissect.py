@@ -12,8 +12,7 @@ import numpy as np
 from research.inspection import inspect_run, plot_attention, plot_head_entropy
 from transformer import data, util
 from transformer.config import ModelConfig
-from transformer.model import hooks
-from transformer.model import primitives as norms
+from transformer.model import hooks, norms
 
 
 # Measures ------------------------------------------------------------------------------------

@@ -19,8 +19,7 @@ import numpy as np
 
 from transformer import data
 from transformer.config import ModelConfig
-from transformer.model import hooks, models, probes
-from transformer.model import primitives as norms
+from transformer.model import hooks, models, norms, probes
 
 Metric = Callable[[jax.Array], jax.Array]
 # The activations `patching` can patch, by position ([L, T] maps) or by head ([L, N] maps).

@@ -14,8 +14,8 @@ import it and are never imported by it (docs/architecture.md; tests/test_layout.
 
 from transformer.config import ModelConfig
 from transformer.inference.api import Model, load
+from transformer.kernels.masks import MaskSpec
 from transformer.model.attention import dot_product_attention
-from transformer.model.masks import MaskSpec
 from transformer.model.models import build
 
 __all__ = ['MaskSpec', 'Model', 'ModelConfig', 'build', 'dot_product_attention', 'load']

@@ -143,19 +143,9 @@ def make_mesh(shape: Sequence[int], devices: Sequence[jax.Device] | None = None)
   return Mesh(np.array(devices).reshape(shape), MESH_AXES, axis_types=auto)
 
 
-_ACTIVE: list[Partitioner] = []  # the partitioners whose context() is open, innermost last
-
-
-def constrain(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
-  """`nn.with_logical_constraint` on the active partitioner's mesh; a no-op outside one.
-
-  The mesh is passed explicitly instead of through `jax.set_mesh`, because under a global mesh
-  flax also constrains DenseGeneral's flattened kernel initialisers, which fails.
-  """
-  if not _ACTIVE:
-    return x
-  partitioner = _ACTIVE[-1]
-  return nn.with_logical_constraint(x, logical, rules=partitioner.rules, mesh=partitioner.mesh)
+# The partitioners whose context() is open, innermost last: `layers.constrain` reads the mesh
+# and rules of the last one.
+ACTIVE: list[Partitioner] = []
 
 
 class Partitioner:
@@ -180,11 +170,11 @@ class Partitioner:
   @contextlib.contextmanager
   def context(self) -> Iterator[None]:
     """While tracing inside it, the models' `constrain` calls take effect on this mesh."""
-    _ACTIVE.append(self)
+    ACTIVE.append(self)
     try:
       yield
     finally:
-      _ACTIVE.pop()
+      ACTIVE.pop()
 
   def spec(self, logical: Sequence[str | None]) -> PartitionSpec:
     return nn.logical_to_mesh_axes(tuple(logical), self.rules)

@@ -8,8 +8,8 @@ import pytest
 from decode_reference import greedy_uncached_continue
 from model_helpers import random_model
 
+from transformer.kernels.masks import MaskSpec
 from transformer.model import compressed_attention as ca
-from transformer.model.masks import MaskSpec
 
 
 def reference(q, k, v, block, causal, seg=None):

@@ -185,10 +185,11 @@ def test_cached_greedy_equals_recomputation(name):
 _ATTENTION_CFG = ModelConfig(
   family='causal_lm', d_model=32, num_heads=4, num_kv_heads=1, head_dim=8, position='alibi'
 )
+_KIND = parts(_ATTENTION_CFG).attention
 SELF_ATTENTION = MultiHeadAttention(
-  _ATTENTION_CFG, relative_positions=parts(_ATTENTION_CFG).relative_positions
+  _ATTENTION_CFG, _KIND, relative_positions=parts(_ATTENTION_CFG).relative_positions
 )
-CROSS_ATTENTION = MultiHeadAttention(_ATTENTION_CFG)
+CROSS_ATTENTION = MultiHeadAttention(_ATTENTION_CFG, _KIND)
 
 
 @jax.jit

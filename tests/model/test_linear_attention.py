@@ -237,7 +237,9 @@ def test_state_steps_equal_parallel_attention():
     attention_chunk_size=4, position='rope', max_length=32,
   )  # fmt: skip
   rope = parts(cfg).relative_positions  # RoPE: self attention only
-  self_attn, cross_attn = MultiHeadAttention(cfg, relative_positions=rope), MultiHeadAttention(cfg)
+  kind = parts(cfg).attention
+  self_attn = MultiHeadAttention(cfg, kind, relative_positions=rope)
+  cross_attn = MultiHeadAttention(cfg, kind)
   rng = np.random.default_rng(0)
   B, T, P, S = 2, 9, 3, 7
   x = jnp.asarray(rng.standard_normal((B, T, 16)), jnp.float32)

@@ -1,5 +1,5 @@
-"""The weight matmul of every Dense layer (model.primitives.dot_general): values and gradients
-against lax.dot_general, at awkward shapes, and the cases it hands back unchanged."""
+"""The weight matmul of every projection on CPU (model.layers.cpu_matmul): values and gradients
+against lax.dot_general and float64 NumPy, at awkward shapes, and where `dense` uses it."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from transformer.model import primitives
+from transformer.config import ModelConfig
+from transformer.model import layers
 
 
 @pytest.mark.parametrize(
@@ -29,11 +30,11 @@ def test_values_and_gradients_match_dot_general(lhs, rhs, contract):
   def loss(f):
     return lambda x, w: jnp.sum(f(x, w, numbers) * cotangent)
 
-  got = primitives.dot_general(x, w, numbers)
+  got = layers.cpu_matmul(x, w, numbers)
   x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
   want = np.tensordot(x64, w64, axes=contract)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-  grads = jax.grad(loss(primitives.dot_general), argnums=(0, 1))(x, w)
+  grads = jax.grad(loss(layers.cpu_matmul), argnums=(0, 1))(x, w)
   reference = jax.grad(loss(lax.dot_general), argnums=(0, 1))(x, w)
   for g, r in zip(grads, reference):
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
@@ -43,15 +44,13 @@ def test_values_and_gradients_match_dot_general(lhs, rhs, contract):
   np.testing.assert_allclose(np.asarray(grads[1]).reshape(dw.shape), dw, rtol=1e-4, atol=1e-4)
 
 
-def test_batch_axes_and_mixed_dtypes_go_to_dot_general():
-  x = jnp.ones((2, 3, 4), jnp.float32)
-  batched = (((2,), (1,)), ((0,), (0,)))
-  np.testing.assert_array_equal(
-    primitives.dot_general(x, jnp.ones((2, 4, 5)), batched),
-    lax.dot_general(x, jnp.ones((2, 4, 5)), batched),
-  )
-  mixed = primitives.dot_general(x, jnp.ones((4, 5), jnp.bfloat16), (((2,), (0,)), ((), ())))
-  assert (
-    mixed.dtype
-    == lax.dot_general(x, jnp.ones((4, 5), jnp.bfloat16), (((2,), (0,)), ((), ()))).dtype
-  )
+def test_dense_takes_it_on_cpu_only_where_asked_and_computes_what_lax_does():
+  cfg = ModelConfig(vocab_size=11, d_model=6, num_heads=2, d_ff=10, num_layers=1, max_length=8)
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 2, 3)), jnp.float32)
+  for axis, features, axes in ((-1, 7, ('kv', 'mlp')), ((-2, -1), 5, ('heads', 'kv', 'embed'))):
+    fast = layers.dense(cfg, features, axes, 'p', axis=axis, matmul=True)
+    plain = layers.dense(cfg, features, axes, 'p', axis=axis)
+    params = plain.init(jax.random.key(0), x)
+    assert fast.dot_general is (layers.cpu_matmul if jax.default_backend() == 'cpu' else None)
+    assert plain.dot_general is None  # lax.dot_general
+    np.testing.assert_allclose(fast.apply(params, x), plain.apply(params, x), rtol=1e-6, atol=1e-6)

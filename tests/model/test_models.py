@@ -348,7 +348,7 @@ def test_sinusoidal_positions_over_unscaled_embeddings_warn():
 
 
 def test_norm_bias_false_drops_every_layernorm_bias_and_matches_a_numpy_reference():
-  from transformer.model.primitives import Norm
+  from transformer.model.layers import Norm
 
   cfg = tiny('causal_lm', norm_bias=False, use_bias=False, norm_placement='pre')
   _, params = init(cfg)

@@ -22,8 +22,9 @@ from transformer.model import (
   layers,
   linear_attention,
   models,
+  norms,
   parts,
-  primitives,
+  short_conv,
 )
 
 
@@ -51,24 +52,24 @@ OPTIONS = {
   'scaled embeddings': (lambda c: c.scale_embeddings, [layers.ScaledEmbed.__call__]),
   'layernorm or rmsnorm': (
     lambda c: c.norm != 'batchnorm' or c.qk_norm,
-    [primitives.Norm.__call__],
+    [layers.Norm.__call__],
   ),
-  'batchnorm': (lambda c: c.norm == 'batchnorm', [primitives.BatchNorm.__call__]),
-  'pre-norm': (lambda c: c.norm_placement == 'pre' and c.residual, [parts.pre_norm]),
-  'post-norm': (lambda c: c.norm_placement == 'post' and c.residual, [parts.post_norm]),
+  'batchnorm': (lambda c: c.norm == 'batchnorm', [norms.BatchNorm.__call__]),
+  'pre-norm': (lambda c: c.norm_placement == 'pre' and c.residual, [layers.pre_norm]),
+  'post-norm': (lambda c: c.norm_placement == 'post' and c.residual, [layers.post_norm]),
   'no residual, pre': (
     lambda c: c.norm_placement == 'pre' and not c.residual,
-    [parts.pre_norm_no_residual],
+    [layers.pre_norm_no_residual],
   ),
   'no residual, post': (
     lambda c: c.norm_placement == 'post' and not c.residual,
-    [parts.post_norm_no_residual],
+    [layers.post_norm_no_residual],
   ),
-  'short convolution': (lambda c: c.short_conv > 0, [layers.ShortConv.__call__]),
-  'scan': (lambda c: c.scan_layers, [blocks.scan]),
-  'loop': (lambda c: not c.scan_layers, [blocks.loop]),
+  'short convolution': (lambda c: c.short_conv > 0, [short_conv.ShortConv.__call__]),
+  'scan': (lambda c: c.scan_layers, [layers.scan]),
+  'loop': (lambda c: not c.scan_layers, [layers.loop]),
   'remat': (lambda c: c.remat != 'none', [blocks._lift_checkpoint]),
-  'softmax': (lambda c: c.attention == 'softmax', [attention._softmax_attend]),
+  'softmax': (lambda c: c.attention == 'softmax', [attention.softmax_attend]),
   'linear attention': (lambda c: c.attention == 'linear', [linear_attention.attend]),
   'compressed attention': (lambda c: c.attention == 'compressed', [compressed_attention.attend]),
   'tied head': (
@@ -142,8 +143,8 @@ def test_the_table_is_chosen_once_per_config():
   cfg = ModelConfig(**{**_BASE, **CONFIGS['gpt2']})
   assert parts.parts(cfg) is parts.parts(cfg.replace())  # memoised on the frozen config
   assert parts.parts(cfg) is not parts.parts(cfg.replace(norm='rmsnorm'))
-  assert parts.parts(cfg).sublayer is parts.pre_norm
-  assert parts.parts(cfg.replace(norm_placement='post')).sublayer is parts.post_norm
+  assert parts.parts(cfg).sublayer is layers.pre_norm
+  assert parts.parts(cfg.replace(norm_placement='post')).sublayer is layers.post_norm
 
 
 def test_every_norm_kind_has_one_call_signature():
@@ -163,9 +164,9 @@ def test_the_analyses_numpy_norm_is_the_models_norm(kind):
   weights = {'scale': rng.standard_normal(8) + 1}
   if kind == 'layernorm':
     weights['bias'] = rng.standard_normal(8)
-  module = primitives.Norm(kind, 1e-5)
+  module = layers.Norm(kind, 1e-5)
   want = module.apply({'params': weights}, jnp.asarray(x, jnp.float32))
-  got = primitives.normalized(kind, x, 1e-5, weights['scale'], weights.get('bias'))
+  got = norms.normalized(kind, x, 1e-5, weights['scale'], weights.get('bias'))
   np.testing.assert_allclose(got, np.asarray(want, np.float64), rtol=1e-5, atol=1e-5)
 
 

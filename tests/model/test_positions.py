@@ -2,12 +2,15 @@
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer.config import ModelConfig
 from transformer.model import positions as P
+from transformer.model.layers import AddLearned
 
 SCALINGS = [('none', 1.0), ('linear', 4.0), ('ntk', 8.0), ('yarn', 16.0)]
 
@@ -33,15 +36,16 @@ def test_sinusoidal_odd_d_model_raises():
 
 
 def test_learned_positions_shape_param_and_limit():
-  module = P.LearnedPositions(max_length=8, features=6)
-  pos = jnp.array([[0, 3, 7], [1, 1, 2]])
-  params = module.init(jax.random.PRNGKey(0), pos)
-  table = params['params']['embedding']
+  cfg = ModelConfig(vocab_size=11, d_model=6, num_heads=2, d_ff=8, num_layers=1, max_length=8)
+  module = AddLearned(cfg)
+  x, pos = jnp.zeros((2, 3, 6)), jnp.array([[0, 3, 7], [1, 1, 2]])
+  params = nn.meta.unbox(module.init(jax.random.PRNGKey(0), x, pos))
+  table = params['params']['positions']['embedding']
   assert table.shape == (8, 6)
-  out = module.apply(params, pos)
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(table)[np.asarray(pos)])
+  out = module.apply(params, x + 1.0, pos)
+  np.testing.assert_array_equal(np.asarray(out), 1.0 + np.asarray(table)[np.asarray(pos)])
   with pytest.raises(ValueError, match='sequence length 9 exceeds max_length=8'):
-    module.apply(params, jnp.zeros((2, 9), jnp.int32))
+    module.apply(params, jnp.zeros((2, 9, 6)), jnp.zeros((2, 9), jnp.int32))
 
 
 def _rope_reference(x, pos, inv_freq, mscale):

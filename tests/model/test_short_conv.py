@@ -9,9 +9,9 @@ from decode_reference import greedy_uncached_continue
 from model_helpers import random_model
 
 from transformer.config import ModelConfig
+from transformer.kernels.masks import MaskSpec
 from transformer.model import decode
-from transformer.model.layers import ShortConv
-from transformer.model.masks import MaskSpec
+from transformer.model.short_conv import ShortConv
 
 
 def reference(x, w, segments):

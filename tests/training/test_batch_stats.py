@@ -13,7 +13,7 @@ import pytest
 from transformer.config import ModelConfig
 from transformer.config.experiment import Config
 from transformer.model import models
-from transformer.model.primitives import BATCHNORM_MOMENTUM
+from transformer.model.norms import BATCHNORM_MOMENTUM
 from transformer.training import checkpoint, steps
 from transformer.training.state import BatchNormTrainState, TrainState, create_state, weights
 

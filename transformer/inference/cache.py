@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from transformer.model import hooks as hooks_lib
-from transformer.model import primitives as norms
+from transformer.model import norms
 
 RETURN_TYPES = ('logits', 'loss', 'both', None)
 

@@ -1,39 +1,31 @@
-"""Attention core: `dot_product_attention` (one registry of implementations) and
-`MultiHeadAttention` (self and cross, with a KV cache).
+"""Attention core: `dot_product_attention` (one registry of implementations), the dense path and
+the scores every softmax path shares, and `MultiHeadAttention` (self and cross, with a KV cache).
 
-Every attention in sparrow calls `dot_product_attention` with tensors laid out `[B, T, N, H]`.
-The masks live in `transformer.model.masks` (`MaskSpec` is re-exported here) and the implementations
-in `transformer.model.attention_paths`.
+Every attention in sparrow calls `dot_product_attention` with tensors laid out `[B, T, N, H]`, or
+the implementation it would pick. The masks live in `transformer.kernels.masks` (`MaskSpec` is
+re-exported here); the blocked implementations and the decoding step in
+`transformer.model.attention_paths`, the attention kinds in `parts.KINDS`.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from jax import Array
 
-from transformer import config, sharding
+from transformer import config
 from transformer.config import ModelConfig
-from transformer.kernels import masks as kernel_masks
-from transformer.model import attention_paths as paths
-from transformer.model import compressed_attention as compressed
-from transformer.model import linear_attention as linear
-from transformer.model.masks import MaskSpec
-from transformer.model.primitives import HookPoint, dot_general
+from transformer.kernels.masks import NEG, MaskSpec
+from transformer.model.layers import HookPoint, constrain, dense
+from transformer.model.positions import alibi_bias
 
 _DENSE_MAX_ELEMENTS = 1024 * 1024  # auto-select 'xla' while one head's T * S logits fit this
-
-
-# name -> fn(q, k, v, *, mask, scale, alibi_slopes, chunk_size) returning out [B, T, N, H].
-_IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {
-  'xla': paths.xla_attention,
-  'chunked': paths.chunked_attention,
-  'pallas': paths.pallas_attention,
-  'cudnn': paths.cudnn_attention,
-}
 
 
 def registered() -> list[str]:
@@ -59,6 +51,101 @@ def select_implementation(T: int, S: int, *, return_probs: bool = False) -> str:
   sequences use the memory-efficient 'chunked' path. Never picks 'pallas' or 'cudnn'.
   """
   return 'xla' if return_probs or T * S <= _DENSE_MAX_ELEMENTS else 'chunked'
+
+
+def default_scale(head_dim: int) -> float:
+  """1 / sqrt(H), the logits' default multiplier: it keeps their variance near 1 whatever the
+  head size, so softmax does not saturate (Vaswani et al. 2017, section 3.2.1)."""
+  return 1.0 / math.sqrt(head_dim)
+
+
+def scores(
+  qg: Array, k: Array, scale: float, bias: Array | None = None, *, form: str = 'grouped'
+) -> Array:
+  """The attention logits of every softmax path (dense, chunked, one decoding step): q.k * scale
+  in float32 (bfloat16 exp/sum over S keys loses too much), plus an additive bias (ALiBi).
+
+  qg: queries grouped by kv head `[B, T, K, G, H]` (query head n = k * G + g, so the G heads
+  that share kv head k line up against it without repeating k); k: `[B, S, K, H]`; bias:
+  broadcastable to `[B, K, G, T, S]`. form: how the product is written, which XLA:CPU runs at
+  different speeds (same values, other rounding): 'grouped', one 5-d einsum; 'merged' (G = 1),
+  the heads merged into the batch, a plain batched matmul; 'step' (T = 1), the query axis out
+  of the product. Returns float32 `[B, K, G, T, S]`.
+  """
+  B, T, K, G, H = qg.shape
+  S = k.shape[1]
+  if form == 'step':
+    logits = jnp.einsum('bkgh,bskh->bkgs', qg[:, 0], k, preferred_element_type=jnp.float32)
+    logits = (logits * scale)[:, :, :, None]  # [B, K, G, 1, S]
+  elif form == 'merged':
+    qt = qg.reshape(B, T, K, H).transpose(0, 2, 1, 3).reshape(B * K, T, H)
+    kt = k.transpose(0, 2, 1, 3).reshape(B * K, S, H)
+    logits = jnp.matmul(qt, kt.transpose(0, 2, 1), preferred_element_type=jnp.float32)
+    logits = (logits.reshape(B, K, T, S) * scale)[:, :, None]  # [B, K, G, T, S]
+  else:
+    logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=jnp.float32) * scale
+  return logits if bias is None else logits + bias
+
+
+def xla_attention(
+  q,
+  k,
+  v,
+  *,
+  mask,
+  scale,
+  alibi_slopes,
+  chunk_size=None,
+  return_probs=False,
+  dropout=None,
+  hooks=None,
+):
+  """Reference: dense logits and mask. Returns out, or (out, probs) if return_probs.
+
+  `dropout=(rate, rng)` drops attention probabilities (the returned probs are before dropout).
+  `hooks=(on_scores, on_pattern)` see the scores [B, N, T, S] (-inf where masked) and the
+  probabilities, and may replace them (masked entries stay masked).
+  """
+  del chunk_size  # unused: everything is materialised
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  f32 = jnp.float32
+  bias = None
+  if alibi_slopes is not None:
+    bias = alibi_bias(alibi_slopes, jnp.arange(T), jnp.arange(S)).reshape(K, -1, T, S)
+  merged = K == N and not return_probs and dropout is None and hooks is None
+  form = 'merged' if merged else 'grouped'
+  logits = scores(q.reshape(B, T, K, N // K, H), k, scale, bias, form=form)  # [B, K, G, T, S]
+  if merged:  # one kv head per query head: the product with v is a plain batched matmul too
+    visible = mask.dense(T, S)  # [B or 1, 1, T, S]
+    logits = jnp.where(visible, logits.reshape(B, N, T, S), NEG)
+    probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
+    vt = v.transpose(0, 2, 1, 3).reshape(B * N, S, H)
+    out = jnp.matmul(probs.reshape(B * N, T, S).astype(v.dtype), vt, preferred_element_type=f32)
+    return out.reshape(B, N, T, H).transpose(0, 2, 1, 3).astype(q.dtype)  # [B, T, N, H]
+  visible = mask.dense(T, S)[:, :, None]  # [B or 1, 1, 1, T, S]
+  if hooks is not None:  # [B, K, G, T, S] <-> [B, N, T, S]: query head n = k * G + g
+    on_scores, on_pattern = hooks
+    hooked = on_scores(jnp.where(visible, logits, -jnp.inf).reshape(B, N, T, S))
+    logits = hooked.reshape(logits.shape)
+  logits = jnp.where(visible, logits, NEG)  # [B, K, G, T, S]
+  probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
+  if hooks is not None:
+    probs = on_pattern(probs.reshape(B, N, T, S)).reshape(probs.shape)
+  weights = probs
+  if dropout is not None:
+    rate, rng = dropout
+    keep = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
+    weights = jnp.where(keep, probs / (1.0 - rate), 0.0)  # inverted dropout: same expectation
+  # [B, T, K, G, H]
+  out = jnp.einsum('bkgts,bskh->btkgh', weights.astype(v.dtype), v, preferred_element_type=f32)
+  out = out.reshape(B, T, N, H).astype(q.dtype)  # [B, T, N, H]
+  return (out, probs.reshape(B, N, T, S)) if return_probs else out  # probs: [B, N, T, S]
+
+
+# name -> fn(q, k, v, *, mask, scale, alibi_slopes, chunk_size) returning out [B, T, N, H]: the
+# dense path written above; attention_paths.py registers 'chunked', 'pallas' and 'cudnn'.
+_IMPLEMENTATIONS: dict[str, Callable[..., Array]] = {'xla': xla_attention}
 
 
 def _check_inputs(q, k, v, mask, alibi_slopes, chunk_size):
@@ -132,18 +219,8 @@ def dot_product_attention(
   """
   mask = MaskSpec() if mask is None else mask
   _check_inputs(q, k, v, mask, alibi_slopes, chunk_size)
-  return _attend(
-    q, k, v, mask, scale, implementation, return_probs, alibi_slopes, chunk_size, dropout_rate,
-    dropout_rng, hooks,
-  )  # fmt: skip
-
-
-def _attend(q, k, v, mask, scale, implementation, return_probs, alibi_slopes, chunk_size,
-            dropout_rate, dropout_rng, hooks):  # fmt: skip
-  """`dot_product_attention` on inputs already checked (MultiHeadAttention's are well formed)."""
-  T, S = q.shape[1], k.shape[1]
   if implementation is None:
-    implementation = select_implementation(T, S, return_probs=return_probs)
+    implementation = select_implementation(q.shape[1], k.shape[1], return_probs=return_probs)
   if implementation not in _IMPLEMENTATIONS:
     raise ValueError(
       f'implementation={implementation!r} is not one of '
@@ -158,14 +235,12 @@ def _attend(q, k, v, mask, scale, implementation, return_probs, alibi_slopes, ch
       f"dropout_rate={dropout_rate} on attention probabilities needs implementation='xla' and a "
       f'dropout_rng; got implementation={implementation!r}'
     )
-  scale = paths.default_scale(q.shape[-1]) if scale is None else scale
+  scale = default_scale(q.shape[-1]) if scale is None else scale
   kwargs = dict(mask=mask, scale=scale, alibi_slopes=alibi_slopes, chunk_size=chunk_size)
   # Only the dense path materialises the probabilities [B, N, T, S], to return or drop out.
   if return_probs or dropout_rate > 0:
     dropout = (dropout_rate, dropout_rng) if dropout_rate > 0 else None
-    return paths.xla_attention(
-      q, k, v, return_probs=return_probs, dropout=dropout, hooks=hooks, **kwargs
-    )
+    return xla_attention(q, k, v, return_probs=return_probs, dropout=dropout, hooks=hooks, **kwargs)
   return _IMPLEMENTATIONS[implementation](q, k, v, **kwargs)  # [B, T, N, H]
 
 
@@ -185,6 +260,25 @@ class CacheMode(NamedTuple):
   length: int  # L: self-attention slots = longest prompt + tokens to generate
 
 
+# The attention kinds ---------------------------------------------------------------------------
+class Kind(NamedTuple):
+  """One kind of attention (`ModelConfig.attention`): three functions of the calling
+  `MultiHeadAttention` m, which owns the projections, positions and hook points around them.
+
+  attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout, return_probs):
+    a whole sequence, q [B, T, N, H] over k, v [B, S, K, H] -> out [B, T, N, H], or (out, probs
+    [B, N, T, S]) with return_probs. prefill: a prompt being written into a cache.
+  cache(m, mode, k, v, self_attention, mask, positions): decoding; writes this call's keys and
+    values (or a state) into the 'cache' collection and returns what to attend to.
+  step(m, q, k, v, self_attention, mask, positions, alibi_slopes): decoding, one token per row
+    q [B, 1, N, H] against what `cache` returned -> [B, 1, N, H].
+  """
+
+  attend: Callable
+  cache: Callable
+  step: Callable
+
+
 class MultiHeadAttention(nn.Module):
   """Self or cross attention: q/k/v/out projections around `dot_product_attention`, or around
   `linear_attention.linear_attention` (cfg.attention='linear'; its cache is then a fixed-size
@@ -197,6 +291,7 @@ class MultiHeadAttention(nn.Module):
   """
 
   cfg: ModelConfig
+  kind: Kind  # the attention kind (`parts.KINDS`): softmax, linear or compressed
   kernel_init: Callable = nn.initializers.xavier_uniform()  # q/k/v projections
   out_init: Callable = nn.initializers.xavier_uniform()  # the output projection
   # RoPE or ALiBi (`parts.RELATIVE_POSITIONS`), in self attention only; None: no relative positions
@@ -229,32 +324,33 @@ class MultiHeadAttention(nn.Module):
       [B, T, D], or ([B, T, D], [B, N, T, S]) with return_probs.
     """
     self_attention = inputs_kv is None
-    inputs_kv = inputs_q if self_attention else inputs_kv  # [B, S, D]; S = T in self attention
-    step = cache_mode is not None and cache_mode.phase == 'step'
-    if step and self_attention and positions is None:
-      raise ValueError("CacheMode step needs positions [B, 1]: the slot of each row's token")
-    kind = KINDS[self.cfg.attention]
-    q, k, v = self._project(inputs_q, inputs_kv)  # [B, T, N, H], [B, S, K, H], [B, S, K, H]
+    if cache_mode is not None:
+      _check_cache(cache_mode, self_attention, mask, positions, return_probs)
+    q, k, v = self._project(inputs_q, inputs_q if self_attention else inputs_kv)  # S = T in self
     alibi_slopes = None
     if self.relative_positions is not None:  # RoPE or ALiBi, positions [B or 1, T]
       positions = jnp.arange(q.shape[1])[None] if positions is None else positions
       q, k, alibi_slopes = self.relative_positions(self.cfg, q, k, positions)
-    if cache_mode is not None:  # decoding: fill the cache, or add one token to it
-      _check_cache(cache_mode, self_attention, mask, return_probs)
-      k, v = kind.cache(self, cache_mode, k, v, self_attention, mask, positions)
-    if step:  # [B, 1, N, H]: one new token per row against the cache
-      out = kind.step(self, q, k, v, self_attention, mask, positions, alibi_slopes)
-    else:
+    if cache_mode is None:
       dropout = self.cfg.attention_dropout_rate > 0 and not deterministic  # training only
-      prefill = cache_mode is not None
-      out = kind.attend(self, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout,
-                        return_probs)  # fmt: skip
+      out = self.kind.attend(self, q, k, v, mask, alibi_slopes, self_attention, False, dropout,
+                             return_probs)  # fmt: skip
+    else:  # decoding: fill the cache, or add one token to it
+      out = self._decode(cache_mode, q, k, v, self_attention, mask, positions, alibi_slopes)
     out, probs = out if return_probs else (out, None)  # probs: [B, N, T, S] or None
-    out = HookPoint(name='hook_z')(self._constrain(out, 'heads'))  # [B, T, N, H]
+    out = HookPoint(name='hook_z')(constrain(out, HEADS))  # [B, T, N, H]
     # The output projection contracts heads and head_dim together: [B, T, N, H] -> [B, T, D].
     project = self._dense(inputs_q.shape[-1], (-2, -1), ('heads', 'kv', 'embed'), 'out')
     y = self._per_head(project, out) if per_head else project(out)
     return (y, probs) if return_probs else y
+
+  def _decode(self, mode: CacheMode, q, k, v, self_attention, mask, positions, alibi_slopes):
+    """Writes this call's keys and values (or the kind's state) into the cache; then a prompt
+    ('prefill') attends as a whole sequence does, and a step ([B, 1, N, H]) against the cache."""
+    k, v = self.kind.cache(self, mode, k, v, self_attention, mask, positions)
+    if mode.phase == 'step':
+      return self.kind.step(self, q, k, v, self_attention, mask, positions, alibi_slopes)
+    return self.kind.attend(self, q, k, v, mask, alibi_slopes, self_attention, True, False, False)
 
   def _per_head(self, project: nn.DenseGeneral, z: Array) -> Array:
     """The output projection [B, T, D] beside hook_result, each head's output projected on its
@@ -275,157 +371,59 @@ class MultiHeadAttention(nn.Module):
     ([..., D] -> [..., heads, H]) or the output ([..., N, H] -> [..., D])."""
     cfg, out = self.cfg, name == 'out'
     bias = cfg.use_bias if out or cfg.qkv_bias is None else cfg.qkv_bias
-    bias_axes = axes[2:] if out else axes[1:]  # the projection's output axes
-    return nn.DenseGeneral(
-      features,
-      axis=axis,
-      use_bias=bias,
-      dtype=cfg.compute_dtype,
-      param_dtype=cfg.params_dtype,
-      kernel_init=nn.with_logical_partitioning(self.out_init if out else self.kernel_init, axes),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, bias_axes),
-      dot_general=dot_general,
-      name=name,
-    )
-
-  @staticmethod
-  def _constrain(x: Array, heads_axis: str) -> Array:
-    """Pins [B, T, heads, H] to its logical axes (config.mesh.rules map them to mesh axes)."""
-    return sharding.constrain(x, ('batch', 'length', heads_axis, 'kv'))
+    init = self.out_init if out else self.kernel_init
+    return dense(cfg, features, axes, name, init, bias, axis, matmul=True)
 
   def _project(self, inputs_q: Array, inputs_kv: Array) -> tuple[Array, Array, Array]:
     """q [B, T, N, H], k and v [B, S, K, H] (GQA: K <= N kv heads, each shared by G = N // K
     query heads; K = N is plain multi-head attention), then Qwen3's q/k norm."""
     cfg, H = self.cfg, self.cfg.head_size
-    q = self._constrain(self._dense((cfg.num_heads, H), -1, ('embed', 'heads', 'kv'), 'query')(
-      inputs_q), 'heads')  # fmt: skip
-    k, v = (
-      self._constrain(
-        self._dense((cfg.kv_heads, H), -1, ('embed', 'kv_heads', 'kv'), name)(inputs_kv), 'kv_heads'
-      )  # fmt: skip
-      for name in ('key', 'value')
-    )
-    q, k, v = (HookPoint(name=f'hook_{n}')(x) for n, x in (('q', q), ('k', k), ('v', v)))
+    q = self._dense((cfg.num_heads, H), -1, ('embed', 'heads', 'kv'), 'query')(inputs_q)
+    k = self._dense((cfg.kv_heads, H), -1, ('embed', 'kv_heads', 'kv'), 'key')(inputs_kv)
+    v = self._dense((cfg.kv_heads, H), -1, ('embed', 'kv_heads', 'kv'), 'value')(inputs_kv)
+    q = HookPoint(name='hook_q')(constrain(q, HEADS))  # [B, T, N, H]
+    k = HookPoint(name='hook_k')(constrain(k, KV_HEADS))  # [B, S, K, H]
+    v = HookPoint(name='hook_v')(constrain(v, KV_HEADS))  # [B, S, K, H]
     if self.qk_norm is not None:  # per head, over H, before RoPE
       q, k = self.qk_norm(name='query_norm')(q), self.qk_norm(name='key_norm')(k)  # same shapes
     return q, k, v
 
-  @property
-  def scale(self) -> float:
-    return logit_scale(self.cfg)
+
+# The logical axes of q, z [B, T, N, H] and k, v [B, S, K, H] (config.mesh.rules map them to
+# mesh axes).
+HEADS, KV_HEADS = ('batch', 'length', 'heads', 'kv'), ('batch', 'length', 'kv_heads', 'kv')
 
 
+@functools.cache
 def logit_scale(cfg: ModelConfig) -> float:
   """The logits' multiplier: 1/sqrt(head_size), or 1.0 for the unscaled ablation."""
-  return paths.default_scale(cfg.head_size) if cfg.attention_scale else 1.0
+  return default_scale(cfg.head_size) if cfg.attention_scale else 1.0
 
 
-# The attention kinds ---------------------------------------------------------------------------
-class Kind(NamedTuple):
-  """One kind of attention (`ModelConfig.attention`): three functions of the calling
-  `MultiHeadAttention` m, which owns the projections, positions and hook points around them.
-
-  attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout, return_probs):
-    a whole sequence, q [B, T, N, H] over k, v [B, S, K, H] -> out [B, T, N, H], or (out, probs
-    [B, N, T, S]) with return_probs. prefill: a prompt being written into a cache.
-  cache(m, mode, k, v, self_attention, mask, positions): decoding; writes this call's keys and
-    values (or a state) into the 'cache' collection and returns what to attend to.
-  step(m, q, k, v, self_attention, mask, positions, alibi_slopes): decoding, one token per row
-    q [B, 1, N, H] against what `cache` returned -> [B, 1, N, H].
-  """
-
-  attend: Callable
-  cache: Callable
-  step: Callable
-
-
-def _softmax_attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout,
-                    return_probs):  # fmt: skip
+def softmax_attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout,
+                   return_probs):  # fmt: skip
   """softmax(q.k * scale) v through the configured implementation (None: by the shapes); the
   dense 'xla' path where the probabilities are returned, hooked or dropped out."""
   del self_attention, prefill  # the mask says what each query sees
-  cfg = m.cfg
-  mask = MaskSpec() if mask is None else mask
-  kwargs = dict(
-    mask=mask, scale=m.scale, alibi_slopes=alibi_slopes, chunk_size=cfg.attention_chunk_size
-  )
+  cfg, mask = m.cfg, MaskSpec() if mask is None else mask
+  kwargs = dict(mask=mask, scale=logit_scale(cfg), alibi_slopes=alibi_slopes,
+                chunk_size=cfg.attention_chunk_size)  # fmt: skip
   if return_probs or dropout:  # the probabilities exist on the dense path only
     hooks = None
     if return_probs:
       hooks = (HookPoint(name='hook_attn_scores'), HookPoint(name='hook_pattern'))
     drop = (cfg.attention_dropout_rate, m.make_rng('dropout')) if dropout else None
-    return paths.xla_attention(
-      q, k, v, return_probs=return_probs, dropout=drop, hooks=hooks, **kwargs
-    )
+    return xla_attention(q, k, v, return_probs=return_probs, dropout=drop, hooks=hooks, **kwargs)
   implementation = cfg.attention_impl or select_implementation(q.shape[1], k.shape[1])
   return _IMPLEMENTATIONS[implementation](q, k, v, **kwargs)  # [B, T, N, H]
 
 
-def _check_cache(mode: CacheMode, self_attention: bool, mask, return_probs: bool) -> None:
+def _check_cache(mode: CacheMode, self_attention: bool, mask, positions, return_probs: bool):
   if mode.phase not in ('prefill', 'step'):
     raise ValueError(f"CacheMode.phase={mode.phase!r} must be 'prefill' or 'step'")
   if return_probs:
     raise ValueError('return_probs=True is not available while decoding with a KV cache')
+  if mode.phase == 'step' and self_attention and positions is None:
+    raise ValueError("CacheMode step needs positions [B, 1]: the slot of each row's token")
   if self_attention and (mask is None or not mask.causal):
     raise ValueError('a KV cache needs causal self attention; pass a MaskSpec with causal=True')
-
-
-def _kv_cache(m, mode, k, v, self_attention, mask, positions):
-  """Writes k/v [B, T, K, H] into the 'cache' collection; returns the keys/values to attend to.
-
-  prefill: the prompt's own k/v (self attention stores them in slots 0..T-1 of L).
-  step: self attention writes its one token at slot positions[b] and returns the whole cache
-  [B, L, K, H]; cross attention returns the encoder's k/v cached at prefill.
-  """
-  del mask
-  B, T, K, H = k.shape
-  if mode.phase == 'prefill':
-    if self_attention and T > mode.length:
-      raise ValueError(f'a prompt of {T} tokens does not fit a cache of length={mode.length}')
-    # Self attention gets L slots for the tokens still to come; cross attention caches the
-    # encoder's S keys, which never grow (here T is S).
-    L = mode.length if self_attention else T
-    pad = [(0, 0), (0, L - T), (0, 0), (0, 0)]  # right-pad the length axis: T -> L
-    for name, x in (('cached_key', k), ('cached_value', v)):  # [B, L, K, H], 0 past the prompt
-      m.variable('cache', name, jnp.zeros, (B, L, K, H), x.dtype).value = jnp.pad(x, pad)
-    return k, v  # prefill attends over the prompt only, [B, T, K, H]
-  if not m.has_variable('cache', 'cached_key'):
-    raise ValueError("CacheMode 'step' needs the cache that a 'prefill' call filled")
-  cached_k = m.variable('cache', 'cached_key')
-  cached_v = m.variable('cache', 'cached_value')
-  if not self_attention:  # the encoder's keys/values, computed once at prefill
-    return cached_k.value, cached_v.value
-  if T != 1:
-    raise ValueError(f'CacheMode step takes one token per row; got {T}')
-  # Each row writes at its own position, so right-padded prompts of different lengths decode
-  # in one batch without shifting any cache.
-  rows, slots = jnp.arange(B), jnp.broadcast_to(positions, (B, 1))[:, 0]  # [B], [B]
-  cached_k.value = cached_k.value.at[rows, slots].set(k[:, 0])  # [B, L, K, H]
-  cached_v.value = cached_v.value.at[rows, slots].set(v[:, 0])  # [B, L, K, H]
-  return cached_k.value, cached_v.value
-
-
-def _softmax_step(m, q, k, v, self_attention, mask, positions, alibi_slopes):
-  """q [B, 1, N, H] over the cached k/v [B, L, K, H]."""
-  scale = m.scale
-  if not self_attention:  # the cross mask is top-left aligned already: [B or 1, S]
-    visible = (MaskSpec() if mask is None else mask).dense(1, k.shape[1])[:, 0, 0]
-    return paths.attend_one_step(q, k, v, visible, scale=scale)
-  q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
-  slots = jnp.arange(k.shape[1])[None]  # [1, L]
-  # Row b's query sits at q_pos[b]; causal, as later slots are not written yet.
-  visible = kernel_masks.visible(
-    q_pos[:, None], slots, None, None, causal=True, window=mask.window
-  )  # [B, L]
-  return paths.attend_one_step(
-    q, k, v, visible, scale=scale, alibi_slopes=alibi_slopes, q_pos=q_pos
-  )
-
-
-# name -> Kind. A new kind is three functions and a line here (and its name in
-# config.ATTENTIONS); linear_attention.py and compressed_attention.py are the examples.
-KINDS: dict[str, Kind] = {
-  'softmax': Kind(_softmax_attend, _kv_cache, _softmax_step),
-  'linear': Kind(linear.attend, linear.cache, linear.step),
-  'compressed': Kind(compressed.attend, _kv_cache, compressed.step),
-}

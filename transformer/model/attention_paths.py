@@ -1,5 +1,6 @@
-"""The implementations behind `dot_product_attention`: 'xla' (dense reference), 'chunked'
-(flash attention in pure JAX), 'cudnn' and 'pallas' (our kernel in transformer/kernels/).
+"""The implementations behind `dot_product_attention` beside the dense one (attention.py):
+'chunked' (flash attention in pure JAX), 'cudnn' and 'pallas' (our kernel in transformer/kernels/),
+which register themselves there; and the KV cache with its one-token decoding step.
 
 Each takes q `[B, T, N, H]`, k/v `[B, S, K, H]` and keywords (mask, scale, alibi_slopes,
 chunk_size) and returns out `[B, T, N, H]`, exactly 0 on fully masked query rows.
@@ -8,106 +9,32 @@ chunk_size) and returns out `[B, T, N, H]`, exactly 0 on fully masked query rows
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
-from transformer.model.masks import NEG, MaskSpec
-from transformer.model.masks import visible as visible_keys
+from transformer.kernels import masks as kernel_masks
+from transformer.kernels.masks import NEG, MaskSpec
+from transformer.model import attention
+from transformer.model.attention import logit_scale, scores
 from transformer.model.positions import alibi_bias
 
 
-def default_scale(head_dim: int) -> float:
-  """1 / sqrt(H), the logits' default multiplier: it keeps their variance near 1 whatever the
-  head size, so softmax does not saturate (Vaswani et al. 2017, section 3.2.1)."""
-  return 1.0 / math.sqrt(head_dim)
+def _visible_keys(causal, window, q_pos, k_pos, q_seg, kv_seg, kv_len=None) -> Array:
+  """bool[B or 1, 1, T, C]: may query at q_pos[t] see key at k_pos[c]? (`kernel_masks.visible`)
 
-
-def scores(
-  qg: Array, k: Array, scale: float, bias: Array | None = None, *, form: str = 'grouped'
-) -> Array:
-  """The attention logits of every softmax path (dense, chunked, one decoding step): q.k * scale
-  in float32 (bfloat16 exp/sum over S keys loses too much), plus an additive bias (ALiBi).
-
-  qg: queries grouped by kv head `[B, T, K, G, H]` (query head n = k * G + g, so the G heads
-  that share kv head k line up against it without repeating k); k: `[B, S, K, H]`; bias:
-  broadcastable to `[B, K, G, T, S]`. form: how the product is written, which XLA:CPU runs at
-  different speeds (same values, other rounding): 'grouped', one 5-d einsum; 'merged' (G = 1),
-  the heads merged into the batch, a plain batched matmul; 'step' (T = 1), the query axis out
-  of the product. Returns float32 `[B, K, G, T, S]`.
+  q_pos `[T]`, k_pos `[C]`; q_seg `[B, T]` and kv_seg `[B, C]` (0 = padding) or both None; keys
+  from kv_len on are padding added by the chunked path.
   """
-  B, T, K, G, H = qg.shape
-  S = k.shape[1]
-  if form == 'step':
-    logits = jnp.einsum('bkgh,bskh->bkgs', qg[:, 0], k, preferred_element_type=jnp.float32)
-    logits = (logits * scale)[:, :, :, None]  # [B, K, G, 1, S]
-  elif form == 'merged':
-    qt = qg.reshape(B, T, K, H).transpose(0, 2, 1, 3).reshape(B * K, T, H)
-    kt = k.transpose(0, 2, 1, 3).reshape(B * K, S, H)
-    logits = jnp.matmul(qt, kt.transpose(0, 2, 1), preferred_element_type=jnp.float32)
-    logits = (logits.reshape(B, K, T, S) * scale)[:, :, None]  # [B, K, G, T, S]
-  else:
-    logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=jnp.float32) * scale
-  return logits if bias is None else logits + bias
-
-
-def xla_attention(
-  q,
-  k,
-  v,
-  *,
-  mask,
-  scale,
-  alibi_slopes,
-  chunk_size=None,
-  return_probs=False,
-  dropout=None,
-  hooks=None,
-):
-  """Reference: dense logits and mask. Returns out, or (out, probs) if return_probs.
-
-  `dropout=(rate, rng)` drops attention probabilities (the returned probs are before dropout).
-  `hooks=(on_scores, on_pattern)` see the scores [B, N, T, S] (-inf where masked) and the
-  probabilities, and may replace them (masked entries stay masked).
-  """
-  del chunk_size  # unused: everything is materialised
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  f32 = jnp.float32
-  bias = None
-  if alibi_slopes is not None:
-    bias = alibi_bias(alibi_slopes, jnp.arange(T), jnp.arange(S)).reshape(K, -1, T, S)
-  merged = K == N and not return_probs and dropout is None and hooks is None
-  form = 'merged' if merged else 'grouped'
-  logits = scores(q.reshape(B, T, K, N // K, H), k, scale, bias, form=form)  # [B, K, G, T, S]
-  if merged:  # one kv head per query head: the product with v is a plain batched matmul too
-    visible = mask.dense(T, S)  # [B or 1, 1, T, S]
-    logits = jnp.where(visible, logits.reshape(B, N, T, S), NEG)
-    probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
-    vt = v.transpose(0, 2, 1, 3).reshape(B * N, S, H)
-    out = jnp.matmul(probs.reshape(B * N, T, S).astype(v.dtype), vt, preferred_element_type=f32)
-    return out.reshape(B, N, T, H).transpose(0, 2, 1, 3).astype(q.dtype)  # [B, T, N, H]
-  visible = mask.dense(T, S)[:, :, None]  # [B or 1, 1, 1, T, S]
-  if hooks is not None:  # [B, K, G, T, S] <-> [B, N, T, S]: query head n = k * G + g
-    on_scores, on_pattern = hooks
-    hooked = on_scores(jnp.where(visible, logits, -jnp.inf).reshape(B, N, T, S))
-    logits = hooked.reshape(logits.shape)
-  logits = jnp.where(visible, logits, NEG)  # [B, K, G, T, S]
-  probs = jnp.where(visible, jax.nn.softmax(logits, axis=-1), 0.0)  # fully masked rows -> 0
-  if hooks is not None:
-    probs = on_pattern(probs.reshape(B, N, T, S)).reshape(probs.shape)
-  weights = probs
-  if dropout is not None:
-    rate, rng = dropout
-    keep = jax.random.bernoulli(rng, 1.0 - rate, probs.shape)
-    weights = jnp.where(keep, probs / (1.0 - rate), 0.0)  # inverted dropout: same expectation
-  # [B, T, K, G, H]
-  out = jnp.einsum('bkgts,bskh->btkgh', weights.astype(v.dtype), v, preferred_element_type=f32)
-  out = out.reshape(B, T, N, H).astype(q.dtype)  # [B, T, N, H]
-  return (out, probs.reshape(B, N, T, S)) if return_probs else out  # probs: [B, N, T, S]
+  B, T, C = 1 if q_seg is None else q_seg.shape[0], q_pos.shape[0], k_pos.shape[0]
+  if q_seg is not None:
+    q_seg, kv_seg = q_seg[:, None, :, None], kv_seg[:, None, None, :]  # [B, 1, T, 1], [B, 1, 1, C]
+  ok = kernel_masks.visible(
+    q_pos[:, None], k_pos[None, :], q_seg, kv_seg, causal=causal, window=window, kv_len=kv_len
+  )  # broadcastable to [B, 1, T, C], or None
+  return jnp.ones((B, 1, T, C), bool) if ok is None else jnp.broadcast_to(ok, (B, 1, T, C))
 
 
 class _ChunkConfig(NamedTuple):
@@ -137,7 +64,7 @@ def _chunk_logits(cfg, qg, k_c, start, q_seg, kv_seg_c, slopes):
   q_pos, k_pos = jnp.arange(T), start + jnp.arange(C)
   bias = None if slopes is None else alibi_bias(slopes, q_pos, k_pos).reshape(K, -1, T, C)
   s = scores(qg, k_c, cfg.scale, bias)  # [B, K, G, T, C]
-  visible = visible_keys(cfg.causal, cfg.window, q_pos, k_pos, q_seg, kv_seg_c, cfg.kv_len)
+  visible = _visible_keys(cfg.causal, cfg.window, q_pos, k_pos, q_seg, kv_seg_c, cfg.kv_len)
   visible = visible[:, :, None]  # [B or 1, 1, 1, T, C]
   return jnp.where(visible, s, NEG), visible
 
@@ -327,3 +254,59 @@ def attend_one_step(q, k, v, visible, *, scale, alibi_slopes=None, q_pos=None) -
   # [B, K, G, H]
   out = jnp.einsum('bkgl,blkh->bkgh', probs.astype(v.dtype), v, preferred_element_type=f32)
   return out.reshape(B, 1, N, H).astype(q.dtype)  # [B, 1, N, H]
+
+
+def kv_cache(m, mode, k, v, self_attention, mask, positions):
+  """Writes k/v [B, T, K, H] into the 'cache' collection; returns the keys/values to attend to.
+
+  prefill: the prompt's own k/v (self attention stores them in slots 0..T-1 of L).
+  step: self attention writes its one token at slot positions[b] and returns the whole cache
+  [B, L, K, H]; cross attention returns the encoder's k/v cached at prefill.
+  """
+  del mask
+  B, T, K, H = k.shape
+  if mode.phase == 'prefill':
+    if self_attention and T > mode.length:
+      raise ValueError(f'a prompt of {T} tokens does not fit a cache of length={mode.length}')
+    # Self attention gets L slots for the tokens still to come; cross attention caches the
+    # encoder's S keys, which never grow (here T is S).
+    L = mode.length if self_attention else T
+    pad = [(0, 0), (0, L - T), (0, 0), (0, 0)]  # right-pad the length axis: T -> L
+    for name, x in (('cached_key', k), ('cached_value', v)):  # [B, L, K, H], 0 past the prompt
+      m.variable('cache', name, jnp.zeros, (B, L, K, H), x.dtype).value = jnp.pad(x, pad)
+    return k, v  # prefill attends over the prompt only, [B, T, K, H]
+  if not m.has_variable('cache', 'cached_key'):
+    raise ValueError("CacheMode 'step' needs the cache that a 'prefill' call filled")
+  cached_k = m.variable('cache', 'cached_key')
+  cached_v = m.variable('cache', 'cached_value')
+  if not self_attention:  # the encoder's keys/values, computed once at prefill
+    return cached_k.value, cached_v.value
+  if T != 1:
+    raise ValueError(f'CacheMode step takes one token per row; got {T}')
+  # Each row writes at its own position, so right-padded prompts of different lengths decode
+  # in one batch without shifting any cache.
+  rows, slots = jnp.arange(B), jnp.broadcast_to(positions, (B, 1))[:, 0]  # [B], [B]
+  cached_k.value = cached_k.value.at[rows, slots].set(k[:, 0])  # [B, L, K, H]
+  cached_v.value = cached_v.value.at[rows, slots].set(v[:, 0])  # [B, L, K, H]
+  return cached_k.value, cached_v.value
+
+
+def softmax_step(m, q, k, v, self_attention, mask, positions, alibi_slopes):
+  """q [B, 1, N, H] over the cached k/v [B, L, K, H]."""
+  scale = logit_scale(m.cfg)
+  if not self_attention:  # the cross mask is top-left aligned already: [B or 1, S]
+    visible = (MaskSpec() if mask is None else mask).dense(1, k.shape[1])[:, 0, 0]
+    return attend_one_step(q, k, v, visible, scale=scale)
+  q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
+  slots = jnp.arange(k.shape[1])[None]  # [1, L]
+  # Row b's query sits at q_pos[b]; causal, as later slots are not written yet.
+  visible = kernel_masks.visible(
+    q_pos[:, None], slots, None, None, causal=True, window=mask.window
+  )  # [B, L]
+  return attend_one_step(q, k, v, visible, scale=scale, alibi_slopes=alibi_slopes, q_pos=q_pos)
+
+
+# The blocked paths and the cuDNN kernel, beside the dense one that attention.py writes.
+for _name, _fn in (('chunked', chunked_attention), ('pallas', pallas_attention),
+                   ('cudnn', cudnn_attention)):  # fmt: skip
+  attention.register_implementation(_name, _fn)

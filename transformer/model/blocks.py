@@ -14,11 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax.core import lift
 
-from transformer import sharding
 from transformer.config import ModelConfig
 from transformer.model.attention import CacheMode, MaskSpec, MultiHeadAttention
-from transformer.model.layers import kernel_init, residual_out_init
-from transformer.model.primitives import HookPoint
+from transformer.model.layers import HookPoint, constrain, kernel_init, residual_out_init
 
 Array = jax.Array
 
@@ -58,7 +56,7 @@ class Block(nn.Module):
     )
     x = self._sublayer(x, mix, 'self_attention', 'hook_attn_out', wiring)  # [B, T, D]
     x = self._after_attention(x, wiring, out_init, *context)
-    x = sharding.constrain(x, ('batch', 'length', 'embed'))  # [B, T, D]
+    x = constrain(x, ('batch', 'length', 'embed'))  # [B, T, D]
     x = HookPoint(name='hook_resid_post')(x)
     return (x, None) if self.scanned else x
 
@@ -73,8 +71,15 @@ class Block(nn.Module):
     )
 
   def _attention(self, name: str, out_init: Callable, relative_positions) -> nn.Module:
+    p = self.parts
     return MultiHeadAttention(
-      self.cfg, kernel_init(self.cfg), out_init, relative_positions, self.parts.qk_norm, name=name
+      self.cfg,
+      p.attention,
+      kernel_init(self.cfg),
+      out_init,
+      relative_positions,
+      p.qk_norm,
+      name=name,
     )
 
   def _after_attention(self, x: Array, wiring, out_init: Callable) -> Array:
@@ -207,28 +212,3 @@ class Stack(nn.Module):
     if p.final_norm:  # pre-norm's residual stream was never normalised
       x = p.norm(name='final_norm')(x, mask.q_segment_ids, deterministic)
     return x  # [B, T, D]
-
-
-def loop(block: Callable, num_layers: int, x: Array, *args) -> Array:
-  """Blocks layer_0 ... layer_{L-1}, one after the other: L modules, compiled one by one."""
-  for i in range(num_layers):
-    x = block(name=f'layer_{i}')(x, *args)
-  return x
-
-
-def scan(block: Callable, num_layers: int, x: Array, *args) -> Array:
-  """One block `layers` with stacked [L, ...] parameters, looped by nn.scan: compile time
-  independent of depth."""
-  if not num_layers:  # nn.scan needs a length
-    return x
-  scanned = nn.scan(
-    block.func,
-    # Each layer its own params, KV cache and (norm='batchnorm') running statistics.
-    variable_axes={'params': 0, 'cache': 0, 'batch_stats': 0},
-    split_rngs={'params': True, 'dropout': True},  # each layer its own init and dropout
-    in_axes=(nn.broadcast,) * len(args),  # masks, positions, ...: the same for every layer
-    length=num_layers,
-    metadata_params={nn.PARTITION_NAME: 'layers'},  # stacked params: [layers, ...]
-  )
-  x, _ = scanned(**block.keywords, scanned=True, name='layers')(x, *args)  # x is the carry
-  return x  # [B, T, D]

@@ -21,8 +21,8 @@ import math
 import jax.numpy as jnp
 from jax import Array
 
-from transformer.model.attention_paths import default_scale
-from transformer.model.masks import NEG, MaskSpec
+from transformer.kernels.masks import NEG, MaskSpec
+from transformer.model.attention import default_scale, logit_scale
 
 _F32 = jnp.float32
 
@@ -176,11 +176,11 @@ def attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout, ret
       q_segment_ids=segments(mask.q_segment_ids),
       kv_segment_ids=segments(mask.kv_segment_ids),
     )
-  return compressed_attention(q, k, v, block=block, mask=mask, scale=m.scale)[:, :T]
+  return compressed_attention(q, k, v, block=block, mask=mask, scale=logit_scale(m.cfg))[:, :T]
 
 
 def step(m, q, k, v, self_attention, mask, positions, alibi_slopes):
   """q [B, 1, N, H] over the self attention's cache, which holds every written key."""
   del self_attention, mask, alibi_slopes
   q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
-  return attend_step(q, k, v, q_pos, block=m.cfg.compress_block, scale=m.scale)
+  return attend_step(q, k, v, q_pos, block=m.cfg.compress_block, scale=logit_scale(m.cfg))

@@ -87,7 +87,7 @@ import numpy as np
 from transformer.config import ModelConfig
 from transformer.model import models
 from transformer.model.attention import MultiHeadAttention
-from transformer.model.primitives import HookPoint
+from transformer.model.layers import HookPoint
 
 Array = jax.Array
 HookFn = Callable[[Array, 'HookName'], Array | None]

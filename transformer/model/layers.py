@@ -1,7 +1,10 @@
-"""Building blocks: embeddings, positions, feed-forward, the residual blocks and the stack.
+"""The pieces every model is built from, and how a block wires and stacks them.
 
-Each variant is its own small module or function; `parts.parts(cfg)` picks them once, when the
-model is built, and the blocks call what it picked without asking the config again.
+`HookPoint` (an identity where an activation is made, which `hooks.run` reads or replaces), the
+sharding constraint, the weight matmul and `dense`, the norms (LayerNorm, RMSNorm), the token
+embedding and absolute positions, the MLPs, the residual wirings and the layer loops. Each variant
+is its own small module or function; `parts.parts(cfg)` picks them once, when the model is built,
+and the blocks call what it picked without asking the config again.
 """
 
 from __future__ import annotations
@@ -18,10 +21,30 @@ import jax.numpy as jnp
 from transformer import sharding
 from transformer.config import ModelConfig
 from transformer.model import positions as positions_lib
-from transformer.model.attention import MaskSpec
-from transformer.model.primitives import HookPoint, dot_general
 
 Array = jax.Array
+
+
+# Hook points -------------------------------------------------------------------------------------
+class HookPoint(nn.Module):
+  """Returns its input. The module's path names the activation in TransformerLens's scheme
+  (`hooks.hook_name`: .../layer_3/self_attention/hook_z -> blocks.3.attn.hook_z), and
+  `hooks.run` intercepts the call to cache the value or replace it. It has no parameters, so
+  declaring one changes no checkpoint."""
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    return x
+
+
+def constrain(x: Array, logical: tuple[str | None, ...]) -> Array:
+  """`nn.with_logical_constraint` on the active partitioner's mesh (`sharding.ACTIVE`); a no-op
+  outside one. The mesh is passed explicitly instead of through `jax.set_mesh`, because under a
+  global mesh flax also constrains DenseGeneral's flattened kernel initialisers, which fails."""
+  if not sharding.ACTIVE:
+    return x
+  partitioner = sharding.ACTIVE[-1]
+  return nn.with_logical_constraint(x, logical, rules=partitioner.rules, mesh=partitioner.mesh)
 
 
 # Initialisation ------------------------------------------------------------------------------
@@ -65,22 +88,93 @@ def embedding_init(cfg: ModelConfig) -> Callable:
   return nn.initializers.normal(std)
 
 
-def dense(
-  cfg: ModelConfig, features: int, axes: tuple, name: str, init=None, use_bias=True, matmul=None
-) -> nn.Dense:
-  """A projection to `features` in `cfg`'s dtypes, its kernel on the logical `axes` (initialised
-  by `init`, default `kernel_init(cfg)`) and its bias on the output axis; `matmul`: the
-  dot_general (default lax's)."""
-  return nn.Dense(
-    features,
-    use_bias=use_bias,
-    dtype=cfg.compute_dtype,
-    param_dtype=cfg.params_dtype,
-    kernel_init=nn.with_logical_partitioning(init or kernel_init(cfg), axes),
-    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]),  # output axis
-    dot_general=matmul,
-    name=name,
-  )
+# The weight matmul ---------------------------------------------------------------------------
+# XLA:CPU runs the autodiff transpose of a [B, T, D] x [D, ...] dot_general (a weight gradient that
+# contracts B and T together) as transposed copies plus an unfused dot; flattened to
+# [B*T, D] @ [D, F], with the weight gradient written as x.T @ g, the same sums run as plain matmuls
+# (a char_lm step 1.4x as fast). Only on CPU: elsewhere `dense` keeps `lax.dot_general`.
+@jax.custom_vjp
+def _mm(x, w):  # [M, K] @ [K, N] -> [M, N]
+  return x @ w
+
+
+def _mm_fwd(x, w):
+  return x @ w, (x, w)
+
+
+def _mm_bwd(res, g):
+  x, w = res
+  return g @ w.T, x.T @ g  # d x [M, K], d w [K, N]
+
+
+_mm.defvjp(_mm_fwd, _mm_bwd)
+
+
+def cpu_matmul(lhs: Array, rhs: Array, dimension_numbers, precision=None) -> Array:
+  """`lax.dot_general` of `dense`'s kernels on CPU: lhs [..., *C] x rhs [*C, ...], contracting the
+  C axes (lhs's last, rhs's first; no batch axes, one dtype), as one 2-D matmul with its VJP."""
+  n = len(dimension_numbers[0][0])  # the contracted axes C
+  k = math.prod(rhs.shape[:n])
+  out = _mm(lhs.reshape(-1, k), rhs.reshape(k, -1))
+  return out.reshape(lhs.shape[: lhs.ndim - n] + rhs.shape[n:])
+
+
+@functools.cache
+def _dtypes(cfg: ModelConfig) -> dict:
+  return dict(dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype)
+
+
+def dense(cfg, features, axes: tuple, name: str, init=None, use_bias=True, axis=-1, matmul=False):
+  """A projection of x's `axis` (an int or a tuple) to `features` (an int or a shape) in `cfg`'s
+  dtypes, its kernel on the logical `axes` (initialised by `init`, default `kernel_init(cfg)`)
+  and its bias on the output axes. `matmul`: the weight matmul above on CPU."""
+  out_axes = axes[-1:] if isinstance(features, int) else axes[-len(features) :]
+  kernel = nn.with_logical_partitioning(init or kernel_init(cfg), axes)
+  zeros = nn.with_logical_partitioning(nn.initializers.zeros, out_axes)
+  dot = cpu_matmul if matmul and jax.default_backend() == 'cpu' else None  # None: lax's
+  return nn.DenseGeneral(
+    features, axis, use_bias=use_bias, kernel_init=kernel, bias_init=zeros, dot_general=dot,
+    name=name, **_dtypes(cfg),
+  )  # fmt: skip
+
+
+# Norms ---------------------------------------------------------------------------------------
+class Norm(nn.Module):
+  """LayerNorm or RMSNorm with statistics in float32 whatever the compute dtype."""
+
+  kind: str = 'layernorm'
+  eps: float = 1e-6
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  axis_name: str = 'embed'  # logical axis of the normalised features ('kv' for q/k head norms)
+  use_bias: bool = True  # LayerNorm's bias (RMSNorm never has one)
+
+  @nn.compact
+  def __call__(self, x: Array, segments: Array | None = None, deterministic: bool = True) -> Array:
+    """x [..., D] -> x's shape; the norm of each token alone (the other arguments are BatchNorm's,
+    so that every norm has one call signature)."""
+    del segments, deterministic
+    features = x.shape[-1]
+    # float32 statistics: a bfloat16 mean of squares over D features loses too many digits.
+    x32 = x.astype(jnp.float32)  # [..., D]
+    if self.kind == 'layernorm':
+      x32 = x32 - x32.mean(-1, keepdims=True)  # LayerNorm centres; RMSNorm does not
+    # Centred, the mean of squares is the variance, so one line serves both kinds.
+    var = (x32 * x32).mean(-1, keepdims=True) + self.eps  # [..., 1]
+    # hook_scale holds the divisor sqrt(var + eps), as in TransformerLens. The forward multiplies
+    # by rsqrt (the sqrt is dead code unless a hook reads it); a hook that returns a new divisor
+    # (e.g. the clean run's, to freeze the norm) hands back another array, which it divides by.
+    scale = jnp.sqrt(var)
+    hooked = HookPoint(name='hook_scale')(scale)
+    y = x32 * jax.lax.rsqrt(var) if hooked is scale else x32 / hooked
+    # hook_normalized: before the weight and bias, float32, as in TransformerLens.
+    y = HookPoint(name='hook_normalized')(y)
+    ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
+    y = y * self.param('scale', ones, (features,), self.param_dtype)
+    if self.kind == 'layernorm' and self.use_bias:
+      zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
+      y = y + self.param('bias', zeros, (features,), self.param_dtype)
+    return HookPoint(name='hook_out')(y.astype(self.dtype))  # x's shape, compute dtype
 
 
 # Embeddings ----------------------------------------------------------------------------------
@@ -100,15 +194,15 @@ class Embed(nn.Module):
 
   def __call__(self, tokens: Array) -> Array:
     # FSDP: gather the table's d_model shards first, so the lookup's rows stay batch-sharded.
-    table = sharding.constrain(self.embedding, ('vocab', None))
+    table = constrain(self.embedding, ('vocab', None))
     x = jnp.take(table, tokens, axis=0).astype(self.cfg.compute_dtype)  # [B, T] -> [B, T, D]
-    return sharding.constrain(x, ('batch', 'length', 'embed'))  # [B, T, D]
+    return constrain(x, ('batch', 'length', 'embed'))  # [B, T, D]
 
   def attend(self, x: Array) -> Array:
     """Logits against every embedding: [B, T, D] -> [B, T, V]."""
     # No sqrt(D) here: the scale applies to the lookup only, as in the paper.
     logits = jnp.einsum('btd,vd->btv', x, self.table())  # [B, T, V]
-    return sharding.constrain(logits, ('batch', 'length', 'vocab'))
+    return constrain(logits, ('batch', 'length', 'vocab'))
 
   def table(self) -> Array:
     """The [V, D] table in the compute dtype, as `attend` multiplies by it."""
@@ -148,16 +242,15 @@ class AddLearned(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, positions: Array) -> Array:
-    cfg = self.cfg
-    table = positions_lib.LearnedPositions(
-      cfg.max_length,
-      cfg.d_model,
-      embedding_init=nn.with_logical_partitioning(
-        nn.initializers.normal(cfg.init_std), (None, 'embed')
-      ),
-      param_dtype=cfg.params_dtype,
-      name='positions',
-    )
+    cfg, length = self.cfg, positions.shape[-1]  # static, unlike the traced position values
+    if length > cfg.max_length:
+      raise ValueError(
+        f'sequence length {length} exceeds max_length={cfg.max_length} of learned positions; '
+        "use a shorter sequence or position='rope'/'sinusoidal'"
+      )
+    init = nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), (None, 'embed'))
+    table = nn.Embed(cfg.max_length, cfg.d_model, embedding_init=init,
+                     param_dtype=cfg.params_dtype, name='positions')  # fmt: skip
     return x + _hook_pos_embed(table(positions).astype(x.dtype), x)  # [B, T, D]
 
 
@@ -178,7 +271,7 @@ class Embedder(nn.Module):
       x = self.positions(self.cfg, name='positions')(x, positions)  # [B, T, D]
     x = self._more(x, tokens, segments, deterministic, **extra)
     # Logical axis names; config.mesh.rules map them to mesh axes (see transformer/sharding.py).
-    x = sharding.constrain(x, ('batch', 'length', 'embed'))
+    x = constrain(x, ('batch', 'length', 'embed'))
     return nn.Dropout(self.cfg.dropout_rate)(x, deterministic=deterministic)  # [B, T, D]
 
   def _more(self, x: Array, tokens: Array, segments, deterministic: bool) -> Array:
@@ -226,26 +319,24 @@ class FeedForward(nn.Module):
   cfg: ModelConfig
   out_init: Callable = nn.initializers.xavier_uniform()
 
-  def _proj(self, features: int, name: str, axes: tuple, init=None) -> nn.Dense:
-    return dense(self.cfg, features, axes, name, init, self.cfg.use_bias, dot_general)
-
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
-    cfg = self.cfg
-    h = ACTIVATIONS[cfg.activation](HookPoint(name='hook_pre')(self._up(x)))  # [B, T, F]
+    h = ACTIVATIONS[self.cfg.activation](HookPoint(name='hook_pre')(self._up(x)))  # [B, T, F]
     return self._down(h, deterministic)
 
   def _up(self, x: Array, name: str = 'wi') -> Array:
     """x [B, T, D] -> [B, T, F] by the up projection `name` (logical axes embed, mlp)."""
-    return self._proj(self.cfg.d_ff, name, ('embed', 'mlp'))(x)
+    cfg = self.cfg
+    return dense(cfg, cfg.d_ff, ('embed', 'mlp'), name, use_bias=cfg.use_bias, matmul=True)(x)
 
   def _down(self, h: Array, deterministic: bool) -> Array:
     """The hidden h [B, T, F] -> [B, T, D], after the hidden dropout and hook_post."""
-    h = sharding.constrain(h, ('batch', 'length', 'mlp'))
-    h = nn.Dropout(self.cfg.ffn_dropout_rate)(h, deterministic=deterministic)
+    cfg, h = self.cfg, constrain(h, ('batch', 'length', 'mlp'))
+    h = nn.Dropout(cfg.ffn_dropout_rate)(h, deterministic=deterministic)
     h = HookPoint(name='hook_post')(h)  # [B, T, F]
     # 'wo' writes into the residual stream, so it takes the block's (maybe scaled) out_init.
-    return self._proj(self.cfg.d_model, 'wo', ('mlp', 'embed'), self.out_init)(h)  # [B, T, D]
+    wo = dense(cfg, cfg.d_model, ('mlp', 'embed'), 'wo', self.out_init, cfg.use_bias, matmul=True)
+    return wo(h)  # [B, T, D]
 
 
 class GatedFeedForward(FeedForward):
@@ -258,54 +349,47 @@ class GatedFeedForward(FeedForward):
     return self._down(nn.silu(pre) * linear, deterministic)
 
 
-# The residual block --------------------------------------------------------------------------
-class ShortConv(nn.Module):
-  """A causal depthwise convolution over the last `taps` positions: [B, T, D] -> [B, T, D].
+# Residual wiring: sublayer(x, f, norm, drop) -> [B, T, D], for the sub-layer f, its norm and the
+# residual dropout. Pre-norm leaves the residual stream un-normalised (stable deep stacks; needs
+# a final norm); post-norm normalises the sum, as in the 2017 paper. Without the residual the
+# sub-layer's output replaces x (an ablation).
+def pre_norm(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
+  return x + drop(f(norm(x)))
 
-  y[t] = sum_i w[i] * x[t - i] per channel, over positions of the same example (segment) only.
-  Before self attention it hands each token its predecessors, the short convolution that H3,
-  Zoology's MQAR models and Based put before their sequence mixers: an attention layer above it
-  can match a key against the token before each value without first learning a previous-token
-  head. Initialised to the identity (w[0] = 1). While decoding, the block's inputs are cached by
-  position like the KV cache, so a step reads the `taps - 1` before it.
-  """
 
-  taps: int
-  param_dtype: Any = jnp.float32
+def post_norm(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
+  return norm(x + drop(f(x)))
 
-  @nn.compact
-  def __call__(self, x: Array, mask: MaskSpec | None, positions, cache_mode=None) -> Array:
-    B, T, D = x.shape
-    identity = lambda key, shape, dtype: jnp.zeros(shape, dtype).at[0].set(1.0)
-    init = nn.with_logical_partitioning(identity, (None, 'embed'))
-    w = self.param('kernel', init, (self.taps, D), self.param_dtype).astype(x.dtype)  # [K, D]
-    if cache_mode is not None and cache_mode.phase == 'step':
-      if not self.has_variable('cache', 'conv_inputs'):
-        raise ValueError("CacheMode 'step' needs the cache that a 'prefill' call filled")
-      if T != 1:
-        raise ValueError(f'CacheMode step takes one token per row; got {T}')
-      cache = self.variable('cache', 'conv_inputs')
-      rows, slots = jnp.arange(B), jnp.broadcast_to(positions, (B, 1))[:, 0]  # [B], [B]
-      cache.value = cache.value.at[rows, slots].set(x[:, 0])  # [B, L, D]
-      back = slots[:, None] - jnp.arange(self.taps)[None]  # [B, K]: the slots read
-      taps = cache.value[rows[:, None], jnp.maximum(back, 0)]  # [B, K, D]
-      taps = jnp.where((back >= 0)[..., None], taps, 0)
-      return jnp.einsum('bkd,kd->bd', taps, w)[:, None]  # [B, 1, D]
-    if cache_mode is not None:  # prefill: the prompt's inputs in slots 0..T-1 of L
-      if T > cache_mode.length:
-        raise ValueError(
-          f'a prompt of {T} tokens does not fit a cache of length={cache_mode.length}'
-        )
-      pad = [(0, 0), (0, cache_mode.length - T), (0, 0)]
-      self.variable(
-        'cache', 'conv_inputs', jnp.zeros, (B, cache_mode.length, D), x.dtype
-      ).value = jnp.pad(x, pad)
-    segments = None if mask is None else mask.q_segment_ids  # [B, T]; 0 = padding
-    out = x * w[0]
-    for i in range(1, self.taps):
-      shifted = jnp.pad(x, [(0, 0), (i, 0), (0, 0)])[:, :T]  # x[t - i], 0 before the row
-      if segments is not None:  # no tap reaches into the previous packed example
-        same = segments == jnp.pad(segments, [(0, 0), (i, 0)])[:, :T]  # [B, T]
-        shifted = jnp.where(same[..., None], shifted, 0)
-      out = out + shifted * w[i]
-    return out  # [B, T, D]
+
+def pre_norm_no_residual(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
+  return drop(f(norm(x)))
+
+
+def post_norm_no_residual(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
+  return norm(drop(f(x)))
+
+
+# The layer loops: layers(block, num_layers, x, *args) -> [B, T, D].
+def loop(block: Callable, num_layers: int, x: Array, *args) -> Array:
+  """Blocks layer_0 ... layer_{L-1}, one after the other: L modules, compiled one by one."""
+  for i in range(num_layers):
+    x = block(name=f'layer_{i}')(x, *args)
+  return x
+
+
+def scan(block: Callable, num_layers: int, x: Array, *args) -> Array:
+  """One block `layers` with stacked [L, ...] parameters, looped by nn.scan: compile time
+  independent of depth."""
+  if not num_layers:  # nn.scan needs a length
+    return x
+  scanned = nn.scan(
+    block.func,
+    # Each layer its own params, KV cache and (norm='batchnorm') running statistics.
+    variable_axes={'params': 0, 'cache': 0, 'batch_stats': 0},
+    split_rngs={'params': True, 'dropout': True},  # each layer its own init and dropout
+    in_axes=(nn.broadcast,) * len(args),  # masks, positions, ...: the same for every layer
+    length=num_layers,
+    metadata_params={nn.PARTITION_NAME: 'layers'},  # stacked params: [layers, ...]
+  )
+  x, _ = scanned(**block.keywords, scanned=True, name='layers')(x, *args)  # x is the carry
+  return x  # [B, T, D]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array
 
-from transformer.model.masks import MaskSpec
+from transformer.kernels.masks import MaskSpec
 
 # name -> phi, applied elementwise to q and k over head_dim; must be >= 0 so denominators are.
 FEATURE_MAPS: dict[str, Callable[[Array], Array]] = {

@@ -35,11 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import sharding
 from transformer.config import ModelConfig
 from transformer.model.attention import CacheMode, MaskSpec
 from transformer.model.blocks import Block, CrossBlock, Stack
-from transformer.model.layers import ACTIVATIONS, dense
+from transformer.model.layers import ACTIVATIONS, constrain, dense
 from transformer.model.parts import parts
 
 Array = jax.Array
@@ -146,7 +145,7 @@ class UntiedHead(nn.Module):
     if head_inputs:
       raise ValueError('head_inputs=True needs tie_output=True (the head is the embedding)')
     logits = dense(cfg, cfg.vocab_size, ('embed', 'vocab'), 'logits', use_bias=cfg.output_bias)(x)
-    return sharding.constrain(logits, ('batch', 'length', 'vocab'))  # [B, T, V]
+    return constrain(logits, ('batch', 'length', 'vocab'))  # [B, T, V]
 
 
 def _head(cfg: ModelConfig) -> type[nn.Module]:

@@ -17,39 +17,25 @@ import flax.linen as nn
 import jax
 
 from transformer.config import ModelConfig
-from transformer.model import blocks, layers
+from transformer.model import attention_paths, blocks, layers
+from transformer.model import compressed_attention as compressed
+from transformer.model import linear_attention as linear
 from transformer.model import positions as positions_lib
-from transformer.model.primitives import BatchNorm, HookPoint, Norm
+from transformer.model.attention import Kind, softmax_attend
+from transformer.model.layers import HookPoint, Norm
+from transformer.model.norms import BatchNorm
+from transformer.model.short_conv import ShortConv
 
 Array = jax.Array
 
 
-# Residual wiring: sublayer(x, f, norm, drop) -> [B, T, D], for the sub-layer f, its norm and the
-# residual dropout. Pre-norm leaves the residual stream un-normalised (stable deep stacks; needs
-# a final norm); post-norm normalises the sum, as in the 2017 paper. Without the residual the
-# sub-layer's output replaces x (an ablation).
-def pre_norm(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
-  return x + drop(f(norm(x)))
-
-
-def post_norm(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
-  return norm(x + drop(f(x)))
-
-
-def pre_norm_no_residual(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
-  return drop(f(norm(x)))
-
-
-def post_norm_no_residual(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
-  return norm(drop(f(x)))
-
-
-# (norm_placement, residual) -> wiring, and whether the stack ends in a final norm.
+# (norm_placement, residual) -> the residual wiring (`layers.pre_norm`, ...), and whether the
+# stack ends in a final norm.
 WIRINGS = {
-  ('pre', True): (pre_norm, True),
-  ('post', True): (post_norm, False),
-  ('pre', False): (pre_norm_no_residual, True),
-  ('post', False): (post_norm_no_residual, False),
+  ('pre', True): (layers.pre_norm, True),
+  ('post', True): (layers.post_norm, False),
+  ('pre', False): (layers.pre_norm_no_residual, True),
+  ('post', False): (layers.post_norm_no_residual, False),
 }
 
 
@@ -130,6 +116,16 @@ def remat(cfg: ModelConfig) -> Callable[[type[nn.Module]], type[nn.Module]]:
   return functools.partial(blocks.remat, policy=blocks.REMAT_POLICIES[cfg.remat])
 
 
+# The attention kinds (`ModelConfig.attention`): a new kind is three functions and a line here
+# (and its name in config.ATTENTIONS); linear_attention.py and compressed_attention.py are the
+# examples.
+KINDS: dict[str, Kind] = {
+  'softmax': Kind(softmax_attend, attention_paths.kv_cache, attention_paths.softmax_step),
+  'linear': Kind(linear.attend, linear.cache, linear.step),
+  'compressed': Kind(compressed.attend, attention_paths.kv_cache, compressed.step),
+}
+
+
 class Parts(NamedTuple):
   """What `parts(cfg)` picked; None where the model has no such part."""
 
@@ -139,6 +135,7 @@ class Parts(NamedTuple):
   embed: type[nn.Module]  # the token table: layers.Embed, or ScaledEmbed (x sqrt(d_model))
   embedder: Callable[..., nn.Module]  # embedder(cfg, embed, name=...)(tokens, positions, ...)
   relative_positions: Callable | None  # fn(cfg, q, k, positions) in self attention
+  attention: Kind  # the attention kind: attend, cache, step
   qk_norm: Callable[..., nn.Module] | None  # norm(name=...)(q or k) over head_dim
   short_conv: Callable[..., nn.Module] | None  # conv(name=...)(x, mask, positions, cache_mode)
   mlp: type[nn.Module] | None  # mlp(cfg, out_init, name=...)(x, deterministic)
@@ -152,7 +149,7 @@ def parts(cfg: ModelConfig) -> Parts:
   sublayer, final_norm = WIRINGS[cfg.norm_placement, cfg.residual]
   short_conv = None
   if cfg.short_conv:
-    short_conv = functools.partial(layers.ShortConv, cfg.short_conv, param_dtype=cfg.params_dtype)
+    short_conv = functools.partial(ShortConv, cfg.short_conv, param_dtype=cfg.params_dtype)
   return Parts(
     norm=NORMS[cfg.norm](cfg),
     sublayer=sublayer,
@@ -160,9 +157,10 @@ def parts(cfg: ModelConfig) -> Parts:
     embed=layers.ScaledEmbed if cfg.scale_embeddings else layers.Embed,
     embedder=embedder(cfg),
     relative_positions=RELATIVE_POSITIONS.get(cfg.position),
+    attention=KINDS[cfg.attention],
     qk_norm=qk_norm(cfg),
     short_conv=short_conv,
     mlp=mlp(cfg),
     remat=remat(cfg),
-    layers=blocks.scan if cfg.scan_layers else blocks.loop,
+    layers=layers.scan if cfg.scan_layers else layers.loop,
   )

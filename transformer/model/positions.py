@@ -1,4 +1,5 @@
-"""Position information: sinusoidal and learned tables, RoPE (with context scaling) and ALiBi.
+"""Position information: the sinusoidal table, RoPE (with context scaling) and ALiBi (the learned
+table is `layers.AddLearned`).
 
 Frequency tables are computed in float64 NumPy (their sizes are static), then cast to float32.
 """
@@ -6,9 +7,7 @@ Frequency tables are computed in float64 NumPy (their sizes are static), then ca
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,29 +35,6 @@ def sinusoidal(positions: Array, d_model: int) -> Array:
   # Stacking on a new last axis and flattening interleaves: channel 2i = sin, 2i + 1 = cos.
   pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [..., T, D/2, 2]
   return pe.reshape(*pe.shape[:-2], d_model)  # [..., T, D]
-
-
-class LearnedPositions(nn.Module):
-  """A learned `[max_length, features]` table indexed by position (BERT, GPT-2)."""
-
-  max_length: int
-  features: int
-  embedding_init: Callable = nn.initializers.normal(stddev=0.02)
-  param_dtype: jnp.dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, positions: Array) -> Array:
-    """Args: positions `[..., T]` integers in [0, max_length). Returns `[..., T, D]`."""
-    length = positions.shape[-1]  # static, unlike the traced position values
-    if length > self.max_length:
-      raise ValueError(
-        f'sequence length {length} exceeds max_length={self.max_length} of learned positions; '
-        "use a shorter sequence or position='rope'/'sinusoidal'"
-      )
-    embedding = self.param(
-      'embedding', self.embedding_init, (self.max_length, self.features), self.param_dtype
-    )
-    return jnp.take(embedding, positions, axis=0)  # [..., T, D]
 
 
 def rope_frequencies(

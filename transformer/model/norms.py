@@ -1,120 +1,18 @@
-"""The primitives every layer is built from: `HookPoint` (an identity where an activation is made,
-which `hooks.run` reads or replaces), the weight matmul of every Dense layer, and the norms
-(LayerNorm, RMSNorm, BatchNorm) with float32 statistics."""
+"""The norms beside `layers.Norm` (LayerNorm, RMSNorm): `BatchNorm`, and each norm's arithmetic in
+NumPy for the analyses that reapply it outside the model."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
+
+from transformer.model.layers import HookPoint
 
 Array = jax.Array
-
-
-# Hook points -------------------------------------------------------------------------------------
-class HookPoint(nn.Module):
-  """Returns its input. The module's path names the activation in TransformerLens's scheme
-  (`hooks.hook_name`: .../layer_3/self_attention/hook_z -> blocks.3.attn.hook_z), and
-  `hooks.run` intercepts the call to cache the value or replace it. It has no parameters, so
-  declaring one changes no checkpoint."""
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    return x
-
-
-# The weight matmul ---------------------------------------------------------------------------
-# `dot_general` for the weight matmuls of Dense/DenseGeneral, as one 2-D matmul with its own VJP.
-#
-# XLA:CPU runs the autodiff transpose of a [B, T, D] x [D, ...] dot_general (a weight gradient that
-# contracts B and T together) as transposed copies plus an unfused dot; flattened to
-# [B*T, D] @ [D, F], with the weight gradient written as x.T @ g, the same sums run as plain matmuls
-# (a char_lm step 1.4x as fast). Only on CPU: elsewhere it is `lax.dot_general`.
-@jax.custom_vjp
-def _mm(x, w):  # [M, K] @ [K, N] -> [M, N]
-  return x @ w
-
-
-def _mm_fwd(x, w):
-  return x @ w, (x, w)
-
-
-def _mm_bwd(res, g):
-  x, w = res
-  return g @ w.T, x.T @ g  # d x [M, K], d w [K, N]
-
-
-_mm.defvjp(_mm_fwd, _mm_bwd)
-
-
-def dot_general(
-  lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **options
-):
-  """`lax.dot_general` for lhs [..., *C] and rhs [*C, ...] contracting the C axes, no batch axes;
-  anything else goes to `lax.dot_general` unchanged."""
-  (lc, rc), (lb, rb) = dimension_numbers
-  n = len(lc)
-  plain = (
-    not lb
-    and not rb
-    and tuple(lc) == tuple(range(lhs.ndim - n, lhs.ndim))
-    and tuple(rc) == tuple(range(n))
-    and precision is None
-    and preferred_element_type is None
-    and lhs.dtype == rhs.dtype
-    and not any(v is not None for v in options.values())  # e.g. a newer flax's out_sharding
-  )
-  if not plain or jax.default_backend() != 'cpu':  # GPU and TPU transpose dot_general well
-    return lax.dot_general(
-      lhs, rhs, dimension_numbers, precision, preferred_element_type, **options
-    )
-  k = math.prod(rhs.shape[:n])
-  out = _mm(lhs.reshape(-1, k), rhs.reshape(k, -1))
-  return out.reshape(lhs.shape[: lhs.ndim - n] + rhs.shape[n:])
-
-
-# Norms -------------------------------------------------------------------------------------------
-class Norm(nn.Module):
-  """LayerNorm or RMSNorm with statistics in float32 whatever the compute dtype."""
-
-  kind: str = 'layernorm'
-  eps: float = 1e-6
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-  axis_name: str = 'embed'  # logical axis of the normalised features ('kv' for q/k head norms)
-  use_bias: bool = True  # LayerNorm's bias (RMSNorm never has one)
-
-  @nn.compact
-  def __call__(self, x: Array, segments: Array | None = None, deterministic: bool = True) -> Array:
-    """x [..., D] -> x's shape; the norm of each token alone (the other arguments are BatchNorm's,
-    so that every norm has one call signature)."""
-    del segments, deterministic
-    features = x.shape[-1]
-    # float32 statistics: a bfloat16 mean of squares over D features loses too many digits.
-    x32 = x.astype(jnp.float32)  # [..., D]
-    if self.kind == 'layernorm':
-      x32 = x32 - x32.mean(-1, keepdims=True)  # LayerNorm centres; RMSNorm does not
-    # Centred, the mean of squares is the variance, so one line serves both kinds.
-    var = (x32 * x32).mean(-1, keepdims=True) + self.eps  # [..., 1]
-    # hook_scale holds the divisor sqrt(var + eps), as in TransformerLens. The forward multiplies
-    # by rsqrt (the sqrt is dead code unless a hook reads it); a hook that returns a new divisor
-    # (e.g. the clean run's, to freeze the norm) hands back another array, which it divides by.
-    scale = jnp.sqrt(var)
-    hooked = HookPoint(name='hook_scale')(scale)
-    y = x32 * jax.lax.rsqrt(var) if hooked is scale else x32 / hooked
-    # hook_normalized: before the weight and bias, float32, as in TransformerLens.
-    y = HookPoint(name='hook_normalized')(y)
-    ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
-    y = y * self.param('scale', ones, (features,), self.param_dtype)
-    if self.kind == 'layernorm' and self.use_bias:
-      zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
-      y = y + self.param('bias', zeros, (features,), self.param_dtype)
-    return HookPoint(name='hook_out')(y.astype(self.dtype))  # x's shape, compute dtype
 
 
 # The norms again, in NumPy, for the analyses that reapply one outside the model (the cache's
