@@ -15,7 +15,7 @@ from ml_collections import config_flags
 from configs import base
 from transformer import config
 from transformer.config import ModelConfig, experiment
-from transformer.model import attention, blocks, layers
+from transformer.model import attention, layers, remat
 from transformer.training import optim
 
 
@@ -259,7 +259,7 @@ def test_model_defaults_are_the_base_config():
 def test_choice_lists_are_the_registries():
   # swiglu is a gated pair of projections, not an elementwise function, so FeedForward builds it.
   assert sorted(config.ACTIVATIONS) == sorted([*layers.ACTIVATIONS, 'swiglu'])
-  assert sorted(config.REMAT_POLICIES) == sorted(['none', *blocks.REMAT_POLICIES])
+  assert sorted(config.REMAT_POLICIES) == sorted(['none', *remat.REMAT_POLICIES])
   assert sorted(config.ATTENTION_IMPLEMENTATIONS[1:]) == sorted(attention.registered())
   assert sorted(experiment.SCHEDULES) == sorted(optim.SCHEDULE_BUILDERS)
 

@@ -11,7 +11,7 @@ from decode_reference import greedy_uncached_continue, greedy_uncached_translate
 
 from transformer.config import ModelConfig
 from transformer.data import BOS_ID, EOS_ID, PAD_ID
-from transformer.model import decode, models
+from transformer.model import decode, encoder_decoder, models
 from transformer.model.attention import CacheMode, MaskSpec, MultiHeadAttention
 from transformer.model.parts import parts
 
@@ -104,14 +104,14 @@ def prompts(lengths=(12, 5, 1, 8), width=12, seed=0) -> jax.Array:
 
 
 def greedy(model, params, tokens, **kwargs):
-  if isinstance(model, models.EncoderDecoder):
+  if isinstance(model, encoder_decoder.EncoderDecoder):
     return decode.translate(model, params, tokens, max_length=LENGTH, **kwargs)
   return decode.generate(model, params, tokens, max_new_tokens=LENGTH, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def uncached(model, params, tokens, length):
-  if isinstance(model, models.EncoderDecoder):
+  if isinstance(model, encoder_decoder.EncoderDecoder):
     return greedy_uncached_translate(model, params, tokens, length)
   return greedy_uncached_continue(model, params, tokens, length)
 
@@ -121,7 +121,7 @@ def teacher_forced_logp(model, params, tokens, seqs):
   """log p(seqs[:, i] | prompt, seqs[:, :i]) for every token: float32 [B, L, V], one full pass."""
   variables = {'params': params}
   B, L = seqs.shape
-  if isinstance(model, models.EncoderDecoder):
+  if isinstance(model, encoder_decoder.EncoderDecoder):
     decoder_inputs = jnp.concatenate([jnp.full((B, 1), BOS_ID), seqs[:, :-1]], axis=1)
     logits = model.apply(variables, tokens, decoder_inputs, targets_segments=jnp.ones_like(seqs))
   else:  # row b: its prompt, then seqs[b], in one right-padded buffer

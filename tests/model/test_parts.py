@@ -17,13 +17,15 @@ import pytest
 from transformer.config import ModelConfig
 from transformer.model import (
   attention,
-  blocks,
+  bidirectional,
   compressed_attention,
+  encoder_decoder,
   layers,
   linear_attention,
   models,
   norms,
   parts,
+  remat,
   short_conv,
 )
 
@@ -36,10 +38,10 @@ def _code(fn):
 OPTIONS = {
   'dense mlp': (lambda c: c.d_ff and c.activation != 'swiglu', [layers.FeedForward.__call__]),
   'gated mlp': (lambda c: c.d_ff and c.activation == 'swiglu', [layers.GatedFeedForward.__call__]),
-  'mlp sub-layer': (lambda c: c.d_ff > 0, [blocks.Block._mlp]),
+  'mlp sub-layer': (lambda c: c.d_ff > 0, [models.Block._mlp]),
   'cross attention': (
     lambda c: c.family == 'encoder_decoder',
-    [blocks.CrossBlock._after_attention],
+    [encoder_decoder.CrossBlock._after_attention],
   ),
   'token types or embedding norm': (
     lambda c: c.family == 'bidirectional_lm' or c.type_vocab_size or c.embedding_norm,
@@ -68,7 +70,7 @@ OPTIONS = {
   'short convolution': (lambda c: c.short_conv > 0, [short_conv.ShortConv.__call__]),
   'scan': (lambda c: c.scan_layers, [layers.scan]),
   'loop': (lambda c: not c.scan_layers, [layers.loop]),
-  'remat': (lambda c: c.remat != 'none', [blocks._lift_checkpoint]),
+  'remat': (lambda c: c.remat != 'none', [remat._lift_checkpoint]),
   'softmax': (lambda c: c.attention == 'softmax', [attention.softmax_attend]),
   'linear attention': (lambda c: c.attention == 'linear', [linear_attention.attend]),
   'compressed attention': (lambda c: c.attention == 'compressed', [compressed_attention.attend]),
@@ -82,10 +84,10 @@ OPTIONS = {
   ),
   'masked-LM head': (
     lambda c: c.family == 'bidirectional_lm' and c.output_head and not c.num_classes,
-    [models._masked_lm],
+    [bidirectional._masked_lm],
   ),
-  'classifier head': (lambda c: c.num_classes > 0, [models._classifier]),
-  'no head': (lambda c: not c.output_head, [models._hidden_states]),
+  'classifier head': (lambda c: c.num_classes > 0, [bidirectional._classifier]),
+  'no head': (lambda c: not c.output_head, [bidirectional._hidden_states]),
 }
 
 _BASE = dict(vocab_size=40, d_model=16, num_heads=2, d_ff=24, num_layers=2, max_length=16)
@@ -178,3 +180,31 @@ def test_an_analysis_refuses_a_norm_it_cannot_reapply():
   message = "the logit lens reapplies the model's norm .* this model has norm='batchnorm'"
   with pytest.raises(ValueError, match=message):
     dissect.logit_lens(cfg, params, [np.zeros((3, cfg.d_model))])
+
+
+def test_a_gpt_forward_reads_four_library_files():
+  """GPT's forward runs code in four files only: the family (block and stack included), the
+  layers, the attention and the mask rule (docs/architecture.md, "How far a reader walks")."""
+  import os
+
+  import transformer
+  from bench import reading
+
+  cfg = ModelConfig(**{**_BASE, **CONFIGS['gpt2']})
+  model, tokens = models.build(cfg), jnp.ones((2, 8), jnp.int32)
+  variables = models.init_variables(model, jax.random.PRNGKey(0))
+  root = os.path.dirname(transformer.__file__)
+  seen = reading.lines_run(lambda: models.build(cfg).apply(variables, tokens), root)
+  files = sorted(os.path.relpath(f, root) for f in seen)
+  assert files == ['kernels/masks.py', 'model/attention.py', 'model/layers.py', 'model/models.py']
+
+
+@pytest.mark.parametrize('norm_bias', [False, True])
+def test_qk_norm_is_the_models_norm_with_its_bias_setting(norm_bias):
+  cfg = ModelConfig(**{**_BASE, **CONFIGS['gpt2'], 'qk_norm': True, 'norm_bias': norm_bias})
+  shapes = models.param_shapes(cfg)['decoder']['stack']['layer_0']
+  for name in ('query_norm', 'key_norm'):
+    got = shapes['self_attention'][name]
+    assert sorted(got) == (['bias', 'scale'] if norm_bias else ['scale'])
+    assert got['scale'].shape == (cfg.head_size,)
+  assert sorted(shapes['self_attention_norm']) == sorted(got)  # the same norm as the block's

@@ -82,11 +82,8 @@ class MaskSpec:
     """Materialises the mask as bool[B or 1, 1, T, S] (True = visible)."""
     q_seg, kv_seg = self.q_segment_ids, self.kv_segment_ids  # [B, T], [B, S] or None
     B = 1 if q_seg is None else q_seg.shape[0]
-    if q_seg is not None:
-      q_seg, kv_seg = (
-        q_seg[:, None, :, None],
-        kv_seg[:, None, None, :],
-      )  # [B, 1, T, 1], [B, 1, 1, S]
+    if q_seg is not None:  # [B, 1, T, 1], [B, 1, 1, S]
+      q_seg, kv_seg = q_seg[:, None, :, None], kv_seg[:, None, None, :]
     ok = visible(jnp.arange(T)[:, None], jnp.arange(S)[None], q_seg, kv_seg, causal=self.causal,
                  window=self.window)  # fmt: skip
     return jnp.ones((B, 1, T, S), bool) if ok is None else jnp.broadcast_to(ok, (B, 1, T, S))

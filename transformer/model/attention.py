@@ -106,8 +106,7 @@ def xla_attention(
   `hooks=(on_scores, on_pattern)` see the scores [B, N, T, S] (-inf where masked) and the
   probabilities, and may replace them (masked entries stay masked).
   """
-  del chunk_size  # unused: everything is materialised
-  B, T, N, H = q.shape
+  B, T, N, H = q.shape  # chunk_size is unused: everything is materialised
   S, K = k.shape[1], k.shape[2]
   f32 = jnp.float32
   bias = None
@@ -340,7 +339,8 @@ class MultiHeadAttention(nn.Module):
     out, probs = out if return_probs else (out, None)  # probs: [B, N, T, S] or None
     out = HookPoint(name='hook_z')(constrain(out, HEADS))  # [B, T, N, H]
     # The output projection contracts heads and head_dim together: [B, T, N, H] -> [B, T, D].
-    project = self._dense(inputs_q.shape[-1], (-2, -1), ('heads', 'kv', 'embed'), 'out')
+    cfg, axes = self.cfg, ('heads', 'kv', 'embed')
+    project = dense(cfg, cfg.d_model, axes, 'out', self.out_init, cfg.use_bias, (-2, -1), True)
     y = self._per_head(project, out) if per_head else project(out)
     return (y, probs) if return_probs else y
 
@@ -366,21 +366,15 @@ class MultiHeadAttention(nn.Module):
     y = hooked.sum(2)  # [B, T, D]
     return y + weights['bias'].astype(dtype) if 'bias' in weights else y
 
-  def _dense(self, features, axis, axes: tuple[str, ...], name: str) -> nn.DenseGeneral:
-    """A projection of `features` over `axis`, its kernel on the logical `axes`: q, k and v
-    ([..., D] -> [..., heads, H]) or the output ([..., N, H] -> [..., D])."""
-    cfg, out = self.cfg, name == 'out'
-    bias = cfg.use_bias if out or cfg.qkv_bias is None else cfg.qkv_bias
-    init = self.out_init if out else self.kernel_init
-    return dense(cfg, features, axes, name, init, bias, axis, matmul=True)
-
   def _project(self, inputs_q: Array, inputs_kv: Array) -> tuple[Array, Array, Array]:
     """q [B, T, N, H], k and v [B, S, K, H] (GQA: K <= N kv heads, each shared by G = N // K
     query heads; K = N is plain multi-head attention), then Qwen3's q/k norm."""
-    cfg, H = self.cfg, self.cfg.head_size
-    q = self._dense((cfg.num_heads, H), -1, ('embed', 'heads', 'kv'), 'query')(inputs_q)
-    k = self._dense((cfg.kv_heads, H), -1, ('embed', 'kv_heads', 'kv'), 'key')(inputs_kv)
-    v = self._dense((cfg.kv_heads, H), -1, ('embed', 'kv_heads', 'kv'), 'value')(inputs_kv)
+    cfg, H, init = self.cfg, self.cfg.head_size, self.kernel_init
+    bias = cfg.use_bias if cfg.qkv_bias is None else cfg.qkv_bias  # Qwen2: q/k/v biases only
+    q = dense(cfg, (cfg.num_heads, H), ('embed', 'heads', 'kv'), 'query', init, bias, matmul=True)
+    k = dense(cfg, (cfg.kv_heads, H), ('embed', 'kv_heads', 'kv'), 'key', init, bias, matmul=True)
+    v = dense(cfg, (cfg.kv_heads, H), ('embed', 'kv_heads', 'kv'), 'value', init, bias, matmul=True)
+    q, k, v = q(inputs_q), k(inputs_kv), v(inputs_kv)  # [B, T, N, H], [B, S, K, H], [B, S, K, H]
     q = HookPoint(name='hook_q')(constrain(q, HEADS))  # [B, T, N, H]
     k = HookPoint(name='hook_k')(constrain(k, KV_HEADS))  # [B, S, K, H]
     v = HookPoint(name='hook_v')(constrain(v, KV_HEADS))  # [B, S, K, H]
@@ -404,8 +398,7 @@ def softmax_attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, drop
                    return_probs):  # fmt: skip
   """softmax(q.k * scale) v through the configured implementation (None: by the shapes); the
   dense 'xla' path where the probabilities are returned, hooked or dropped out."""
-  del self_attention, prefill  # the mask says what each query sees
-  cfg, mask = m.cfg, MaskSpec() if mask is None else mask
+  cfg, mask = m.cfg, MaskSpec() if mask is None else mask  # the mask says what each query sees
   kwargs = dict(mask=mask, scale=logit_scale(cfg), alibi_slopes=alibi_slopes,
                 chunk_size=cfg.attention_chunk_size)  # fmt: skip
   if return_probs or dropout:  # the probabilities exist on the dense path only

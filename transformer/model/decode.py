@@ -24,7 +24,9 @@ from jax import lax
 
 from transformer.data import BOS_ID, EOS_ID, PAD_ID
 from transformer.model.attention import CacheMode
-from transformer.model.models import BidirectionalLM, CausalLM, EncoderDecoder
+from transformer.model.bidirectional import BidirectionalLM
+from transformer.model.encoder_decoder import EncoderDecoder
+from transformer.model.models import CausalLM
 from transformer.model.models import variables as models_variables
 
 Array = jax.Array

@@ -57,7 +57,7 @@ keys), hook_z, hook_result, and decoder.blocks.{l}.hook_cross_attn_out, added to
 stream.
 
 Each name is a `HookPoint` declared in the module where its activation is made (models.py,
-layers.py, blocks.py, attention.py, parts.py, primitives.py); `hook_names` lists them as an
+layers.py, attention.py, parts.py, encoder_decoder.py); `hook_names` lists them as an
 abstract forward pass calls them, and `run` intercepts those calls, so nothing here computes an
 activation a second time or keeps a second list of them. Patterns and scores are computed only
 for the layers whose pattern or scores are asked for or hooked, on the 'xla' path there, and

@@ -153,7 +153,6 @@ class Norm(nn.Module):
   def __call__(self, x: Array, segments: Array | None = None, deterministic: bool = True) -> Array:
     """x [..., D] -> x's shape; the norm of each token alone (the other arguments are BatchNorm's,
     so that every norm has one call signature)."""
-    del segments, deterministic
     features = x.shape[-1]
     # float32 statistics: a bfloat16 mean of squares over D features loses too many digits.
     x32 = x.astype(jnp.float32)  # [..., D]
@@ -184,13 +183,8 @@ class Embed(nn.Module):
   cfg: ModelConfig
 
   def setup(self):
-    cfg = self.cfg
-    self.embedding = self.param(  # [V, D]
-      'embedding',
-      nn.with_logical_partitioning(embedding_init(cfg), ('vocab', 'embed')),
-      (cfg.vocab_size, cfg.d_model),
-      cfg.params_dtype,
-    )
+    cfg, init = self.cfg, nn.with_logical_partitioning(embedding_init(self.cfg), ('vocab', 'embed'))
+    self.embedding = self.param('embedding', init, (cfg.vocab_size, cfg.d_model), cfg.params_dtype)
 
   def __call__(self, tokens: Array) -> Array:
     # FSDP: gather the table's d_model shards first, so the lookup's rows stay batch-sharded.
@@ -391,5 +385,5 @@ def scan(block: Callable, num_layers: int, x: Array, *args) -> Array:
     length=num_layers,
     metadata_params={nn.PARTITION_NAME: 'layers'},  # stacked params: [layers, ...]
   )
-  x, _ = scanned(**block.keywords, scanned=True, name='layers')(x, *args)  # x is the carry
+  x, _ = scanned(*block.args, **block.keywords, scanned=True, name='layers')(x, *args)  # carry x
   return x  # [B, T, D]

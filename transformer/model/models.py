@@ -1,27 +1,22 @@
-"""The three families, thin compositions of one block: EncoderDecoder, BidirectionalLM, CausalLM."""
+"""GPT, and the block and stack every family is made of: `Block`, `Stack`, the `Encoder` and
+`Decoder` over them, the output heads and `CausalLM`; `build(cfg)` makes the model of any family.
 
-# A token through EncoderDecoder, from ids to logits (letters as in attention.py):
-#
-#   inputs [B, S], decoder_inputs [B, T]: int token ids
-#   _segments: ids == cfg.pad_id get segment id 0, which masks them  [B, S], [B, T]
-#   Encoder
-#     Embedder: layers.Embed looks up the table (x sqrt(D) if cfg.scale_embeddings) [B, S, D]
-#               layers.AddPositions adds sinusoidal/learned ones     [B, S, D]
-#     layers.Stack of layers.Block, each one:                        [B, S, D] -> [B, S, D]
-#       self attention over the source, not causal (attention.MultiHeadAttention)
-#       feed-forward (layers.FeedForward)
-#       each wrapped in residual + norm (pre- or post-LN)
-#   Decoder
-#     Embedder: the target embedding + positions                     [B, T] -> [B, T, D]
-#     layers.Stack of layers.Block, each one:                        [B, T, D] -> [B, T, D]
-#       causal self attention: token t sees decoder tokens <= t
-#       cross attention: queries from the decoder, keys/values from the encoder output [B, S, D]
-#       feed-forward; residual + norm around each
-#     final_norm at the end of the Stack when pre-LN (post-LN blocks already end in one)
-#   OutputHead: tied projection, x @ embedding.T (layers.Embed.attend) [B, T, D] -> [B, T, V]
-#
-# CausalLM is the Decoder alone (no cross attention); BidirectionalLM is the Encoder plus an
-# MLM or classifier head.
+A token through CausalLM, from ids to logits:
+
+  inputs [B, T]: int token ids; ids == cfg.pad_id get segment id 0, which masks them
+  Decoder
+    Embedder (layers.py): the token table (x sqrt(D) where the model scales), then learned or
+      sinusoidal positions where the model has them                [B, T] -> [B, T, D]
+    Stack of Blocks, each one:                                      [B, T, D] -> [B, T, D]
+      causal self attention (attention.MultiHeadAttention): token t sees tokens <= t
+      the MLP (layers.FeedForward or GatedFeedForward), none when d_ff = 0
+      each in the residual wiring that `parts` picked (pre- or post-norm, or none)
+    the final norm at the end of the Stack with pre-norm wiring
+  TiedHead: x @ embedding.T (layers.Embed.attend), or UntiedHead   [B, T, D] -> [B, T, V]
+
+The 2017 encoder-decoder (encoder_decoder.py) adds cross attention in its own block; BERT
+(bidirectional.py) is the Encoder plus an MLM or classifier head.
+"""
 
 from __future__ import annotations
 
@@ -36,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.config import ModelConfig
-from transformer.model.attention import CacheMode, MaskSpec
-from transformer.model.blocks import Block, CrossBlock, Stack
-from transformer.model.layers import ACTIVATIONS, constrain, dense
+from transformer.kernels.masks import MaskSpec
+from transformer.model.attention import CacheMode, MultiHeadAttention
+from transformer.model.layers import HookPoint, constrain, dense, kernel_init, residual_out_init
 from transformer.model.parts import parts
 
 Array = jax.Array
@@ -51,16 +46,86 @@ def _segments(tokens: Array, segments: Array | None, pad_id: int | None) -> Arra
   return (tokens != pad_id).astype(jnp.int32)
 
 
-def _cross_mask(q_segments: Array | None, kv_segments: Array | None, q_len, kv_len) -> MaskSpec:
-  """Decoder-to-encoder mask: segment k of the targets sees segment k of the inputs."""
-  if q_segments is None and kv_segments is None:
-    return MaskSpec()
-  # One side without ids is one unpadded segment (id 1), so it matches segment 1 on the other.
-  if q_segments is None:
-    q_segments = jnp.ones((kv_segments.shape[0], q_len), jnp.int32)  # [B, T]
-  if kv_segments is None:
-    kv_segments = jnp.ones((q_segments.shape[0], kv_len), jnp.int32)  # [B, S]
-  return MaskSpec(q_segment_ids=q_segments, kv_segment_ids=kv_segments)
+class Block(nn.Module):
+  """One layer of an encoder or a decoder-only model: self attention, then the MLP (none when
+  `d_ff=0`: attention only), each wrapped in the residual wiring that `parts` picked.
+
+  `scanned=True` returns `(x, None)` for `nn.scan`. With `cache_mode`, the attention decodes with
+  a KV cache (see `attention.CacheMode`).
+  """
+
+  cfg: ModelConfig
+  parts: Any  # parts.Parts of cfg: the norm, wiring, MLP, ... this model has
+  num_layers: int  # depth of the stack, for the scaled init
+  deterministic: bool = True
+  scanned: bool = False
+  cache_mode: CacheMode | None = None
+
+  @nn.compact
+  def __call__(self, x: Array, mask: MaskSpec, positions: Array | None, *context):
+    """x [B, T, D]; mask: self attention's; positions [B or 1, T] or None. Returns [B, T, D]."""
+    p, segments = self.parts, mask.q_segment_ids  # [B, T]; 0 = padding, which BatchNorm skips
+    # One dropout module for every sub-layer's output.
+    drop = functools.partial(nn.Dropout(self.cfg.dropout_rate), deterministic=self.deterministic)
+    x = HookPoint(name='hook_resid_pre')(x)  # [B, T, D]
+    # Self attention: causal in a decoder, not in an encoder (the mask says which).
+    attention = self._attention('self_attention', p.relative_positions)
+    conv = p.short_conv(name='short_conv') if p.short_conv else None
+    modes = dict(deterministic=self.deterministic, cache_mode=self.cache_mode)
+
+    def mix(h):  # [B, T, D] -> [B, T, D]
+      h = conv(h, mask, positions, self.cache_mode) if conv else h
+      return HookPoint(name='hook_attn_out')(attention(h, mask=mask, positions=positions, **modes))
+
+    x = self._sublayer(x, mix, 'self_attention', drop, segments)  # [B, T, D]
+    x = self._after_attention(x, drop, segments, *context)
+    x = HookPoint(name='hook_resid_post')(constrain(x, ('batch', 'length', 'embed')))  # [B, T, D]
+    return (x, None) if self.scanned else x
+
+  def _attention(self, name: str, relative_positions) -> nn.Module:
+    cfg, p, out_init = self.cfg, self.parts, residual_out_init(self.cfg, self.num_layers)
+    return MultiHeadAttention(
+      cfg, p.attention, kernel_init(cfg), out_init, relative_positions, p.qk_norm, name=name
+    )
+
+  def _sublayer(self, x: Array, fn, name: str, drop, segments) -> Array:
+    """x [B, T, D] through `fn` in the residual wiring, with the sub-layer's norm `name`_norm."""
+    norm = self.parts.norm(name=f'{name}_norm')
+    norm = functools.partial(norm, segments=segments, deterministic=self.deterministic)
+    return self.parts.sublayer(x, fn, norm, drop)
+
+  def _after_attention(self, x: Array, drop, segments) -> Array:
+    """The MLP sub-layer, if the model has one; attention-only layers end here (TransformerLens
+    then has no hook_resid_mid)."""
+    return self._mlp(HookPoint(name='hook_resid_mid')(x), drop, segments) if self.parts.mlp else x
+
+  def _mlp(self, x: Array, drop, segments) -> Array:
+    out_init = residual_out_init(self.cfg, self.num_layers)
+    ffn = self.parts.mlp(self.cfg, out_init, name='mlp')
+    mlp = lambda h: HookPoint(name='hook_mlp_out')(ffn(h, self.deterministic))
+    return self._sublayer(x, mlp, 'mlp', drop, segments)
+
+
+class Stack(nn.Module):
+  """`num_layers` blocks, run as `parts` picked (a loop or a scan, each block rematerialised or
+  not), then the final norm of pre-norm wiring."""
+
+  cfg: ModelConfig
+  parts: Any  # parts.Parts of cfg
+  num_layers: int
+  block: type[nn.Module] = Block  # encoder_decoder.CrossBlock in the 2017 decoder
+
+  @nn.compact
+  def __call__(self, x, mask: MaskSpec, positions, *context, deterministic: bool, cache_mode=None):
+    """x [B, T, D] -> [B, T, D]; `context`: the block's extra arguments (CrossBlock's)."""
+    p = self.parts
+    block = p.remat(self.block) if p.remat else self.block
+    block = functools.partial(block, self.cfg, p, self.num_layers, deterministic,
+                              cache_mode=cache_mode)  # fmt: skip
+    x = p.layers(block, self.num_layers, x, mask, positions, *context)  # [B, T, D]
+    if p.final_norm:  # pre-norm's residual stream was never normalised
+      x = p.norm(name='final_norm')(x, mask.q_segment_ids, deterministic)
+    return x  # [B, T, D]
 
 
 class Encoder(nn.Module):
@@ -85,7 +150,8 @@ class Encoder(nn.Module):
 
 class Decoder(nn.Module):
   """Embeddings and a causal stack: tokens [B, T] -> hidden states [B, T, D]. GPT's whole model
-  below the head; the 2017 decoder passes `CrossBlock` and the encoder's output as `context`."""
+  below the head; the 2017 decoder passes `encoder_decoder.CrossBlock`, and the encoder's output
+  as `context`."""
 
   cfg: ModelConfig
   embed: nn.Module
@@ -148,119 +214,16 @@ class UntiedHead(nn.Module):
     return constrain(logits, ('batch', 'length', 'vocab'))  # [B, T, V]
 
 
-def _head(cfg: ModelConfig) -> type[nn.Module]:
-  return TiedHead if cfg.tie_output else UntiedHead
-
-
-class EncoderDecoder(nn.Module):
-  """The 2017 Transformer: source tokens [B, S] and decoder inputs [B, T] -> logits [B, T, V]."""
-
-  cfg: ModelConfig
-
-  def setup(self):
-    cfg = self.cfg
-    # One table for source, target and output (the paper's shared vocabulary), or two.
-    embed = parts(cfg).embed
-    if cfg.share_embeddings:
-      self.embedding = embed(cfg)
-      source, target = self.embedding, self.embedding
-    else:
-      self.source_embedding = embed(cfg)
-      self.target_embedding = embed(cfg)
-      source, target = self.source_embedding, self.target_embedding
-    self.encoder = Encoder(cfg, source)
-    self.decoder = Decoder(cfg, target, cfg.decoder_layers, CrossBlock)
-    self.head = _head(cfg)(cfg, target)  # tied to the target embedding when cfg.tie_output
-
-  def encode(self, inputs, *, inputs_segments=None, inputs_positions=None, deterministic=True):
-    """Source tokens [B, S] -> encoded [B, S, D]."""
-    segments = _segments(inputs, inputs_segments, self.cfg.pad_id)
-    return self.encoder(
-      inputs, segments=segments, positions=inputs_positions, deterministic=deterministic
-    )
-
-  def decode(
-    self,
-    encoded,
-    inputs_segments,
-    decoder_inputs,
-    *,
-    targets_segments=None,
-    targets_positions=None,
-    deterministic=True,
-    cache_mode: CacheMode | None = None,
-    head_inputs: bool = False,
-  ):
-    """Encoded [B, S, D] and decoder inputs [B, T] -> logits [B, T, V] (or HeadInputs).
-
-    `cache_mode` decodes with a KV cache (model.decode); the 'step' phase takes one token
-    per row at `targets_positions` [B, 1].
-    """
-    cfg = self.cfg
-    segments = _segments(decoder_inputs, targets_segments, cfg.pad_id)  # [B, T] or None
-    # Decoder token t sees decoder tokens <= t of its own segment (teacher forcing).
-    self_mask = MaskSpec(
-      causal=True, q_segment_ids=segments, kv_segment_ids=segments, window=cfg.window
-    )
-    # Decoder segment k sees all of source segment k (packed examples stay apart).
-    cross_mask = _cross_mask(segments, inputs_segments, decoder_inputs.shape[1], encoded.shape[1])
-    y = self.decoder(
-      decoder_inputs,
-      self_mask,
-      encoded,  # [B, S, D]: what the cross attention reads
-      cross_mask,
-      positions=targets_positions,
-      deterministic=deterministic,
-      cache_mode=cache_mode,
-    )  # [B, T, D]
-    return self.head(y, head_inputs)  # [B, T, V], or HeadInputs
-
-  def __call__(
-    self,
-    inputs,
-    decoder_inputs,
-    *,
-    inputs_segments=None,
-    targets_segments=None,
-    inputs_positions=None,
-    targets_positions=None,
-    deterministic=True,
-    head_inputs: bool = False,
-  ):
-    """`head_inputs=True` returns the head's HeadInputs instead of the logits [B, T, V]."""
-    # Computed once here: the encoder's self mask and the decoder's cross mask both need them.
-    inputs_segments = _segments(inputs, inputs_segments, self.cfg.pad_id)  # [B, S] or None
-    encoded = self.encode(
-      inputs,
-      inputs_segments=inputs_segments,
-      inputs_positions=inputs_positions,
-      deterministic=deterministic,
-    )  # [B, S, D]
-    return self.decode(
-      encoded,
-      inputs_segments,
-      decoder_inputs,
-      targets_segments=targets_segments,
-      targets_positions=targets_positions,
-      deterministic=deterministic,
-      head_inputs=head_inputs,
-    )  # [B, T, V]
-
-  def dummy_inputs(self, batch: int = 1, length: int | None = None) -> dict[str, Any]:
-    tokens = jnp.ones((batch, length or _dummy_length(self.cfg)), jnp.int32)  # only shapes matter
-    return {'inputs': tokens, 'decoder_inputs': tokens}
-
-
 class CausalLM(nn.Module):
   """GPT: tokens [B, T] -> next-token logits [B, T, V]."""
 
   cfg: ModelConfig
 
   def setup(self):
-    cfg = self.cfg
+    cfg, head = self.cfg, TiedHead if self.cfg.tie_output else UntiedHead
     self.embedding = parts(cfg).embed(cfg)
     self.decoder = Decoder(cfg, self.embedding, cfg.num_layers)
-    self.head = _head(cfg)(cfg, self.embedding)
+    self.head = head(cfg, self.embedding)
 
   def __call__(
     self,
@@ -289,98 +252,20 @@ class CausalLM(nn.Module):
     return {'inputs': jnp.ones((batch, length or _dummy_length(self.cfg)), jnp.int32)}
 
 
-class BidirectionalLM(nn.Module):
-  """BERT: tokens [B, T] -> MLM logits [B, T, V], or class logits [B, C] when num_classes > 0,
-  or the final hidden states [B, T, D] when output_head=False."""
-
-  cfg: ModelConfig
-
-  @nn.compact
-  def __call__(
-    self,
-    inputs,
-    *,
-    token_types=None,
-    segments=None,
-    positions=None,
-    deterministic=True,
-    head_inputs: bool = False,
-  ):
-    """`head_inputs=True` (MLM only) returns the head's HeadInputs instead of the logits."""
-    cfg = self.cfg
-    if head_inputs and not has_fused_head(cfg):
-      raise ValueError('head_inputs=True needs the tied MLM head (tie_output, num_classes=0)')
-    segments = _segments(inputs, segments, cfg.pad_id)  # [B, T] or None
-    embedding = parts(cfg).embed(cfg, name='embedding')  # also the MLM head's output matrix
-    x = Encoder(cfg, embedding, name='encoder')(
-      inputs,
-      segments=segments,
-      positions=positions,
-      token_types=token_types,
-      deterministic=deterministic,
-    )  # [B, T, D]
-    return _bert_head(cfg)(self, x, embedding, segments, deterministic, head_inputs)
-
-  def dummy_inputs(self, batch: int = 1, length: int | None = None) -> dict[str, Any]:
-    return {'inputs': jnp.ones((batch, length or _dummy_length(self.cfg)), jnp.int32)}
-
-
-# BERT's heads, called inside BidirectionalLM (their parameters sit at its top level) as
-# head(model, x [B, T, D], embedding, segments, deterministic, head_inputs).
-def _bert_dense(model, features: int, name: str) -> nn.Dense:
-  return dense(model.cfg, features, ('embed', None), name)
-
-
-def _hidden_states(model, x, embedding, segments, deterministic, head_inputs):
-  """No head (HF's BertModel): the final hidden states [B, T, D]."""
-  return x
-
-
-def _classifier(model, x, embedding, segments, deterministic, head_inputs):
-  """A pooler on the first token, then a classifier: [B, C]."""
-  cfg = model.cfg
-  # x[:, 0] is BERT's [CLS]: the one position trained to summarise the whole input.
-  pooled = jnp.tanh(_bert_dense(model, cfg.d_model, 'pooler')(x[:, 0]))  # [B, D]
-  pooled = nn.Dropout(cfg.dropout_rate)(pooled, deterministic=deterministic)
-  return _bert_dense(model, cfg.num_classes, 'classifier')(pooled)  # [B, C]
-
-
-def _masked_lm(model, x, embedding, segments, deterministic, head_inputs):
-  """BERT's MLM transform (dense, activation, norm), then the tied projection plus a bias."""
-  cfg = model.cfg
-  # SwiGLU needs two projections, so this one-matrix head falls back to GELU.
-  activation = 'gelu' if cfg.activation == 'swiglu' else cfg.activation
-  h = ACTIVATIONS[activation](_bert_dense(model, cfg.d_model, 'mlm_dense')(x))  # [B, T, D]
-  h = parts(cfg).norm(name='mlm_norm')(h, segments, deterministic)
-  zeros = nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',))
-  bias = model.param('mlm_bias', zeros, (cfg.vocab_size,), cfg.params_dtype)  # [V]
-  if head_inputs:
-    return HeadInputs(h, embedding.table(), bias)
-  return embedding.attend(h) + bias.astype(h.dtype)  # [B, T, V]
-
-
-def _bert_head(cfg: ModelConfig):
-  if not cfg.output_head:
-    return _hidden_states
-  return _classifier if cfg.num_classes else _masked_lm
-
-
 def _dummy_length(cfg: ModelConfig) -> int:
   """The row length of the inputs that initialise a model: 8 tokens, or one compressed block
   (compressed attention cuts rows into whole blocks); only shapes matter."""
   return cfg.compress_block if cfg.attention == 'compressed' else 8
 
 
-_FAMILIES = {
-  'encoder_decoder': EncoderDecoder,
-  'bidirectional_lm': BidirectionalLM,
-  'causal_lm': CausalLM,
-}
+# family -> model class. encoder_decoder.py and bidirectional.py add theirs when the package is
+# imported (transformer/model/__init__.py); a new family is one file like them and one line there.
+FAMILIES: dict[str, type[nn.Module]] = {'causal_lm': CausalLM}
 
 
 def build(cfg: ModelConfig) -> nn.Module:
   """The model of `cfg.family`."""
-  return _FAMILIES[cfg.family](cfg)
+  return FAMILIES[cfg.family](cfg)
 
 
 def init_variables(model: nn.Module, rng: Array, *, boxed: bool = False) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 
 from transformer.config import ModelConfig
-from transformer.model import attention_paths, blocks, layers
+from transformer.model import attention_paths, layers, remat
 from transformer.model import compressed_attention as compressed
 from transformer.model import linear_attention as linear
 from transformer.model import positions as positions_lib
@@ -57,10 +57,11 @@ NORMS: dict[str, Callable[[ModelConfig], Callable[..., nn.Module]]] = {
 
 
 def qk_norm(cfg: ModelConfig) -> Callable[..., nn.Module] | None:
-  """Qwen3's norm of each head's queries and keys over head_dim (logical axis 'kv'), or None."""
+  """Qwen3's norm of each head's queries and keys over head_dim (logical axis 'kv'): the model's
+  own norm kind and settings (its bias too), or None."""
   if not cfg.qk_norm:
     return None
-  return functools.partial(Norm, cfg.norm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, 'kv')
+  return functools.partial(NORMS[cfg.norm](cfg), axis_name='kv')
 
 
 # Relative positions, in self attention: fn(cfg, q [B, T, N, H], k [B, S, K, H], positions [B or
@@ -109,11 +110,11 @@ def mlp(cfg: ModelConfig) -> type[nn.Module] | None:
   return layers.GatedFeedForward if cfg.activation == 'swiglu' else layers.FeedForward
 
 
-def remat(cfg: ModelConfig) -> Callable[[type[nn.Module]], type[nn.Module]]:
-  """The block class as it is, or rematerialised under the named policy."""
+def rematerialise(cfg: ModelConfig) -> Callable[[type[nn.Module]], type[nn.Module]] | None:
+  """The block class rematerialised under the named policy, or None (the block as it is)."""
   if cfg.remat == 'none':
-    return lambda block: block
-  return functools.partial(blocks.remat, policy=blocks.REMAT_POLICIES[cfg.remat])
+    return None
+  return functools.partial(remat.remat, policy=remat.REMAT_POLICIES[cfg.remat])
 
 
 # The attention kinds (`ModelConfig.attention`): a new kind is three functions and a line here
@@ -139,8 +140,8 @@ class Parts(NamedTuple):
   qk_norm: Callable[..., nn.Module] | None  # norm(name=...)(q or k) over head_dim
   short_conv: Callable[..., nn.Module] | None  # conv(name=...)(x, mask, positions, cache_mode)
   mlp: type[nn.Module] | None  # mlp(cfg, out_init, name=...)(x, deterministic)
-  remat: Callable[[type[nn.Module]], type[nn.Module]]  # block class -> block class
-  layers: Callable  # layers(block, num_layers, x, *args): blocks.loop or blocks.scan
+  remat: Callable[[type[nn.Module]], type[nn.Module]] | None  # block class -> block class
+  layers: Callable  # layers(block, num_layers, x, *args): layers.loop or layers.scan
 
 
 @functools.lru_cache(maxsize=256)
@@ -161,6 +162,6 @@ def parts(cfg: ModelConfig) -> Parts:
     qk_norm=qk_norm(cfg),
     short_conv=short_conv,
     mlp=mlp(cfg),
-    remat=remat(cfg),
+    remat=rematerialise(cfg),
     layers=layers.scan if cfg.scan_layers else layers.loop,
   )
