@@ -4,9 +4,9 @@
 `lax.while_loop` of single-token steps that stops once every row is done. The tests check the
 cache against greedy decoding without one, in tests/decode_reference.py.
 
-Prompts are right-padded and stay so in the cache: row b's token i sits in slot (and position)
-`start[b] + i`, so each row writes its own slot and sees slots <= its position. Beam search keeps
-`[B * W]` cache rows (example-major) and gathers them by parent beam after every step.
+The prefill, the single-token step and the options every loop compiles on are in prefill.py
+(prompts stay right-padded in the cache), beam search in beam.py; this module checks the
+arguments and runs greedy and sampled decoding.
 Every `params` may also be a variables dict (a batchnorm model's, see `models.variables`).
 """
 
@@ -15,43 +15,30 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from transformer.data import BOS_ID, EOS_ID, PAD_ID
-from transformer.model.attention import CacheMode
+from transformer.data import EOS_ID, PAD_ID
+from transformer.model.beam import (
+  _beam_search,
+  length_penalty,  # noqa: F401  (public here too)
+)
 from transformer.model.bidirectional import BidirectionalLM
 from transformer.model.encoder_decoder import EncoderDecoder
 from transformer.model.models import CausalLM
 from transformer.model.models import variables as models_variables
+from transformer.model.prefill import (
+  StepFn,  # noqa: F401  (public here too)
+  _Knobs,
+  _next_logits,
+  _Options,
+  prefill,
+)
 
 Array = jax.Array
-_NEG_INF = -1.0e9  # score of an impossible hypothesis: finite, so sums never become NaN
-
-# step(tokens [R], positions [R], cache) -> (logits float32[R, V], cache)
-StepFn = Callable[[Array, Array, Any], tuple[Array, Any]]
-
-
-class _Options(NamedTuple):
-  """Static decoding options: one compile per distinct value."""
-
-  length: int  # tokens to generate per row, eos included
-  beam_size: int = 1
-  sample: bool = False  # temperature > 0
-  eos_id: int = EOS_ID  # the token that ends a row (imported HF models have their own)
-
-
-class _Knobs(NamedTuple):
-  """Traced decoding options: sweeping them never recompiles."""
-
-  temperature: float = 0.0
-  top_k: int = 0  # 0 = no top-k filter
-  top_p: float = 1.0  # 1 = no nucleus filter
-  alpha: float = 0.6  # GNMT length penalty of beam search
 
 
 # Public API -----------------------------------------------------------------------------------
@@ -298,105 +285,6 @@ def _check_learned_positions(model, tokens, length: int) -> None:
     )
 
 
-# Prefill and single-token steps -----------------------------------------------------------------
-def prefill(
-  model: Any, params: Any, tokens: Array, length: int, rows_per_example: int = 1
-) -> tuple[Array, Any, StepFn, Array]:
-  """Runs the prompt through the model in one call, filling a fresh KV cache.
-
-  Args:
-    tokens: EncoderDecoder source tokens `[B, S]` (the decoder prompt is BOS), or right-padded
-      CausalLM prompts `[B, P]`.
-    length: tokens to generate; sizes the self-attention cache.
-    rows_per_example: `step` runs on `B * rows_per_example` rows, example-major (beams).
-  Returns:
-    (logits float32 `[B, V]` of generated token 0, cache, step, start int32 `[B]`):
-    `step(tokens [R], positions [R], cache) -> (logits float32 [R, V], cache)` feeds one token
-    per row, and generated token i of row b goes back in at position `start[b] + i`.
-    Call it under `jax.jit`, as `translate` and `generate` do.
-  """
-  variables = models_variables(params)
-  repeat = lambda x: jnp.repeat(x, rows_per_example, axis=0)
-  if isinstance(model, EncoderDecoder):
-    segments = (tokens != PAD_ID).astype(jnp.int32)  # [B, S]
-    encoded = model.apply(variables, tokens, inputs_segments=segments, method=model.encode)
-    bos = jnp.full((tokens.shape[0], 1), BOS_ID, jnp.int32)  # [B, 1]
-    logits, cache = model.apply(
-      variables,
-      encoded,
-      segments,
-      bos,
-      targets_segments=jnp.ones_like(bos),
-      cache_mode=CacheMode('prefill', length),
-      method=model.decode,
-      mutable=['cache'],
-    )  # [B, 1, V]
-    # One copy per beam (R = B * W rows), so step's batch matches the cache's.
-    encoded, segments = repeat(encoded), repeat(segments)  # [R, S, D], [R, S]
-
-    def step(token, position, cache):
-      token = token[:, None]  # [R, 1]
-      logits, cache = model.apply(
-        {**variables, 'cache': cache},
-        encoded,  # unused: cross attention reads the keys/values cached at prefill
-        segments,
-        token,
-        targets_segments=jnp.ones_like(token),
-        targets_positions=position[:, None],
-        cache_mode=CacheMode('step', length),
-        method=model.decode,
-        mutable=['cache'],
-      )  # [R, 1, V]
-      # float32 for log_softmax, sorting and sampling, whatever the compute dtype.
-      return logits[:, 0].astype(jnp.float32), cache.get('cache', {})  # [R, V]
-
-    start = jnp.ones((tokens.shape[0],), jnp.int32)  # slot 0 holds BOS
-    return logits[:, 0].astype(jnp.float32), cache.get('cache', {}), step, start  # logits [B, V]
-
-  lengths = jnp.sum(tokens != PAD_ID, axis=1).astype(jnp.int32)  # [B]
-  # The cache keeps the prompt's right padding: row b's generated token i goes to slot
-  # lengths[b] + i, overwriting a pad slot before any query can see it (visible = slots <= the
-  # query's position). So each row's positions stay 0, 1, 2, ... (RoPE and learned positions
-  # need no per-row offset), at the cost of P - lengths[b] spare slots.
-  cache_length = tokens.shape[1] + length - 1  # the last token is never fed back
-  logits, cache = model.apply(
-    variables, tokens, cache_mode=CacheMode('prefill', cache_length), mutable=['cache']
-  )  # [B, P, V]
-  # The next-token logits of row b are at its last real token, not at column P - 1.
-  last = jnp.maximum(lengths - 1, 0)[:, None, None]  # [B, 1, 1]; an empty row reads position 0
-  first = jnp.take_along_axis(logits, last, axis=1)[:, 0].astype(jnp.float32)  # [B, V]
-
-  def step(token, position, cache):
-    token = token[:, None]  # [R, 1]
-    logits, cache = model.apply(
-      {**variables, 'cache': cache},
-      token,
-      segments=jnp.ones_like(token),  # the new token is real; the cache slots mask the rest
-      positions=position[:, None],  # [R, 1]: also the slot it is written to
-      cache_mode=CacheMode('step', cache_length),
-      mutable=['cache'],
-    )  # [R, 1, V]
-    return logits[:, 0].astype(jnp.float32), cache.get('cache', {})  # [R, V]
-
-  return first, cache.get('cache', {}), step, lengths
-
-
-def _batch_axis(x: Array) -> int:
-  """Cache leaves are [B, L, K, H], with a leading layer axis under scan_layers."""
-  return x.ndim - 4
-
-
-def _gather_rows(cache: Any, rows: Array) -> Any:
-  """Reorders self-attention cache rows; cross-attention rows are equal within an example."""
-
-  def gather(path, x):
-    if 'cross_attention' in jax.tree_util.keystr(path):  # the same source for every beam
-      return x
-    return jnp.take(x, rows, axis=_batch_axis(x))
-
-  return jax.tree_util.tree_map_with_path(gather, cache)
-
-
 # Greedy and sampling ----------------------------------------------------------------------------
 def filter_logits(
   logits: Array, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
@@ -433,15 +321,6 @@ def _choose(logits: Array, rng: Array | None, knobs: _Knobs, sample: bool) -> Ar
   return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-def _next_logits(i, first, step, token, position, cache):
-  """Logits of token i: the prefill's for i = 0, else a step that feeds token i - 1 back.
-
-  With this `lax.cond` the loop starts at token 0, so the search logic is traced only once.
-  """
-  feed = lambda cache: step(token, position, cache)
-  return lax.cond(i == 0, lambda cache: (first, cache), feed, cache)
-
-
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def _sample(model, params, tokens, rng, knobs: _Knobs, opts: _Options) -> Array:
   """Greedy or sampled decoding: int32 [B, length]."""
@@ -465,83 +344,3 @@ def _sample(model, params, tokens, rng, knobs: _Knobs, opts: _Options) -> Array:
   # (step i, output so far, last token [B], done [B], cache)
   state = (jnp.int32(0), out, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), cache)
   return lax.while_loop(cond, body, state)[1]
-
-
-# Beam search ------------------------------------------------------------------------------------
-class _Beams(NamedTuple):
-  alive: Array  # int32[B, W, length] tokens of the live hypotheses, PAD_ID past the last one
-  alive_logp: Array  # float32[B, W] summed log-probabilities
-  finished: Array  # int32[B, W, length] the best finished hypotheses
-  scores: Array  # float32[B, W] their length-penalised scores, best first
-  num_finished: Array  # int32[B] hypotheses finished so far (the example is done at W)
-
-
-def length_penalty(length: Array | int, alpha: float) -> Array:
-  """GNMT length penalty ((5 + length) / 6) ** alpha; length counts eos."""
-  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
-
-
-def _expand(beams: _Beams, logp: Array, i: Array, length: int, alpha: Array, eos_id: int):
-  """Extends every live beam by token i. logp: float32[B, W, V] of that token.
-
-  Returns the new beams, and for each new live beam its parent beam [B, W] and token [B, W].
-  """
-  B, W, V = logp.shape
-  scores = (beams.alive_logp[:, :, None] + logp).reshape(B, W * V)  # [B, W * V]
-  # 2W candidates: even if W of them end in eos, W remain to stay alive.
-  top, index = lax.top_k(scores, 2 * W)  # [B, 2W], ranked by summed log-probability
-  parent, token = index // V, (index % V).astype(jnp.int32)  # [B, 2W] each
-  seqs = jnp.take_along_axis(beams.alive, parent[:, :, None], axis=1)  # [B, 2W, length]
-  seqs = lax.dynamic_update_slice(seqs, token[:, :, None], (0, 0, i))  # seqs[:, :, i] = token
-  eos = token == eos_id  # [B, 2W]
-
-  # Candidates ranked among the first W finish when they end in eos or reach the length.
-  ends = (eos | (i == length - 1)) & (jnp.arange(2 * W) < W)
-  ends &= (beams.num_finished < W)[:, None]  # a done example takes no more
-  new_scores = jnp.where(ends, top / length_penalty(i + 1, alpha), _NEG_INF)
-  pool_scores = jnp.concatenate([beams.scores, new_scores], axis=1)  # [B, 3W]
-  pool = jnp.concatenate([beams.finished, seqs], axis=1)  # [B, 3W, length]
-  scores, keep = lax.top_k(pool_scores, W)  # [B, W]
-  finished = jnp.take_along_axis(pool, keep[:, :, None], axis=1)  # [B, W, length]
-
-  # The W best candidates without eos stay alive (2W candidates hold at most W eos).
-  alive_logp, keep = lax.top_k(jnp.where(eos, _NEG_INF, top), W)  # [B, W]
-  beams = _Beams(
-    jnp.take_along_axis(seqs, keep[:, :, None], axis=1),  # [B, W, length]
-    alive_logp,
-    finished,
-    scores,
-    beams.num_finished + ends.sum(axis=1, dtype=jnp.int32),
-  )
-  return beams, jnp.take_along_axis(parent, keep, 1), jnp.take_along_axis(token, keep, 1)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _beam_search(model, params, tokens, knobs: _Knobs, opts: _Options) -> tuple[Array, Array]:
-  """(sequences int32[B, W, length], scores float32[B, W]), best first."""
-  W, length = opts.beam_size, opts.length
-  first, cache, step, start = prefill(model, params, tokens, length, W)
-  B, V = first.shape
-  start = jnp.repeat(start, W)  # [B * W]
-  empty = jnp.full((B, W, length), PAD_ID, jnp.int32)
-  alive_logp = jnp.full((B, W), _NEG_INF).at[:, 0].set(0.0)  # W copies of one empty hypothesis
-  beams = _Beams(empty, alive_logp, empty, jnp.full((B, W), _NEG_INF), jnp.zeros((B,), jnp.int32))
-  first = jnp.repeat(first, W, axis=0)  # [B * W, V]
-  cache = jax.tree.map(lambda x: jnp.repeat(x, W, axis=_batch_axis(x)), cache)  # [B * W] rows
-
-  def cond(state):
-    i, beams, _, _ = state
-    return (i < length) & jnp.any(beams.num_finished < W)
-
-  def body(state):
-    i, beams, token, cache = state
-    logits, cache = _next_logits(i, first, step, token, start + i - 1, cache)  # [B * W, V]
-    logp = jax.nn.log_softmax(logits).reshape(B, W, V)  # rows are example-major: b * W + w
-    beams, parent, token = _expand(beams, logp, i, length, knobs.alpha, opts.eos_id)
-    rows = (jnp.arange(B)[:, None] * W + parent).reshape(-1)  # [B * W] parent rows
-    # Each surviving beam continues its parent's cache: copy the parent's rows into its slot.
-    return i + 1, beams, token.reshape(-1), _gather_rows(cache, rows)
-
-  state = (jnp.int32(0), beams, jnp.zeros((B * W,), jnp.int32), cache)
-  _, beams, _, _ = lax.while_loop(cond, body, state)
-  return beams.finished, beams.scores
