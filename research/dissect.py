@@ -12,7 +12,7 @@ import numpy as np
 from research.inspection import inspect_run, plot_attention, plot_head_entropy
 from transformer import data, util
 from transformer.config import ModelConfig
-from transformer.model import hooks, norms
+from transformer.model import entropy, hooks, norms
 
 
 # Measures ------------------------------------------------------------------------------------
@@ -102,13 +102,13 @@ def inspect_model(model: Any, text: str, out: str, *, top: int = 3, max_plots: i
   labels = [model.tokenizer.decode([i]) or piece(i) or f'<{i}>' for i in ids]
   inputs = {'inputs': np.array([ids], np.int32), 'segments': np.ones((1, len(ids)), np.int32)}
   resid = lambda n: n == 'blocks.0.hook_resid_pre' or n.endswith('hook_resid_post')
-  _, seen = hooks.run_xla(cfg, params, inputs, lambda n: hooks.patterns_and_scores(n) or resid(n))
+  _, seen = hooks.run_xla(cfg, params, inputs, lambda n: entropy.patterns_and_scores(n) or resid(n))
   lines = [f'# Inspection of {model.workdir}', '', f'{model!r}', '', f'Input: `{text}`', '']
   lines += [f'Tokens ({len(ids)}): ' + ' '.join(f'`{t}`' for t in labels), '']
   lines += ['## Attention maps (the xla path on the same parameters)', '']
   lines += ['| attention | mean entropy per head (nats) | normalised (0 sharp, 1 uniform) |']
   lines += ['|---|---|---|']
-  entropies = hooks.attention_entropy(seen)
+  entropies = entropy.attention_entropy(seen)
   for name, stats in entropies.items():
     shown = ', '.join(f'{x:.2f}' for x in stats['entropy'])
     lines.append(f'| {name} | {shown} | {", ".join(f"{x:.2f}" for x in stats["normalized"])} |')

@@ -17,7 +17,7 @@ import numpy as np
 
 from transformer import data, util
 from transformer.config import ModelConfig
-from transformer.model import hooks, models
+from transformer.model import entropy, hooks, models
 from transformer.model import positions as positions_lib
 from transformer.training.workdir import load_run
 
@@ -256,13 +256,13 @@ def inspect_run(workdir: str, text: str | None = None, out: str | None = None, s
     text = run.task.eval_examples(1)[0][0]
   inputs, target_labels, source_labels = _model_inputs(run, state.params, text)
   cfg = run.model_cfg
-  wanted = lambda n: hooks.patterns_and_scores(n) or n.endswith('hook_resid_post')
+  wanted = lambda n: entropy.patterns_and_scores(n) or n.endswith('hook_resid_post')
   _, cache = hooks.run_xla(cfg, state.params, inputs, wanted)
   lines = [f'# Inspection of {workdir} (step {step})', '', f'Input: `{text}`', '']
   lines += ['## Attention maps (the xla path on the trained parameters)', '']
   lines += ['| attention | mean entropy per head (nats) | normalised (0 sharp, 1 uniform) |']
   lines += ['|---|---|---|']
-  entropies = hooks.attention_entropy(cache)
+  entropies = entropy.attention_entropy(cache)
   for name, stats in entropies.items():
     shown = ', '.join(f'{x:.2f}' for x in stats['entropy'])
     normalized = ', '.join(f'{x:.2f}' for x in stats['normalized'])

@@ -23,7 +23,7 @@ from research import inspection as inspect_lib
 from transformer import data
 from transformer.data import grammar as grammar_lib
 from transformer.data import number_words as numbers_lib
-from transformer.model import hooks, models, objectives
+from transformer.model import entropy, hooks, models, objectives
 from transformer.training.run import Run
 from transformer.training.state import model_inputs
 from transformer.training.steps import eval_step
@@ -63,8 +63,8 @@ def head_entropy(ctx, examples: int = 16) -> dict[str, Any]:
   run, params = ctx.load()
   batch = {k: v[:examples] for k, v in run.task.eval_batches()[0].items()}
   inputs = model_inputs(run.family, batch)
-  _, cache = hooks.run_xla(run.model_cfg, params, inputs, hooks.patterns_and_scores)
-  by_layer = {n: s['normalized'] for n, s in hooks.attention_entropy(cache).items()}
+  _, cache = hooks.run_xla(run.model_cfg, params, inputs, entropy.patterns_and_scores)
+  by_layer = {n: s['normalized'] for n, s in entropy.attention_entropy(cache).items()}
   inspect_lib.plot_head_entropy(
     by_layer, os.path.join(ctx.run_dir, 'head_entropy.png'), f'{ctx.variant}: normalised entropy'
   )

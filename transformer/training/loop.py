@@ -22,7 +22,7 @@ from transformer import data, util
 from transformer.config import ModelConfig
 from transformer.config.experiment import Config, DataConfig, TrainConfig
 from transformer.data.prepare import NoRoomError
-from transformer.model import hooks, models, probes
+from transformer.model import entropy, hooks, models, probes
 from transformer.training import checkpoint, events, faults, peers
 from transformer.training.faults import (  # noqa: F401 - the loop's outcomes
   EXIT_PREEMPTED,
@@ -514,7 +514,7 @@ def log_induction(writer, log, cfg: ModelConfig, params: Any, batch: dict, step:
 
 def log_head_entropy(writer, cfg: ModelConfig, params: Any, inputs: dict, step: int, rows=4):
   """Writes each head's mean attention entropy (and each attention's mean) to TensorBoard, as
-  `head_entropy/blocks.0.attn/head_3` (TransformerLens's names; `hooks.attention_entropy`).
+  `head_entropy/blocks.0.attn/head_3` (TransformerLens's names; `entropy.attention_entropy`).
 
     Called from the training loop every `train.head_entropy_every` steps with the batch it just
     trained on (its first `rows` rows). Only on process 0 of a single-process run: the host batch
@@ -523,8 +523,8 @@ def log_head_entropy(writer, cfg: ModelConfig, params: Any, inputs: dict, step: 
   if writer is None or jax.process_count() > 1:
     return
   inputs = {k: np.asarray(v)[:rows] for k, v in inputs.items() if v is not None}
-  _, cache = hooks.run_xla(cfg, params, inputs, hooks.patterns_and_scores)
-  for name, stats in hooks.attention_entropy(cache).items():
+  _, cache = hooks.run_xla(cfg, params, inputs, entropy.patterns_and_scores)
+  for name, stats in entropy.attention_entropy(cache).items():
     for n, value in enumerate(stats['entropy']):
       writer.scalar(f'head_entropy/{name}/head_{n}', float(value), step)
     writer.scalar(f'head_entropy/{name}/mean', float(np.mean(stats['entropy'])), step)
