@@ -28,7 +28,7 @@ import torch_models
 from torch_models import VOCAB
 
 from transformer.config import ModelConfig
-from transformer.model import hooks, models
+from transformer.model import hooks, jaxpr_cache, models
 
 
 @pytest.fixture(scope='module')
@@ -257,7 +257,7 @@ def test_one_compile_serves_a_sweep_over_a_jnp_index():
   clean = {'inputs': jnp.asarray(_ids(19, T=5) % 49 + 1)}
   source = np.asarray(hooks.run(cfg, params, clean, names=[name])[1][name])
   clean_z = jnp.asarray(source)  # as docs/dissect.md's sweep: what the hook reads are arrays
-  before = len(hooks._PROGRAMS)
+  before = len(jaxpr_cache._PROGRAMS)
   outs = []
   for head in range(3):
     index = jnp.asarray(head)  # an array: a constant passed in, not a literal of the program
@@ -266,7 +266,7 @@ def test_one_compile_serves_a_sweep_over_a_jnp_index():
       return z.at[:, :, i].set(clean_z[:, :, i])
 
     outs.append(hooks.run_jit(cfg, params, inputs, hooks=[(name, patch)])[0])
-    assert len(hooks._PROGRAMS) == before + 1
+    assert len(jaxpr_cache._PROGRAMS) == before + 1
   for head, got in enumerate(outs):
     put = {name: lambda z, _, h=head: z.at[:, :, h].set(source[:, :, h])}
     want = hooks.run(cfg, params, inputs, hooks=put)[0]
