@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from transformer.data import PAD_ID
-from transformer.model.prefill import _Knobs, _next_logits, _Options, prefill
+from transformer.model.prefill import Knobs, Options, next_logits, prefill
 
 Array = jax.Array
 _NEG_INF = -1.0e9  # score of an impossible hypothesis: finite, so sums never become NaN
@@ -85,7 +85,7 @@ def _expand(beams: _Beams, logp: Array, i: Array, length: int, alpha: Array, eos
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _beam_search(model, params, tokens, knobs: _Knobs, opts: _Options) -> tuple[Array, Array]:
+def search(model, params, tokens, knobs: Knobs, opts: Options) -> tuple[Array, Array]:
   """(sequences int32[B, W, length], scores float32[B, W]), best first."""
   W, length = opts.beam_size, opts.length
   first, cache, step, start = prefill(model, params, tokens, length, W)
@@ -103,7 +103,7 @@ def _beam_search(model, params, tokens, knobs: _Knobs, opts: _Options) -> tuple[
 
   def body(state):
     i, beams, token, cache = state
-    logits, cache = _next_logits(i, first, step, token, start + i - 1, cache)  # [B * W, V]
+    logits, cache = next_logits(i, first, step, token, start + i - 1, cache)  # [B * W, V]
     logp = jax.nn.log_softmax(logits).reshape(B, W, V)  # rows are example-major: b * W + w
     beams, parent, token = _expand(beams, logp, i, length, knobs.alpha, opts.eos_id)
     rows = (jnp.arange(B)[:, None] * W + parent).reshape(-1)  # [B * W] parent rows

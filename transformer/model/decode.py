@@ -23,18 +23,18 @@ from jax import lax
 
 from transformer.data import EOS_ID, PAD_ID
 from transformer.model.beam import (
-  _beam_search,
   length_penalty,  # noqa: F401  (public here too)
+  search,
 )
 from transformer.model.bidirectional import BidirectionalLM
 from transformer.model.encoder_decoder import EncoderDecoder
 from transformer.model.models import CausalLM
 from transformer.model.models import variables as models_variables
 from transformer.model.prefill import (
+  Knobs,
+  Options,
   StepFn,  # noqa: F401  (public here too)
-  _Knobs,
-  _next_logits,
-  _Options,
+  next_logits,
   prefill,
 )
 
@@ -106,7 +106,7 @@ def _decode(model, params, tokens, name, length, beam_size, alpha, temp, top_k, 
   _check_tokens(tokens, 'inputs' if name == 'translate' else 'prompt')
   _check_learned_positions(model, tokens, length)
   if beam_size > 1:
-    return _beam_search(model, params, tokens, knobs, opts)[0][:, 0]
+    return search(model, params, tokens, knobs, opts)[0][:, 0]
   return _sample(model, params, tokens, rng, knobs, opts)
 
 
@@ -141,7 +141,7 @@ def generate_sliding(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6))
-def _slide(model, params, tokens, lengths, rng, knobs: _Knobs, opts: _Options) -> Array:
+def _slide(model, params, tokens, lengths, rng, knobs: Knobs, opts: Options) -> Array:
   """The loop of `generate_sliding`: one uncached forward over a [B, T] window per new token."""
   B, context = tokens.shape[0], model.cfg.max_length
   seq = jnp.concatenate([tokens, jnp.full((B, opts.length), PAD_ID, jnp.int32)], axis=1)
@@ -201,7 +201,7 @@ def beam_search(
   opts, knobs = _options(model, name, length, beam_size, alpha, 0.0, 0, 1.0, None)
   _check_tokens(tokens, 'tokens')
   _check_learned_positions(model, tokens, length)
-  return _beam_search(model, params, tokens, knobs, opts)
+  return search(model, params, tokens, knobs, opts)
 
 
 def greedy_translate(model: Any, params: Any, inputs: Array, max_length: int) -> Array:
@@ -255,8 +255,8 @@ def _options(model, name, length, beam_size, alpha, temperature, top_k, top_p, r
     )
   if temperature > 0 and rng is None:
     raise ValueError(f'temperature={temperature} samples and needs rng=jax.random.PRNGKey(seed)')
-  opts = _Options(int(length), int(beam_size), sample=temperature > 0, eos_id=int(eos_id))
-  return opts, _Knobs(float(temperature), int(top_k), float(top_p), float(alpha))
+  opts = Options(int(length), int(beam_size), sample=temperature > 0, eos_id=int(eos_id))
+  return opts, Knobs(float(temperature), int(top_k), float(top_p), float(alpha))
 
 
 def _is_int(x) -> bool:
@@ -313,7 +313,7 @@ def filter_logits(
   return jnp.where(logits < cutoff, -jnp.inf, logits)  # [R, V]
 
 
-def _choose(logits: Array, rng: Array | None, knobs: _Knobs, sample: bool) -> Array:
+def _choose(logits: Array, rng: Array | None, knobs: Knobs, sample: bool) -> Array:
   """Next token [R] from logits float32[R, V]: argmax, or a sample of `filter_logits`."""
   if not sample:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -322,7 +322,7 @@ def _choose(logits: Array, rng: Array | None, knobs: _Knobs, sample: bool) -> Ar
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
-def _sample(model, params, tokens, rng, knobs: _Knobs, opts: _Options) -> Array:
+def _sample(model, params, tokens, rng, knobs: Knobs, opts: Options) -> Array:
   """Greedy or sampled decoding: int32 [B, length]."""
   first, cache, step, start = prefill(model, params, tokens, opts.length)
   B = tokens.shape[0]
@@ -334,7 +334,7 @@ def _sample(model, params, tokens, rng, knobs: _Knobs, opts: _Options) -> Array:
   def body(state):
     i, out, token, done, cache = state
     # Token i - 1 goes back in at slot start + i - 1 (unused when i = 0: the prefill's logits).
-    logits, cache = _next_logits(i, first, step, token, start + i - 1, cache)  # [B, V]
+    logits, cache = next_logits(i, first, step, token, start + i - 1, cache)  # [B, V]
     key = None if rng is None else jax.random.fold_in(rng, i)  # a fresh key per step
     token = jnp.where(done, PAD_ID, _choose(logits, key, knobs, opts.sample))  # [B]
     out = lax.dynamic_update_slice(out, token[:, None], (0, i))  # out[:, i] = token

@@ -90,7 +90,7 @@ from transformer.model.entropy import (  # noqa: F401  (public here too)
   head_entropy,
   patterns_and_scores,
 )
-from transformer.model.jaxpr_cache import _traced
+from transformer.model.jaxpr_cache import traced
 from transformer.model.layers import HookPoint
 
 Array = jax.Array
@@ -360,7 +360,7 @@ def run_jit(cfg, params, inputs, *, names=(), hooks=None) -> tuple[Array, dict[s
   if not resolved:
     return _jitted(cfg, picked)(params, inputs)
   given = []
-  return _traced(lambda p, x: _run(cfg, p, x, picked, resolved, given), params, inputs, given)
+  return traced(lambda p, x: _run(cfg, p, x, picked, resolved, given), params, inputs, given)
 
 
 def run_xla(cfg, params, inputs, names) -> tuple[np.ndarray, dict[str, np.ndarray]]:

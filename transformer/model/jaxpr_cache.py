@@ -25,7 +25,7 @@ _PROGRAMS_KEPT = 16
 _FOLDED = 4096  # NumPy constants of at most this many elements are folded into the program
 
 
-def _traced(fn: Callable, params: Any, inputs: Mapping[str, Any], given: list):
+def traced(fn: Callable, params: Any, inputs: Mapping[str, Any], given: list):
   """fn(params, inputs) traced now and run through the compile of an identical program;
   `given` fills with weak references to what fn's hooks were handed."""
   closed, shapes = jax.make_jaxpr(fn, return_shape=True)(params, inputs)

@@ -26,7 +26,7 @@ Array = jax.Array
 StepFn = Callable[[Array, Array, Any], tuple[Array, Any]]
 
 
-class _Options(NamedTuple):
+class Options(NamedTuple):
   """Static decoding options: one compile per distinct value."""
 
   length: int  # tokens to generate per row, eos included
@@ -35,7 +35,7 @@ class _Options(NamedTuple):
   eos_id: int = EOS_ID  # the token that ends a row (imported HF models have their own)
 
 
-class _Knobs(NamedTuple):
+class Knobs(NamedTuple):
   """Traced decoding options: sweeping them never recompiles."""
 
   temperature: float = 0.0
@@ -126,7 +126,7 @@ def prefill(
   return first, cache.get('cache', {}), step, lengths
 
 
-def _next_logits(i, first, step, token, position, cache):
+def next_logits(i, first, step, token, position, cache):
   """Logits of token i: the prefill's for i = 0, else a step that feeds token i - 1 back.
 
   With this `lax.cond` the loop starts at token 0, so the search logic is traced only once.
