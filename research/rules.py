@@ -46,6 +46,13 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ('metric', 'variants'),
     ('at_least_share', 'at_most_share', 'min_step', 'expect_at', 'x'),
   ),
+  # how abruptly `metric` rises with x (a recorded metric, e.g. 'params') across `variants`: the
+  # 10-90% width in e-folds of x of the least-squares logistic in ln x through every seed's value,
+  # with its 95% interval over seeds (research.logistic). shape='jump': the interval lies below
+  # `threshold` (e-folds); shape='smooth': above it. An interval across it, or a curve that a
+  # logistic fits no better than shuffled values, is inconclusive. Sizes added inside the rise
+  # sharpen the width without moving it (largest_step's shares fall as the rise gets more points).
+  'sigmoid_width': (('metric', 'variants', 'x', 'shape', 'threshold'), ()),
   # every listed variant's mean is >= (at_least) or <= (at_most) `value`; every_seed=True: its
   # worst seed is (the minimum for at_least, the maximum for at_most).
   'at_least': (('metric', 'variants', 'value'), ('every_seed',)),
@@ -87,6 +94,14 @@ def check_rule(rule: Mapping[str, Any], variants: Sequence[str] | None = None) -
       f"rule 'largest_step' has expect_at={rule['expect_at']!r}; a step leads to one of "
       f'{", ".join(rule["variants"][1:])}'
     )
+  if kind == 'sigmoid_width':
+    if rule['shape'] not in ('jump', 'smooth'):
+      raise ValueError(f"sigmoid_width: shape={rule['shape']!r} must be 'jump' or 'smooth'")
+    threshold = rule['threshold']
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or threshold <= 0:
+      raise ValueError(f'sigmoid_width: threshold={threshold!r} must be a number of e-folds > 0')
+    if len(rule['variants']) < 4:
+      raise ValueError('sigmoid_width needs >= 4 variants: a logistic has 4 parameters')
   if kind == 'fit_power_law':
     across = 'x' in rule and 'y' in rule
     within = 'variant' in rule and 'xs' in rule and 'metrics' in rule

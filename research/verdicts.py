@@ -14,6 +14,8 @@ A verdict can also be INCONCLUSIVE ("inconclusive at this budget"), never counte
 or not:
 - a gap rule (`less`, `greater`, `ordering`, `monotone`) with >= 2 seeds per variant whose gap
   lies within the seeds' noise (`margin_std` pooled stds): neither shown nor refuted;
+- a `sigmoid_width` rule whose interval of the width over seeds lies across its threshold, or
+  whose rise a logistic fits no better than it fits shuffled values (no rise beyond the noise);
 - a rule with `chance=NULL` whose every compared value is indistinguishable from that null's
   value of the same variant and metric (within `chance_tolerance`, and within 2 standard errors
   over seeds; one seed and no tolerance: 10% of it): an ordering among runs that learned nothing
@@ -44,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from research import logistic
 from research.nulls import resolve_null
 from research.rules import check_rule
 
@@ -314,6 +317,55 @@ def _largest_step(rule: Mapping, table: Table) -> Verdict:
   return Verdict(REPRODUCED if fixed and held else NOT_REPRODUCED, text, dict(rule), numbers)
 
 
+def _sigmoid_width(rule: Mapping, table: Table) -> Verdict:
+  """How abruptly `metric` rises with rule['x']: the 10-90% width, in e-folds of x, of the
+  least-squares logistic in ln x through every seed's value (`research.logistic`), with its
+  interval over seeds (a bootstrap of the seeds within each size). A jump: the interval lies
+  below `threshold`; a smooth rise: above it; across it the rule is inconclusive. So is a curve
+  whose best logistic fits no better than one of shuffled values does (no rise beyond the noise).
+  """
+  metric, labels, x_name = rule['metric'], list(rule['variants']), rule['x']
+  groups = [_values(table, v, metric) for v in labels]
+  xs = [mean_std(_values(table, v, x_name))[0] for v in labels]
+  stats = [mean_std(g) for g in groups]
+  shown = ', '.join(f'{label} {fmt(m, sd)}' for label, (m, sd) in zip(labels, stats))
+  text = f'{metric} against ln {x_name}: {shown}'
+  if not all(math.isfinite(v) for g in groups for v in g) or not all(x > 0 for x in xs):
+    return Verdict(NOT_RUN, f'{text}; a logistic needs finite values and {x_name} > 0', dict(rule))
+  if len({v for g in groups for v in g}) == 1:
+    return Verdict(NOT_REPRODUCED, f'{text}; it does not change at all', dict(rule), {})
+  rise = logistic.fit_rise(xs, groups)
+  threshold, shape = float(rule['threshold']), rule['shape']
+  call = 'jump' if rise.high < threshold else 'smooth' if rise.low > threshold else 'neither'
+  numbers = {**dataclasses.asdict(rise), 'call': call}
+  spread = (
+    f'{logistic.LEVEL:.0%} interval over seeds {rise.low:.3g} to {rise.high:.3g}, {rise.resamples} '
+    'resamples'
+    if rise.resamples
+    else 'one seed: no interval'
+  )
+  edge = ''
+  if math.isclose(rise.midpoint, min(xs), rel_tol=1e-9) or math.isclose(
+    rise.midpoint, max(xs), rel_tol=1e-9
+  ):  # the fit would put it outside: the grid holds one side of the rise
+    edge = ' (at the edge of the sizes: the rise is half outside them)'
+  text += (
+    f'; logistic 10-90% width {rise.width:.3g} e-folds of {x_name} ({spread}), midpoint '
+    f'{x_name} {rise.midpoint:.3g}{edge}, change {rise.change:+.3g}, r2 {rise.r2:.3f}'
+  )
+  if rise.p_rise >= logistic.RISE_P:
+    text += (
+      f'; no rise beyond the noise: {rise.p_rise:.2f} of {logistic.SHUFFLES} shuffles of the '
+      'values over the sizes fit a logistic as well'
+    )
+    return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
+  words = {'jump': f'below {threshold:.3g}: a jump', 'smooth': f'above {threshold:.3g}: smooth'}
+  text += f'; the width is {words.get(call, f"across {threshold:.3g}: neither shown")}'
+  if call == 'neither':
+    return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
+  return Verdict(REPRODUCED if call == shape else NOT_REPRODUCED, text, dict(rule), numbers)
+
+
 def _monotone(rule: Mapping, table: Table) -> Verdict:
   variant = rule['variant']
   values = [_values(table, variant, m) for m in rule['metrics']]
@@ -486,6 +538,7 @@ _EVALUATORS = {
   'close': _close,
   'ordering': _ordering,
   'largest_step': _largest_step,
+  'sigmoid_width': _sigmoid_width,
   'monotone': _monotone,
   'variance_greater': _variance_greater,
   'fit_power_law': _fit_power_law,

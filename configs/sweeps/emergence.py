@@ -4,6 +4,8 @@ jumps where a per-token measure of the same answers improves smoothly. Nine widt
 encoder-decoder, spanning about 200x in parameters (4.6k to 934k) and finer where exact match
 rises, scored four ways on the numbers task, with and without label smoothing."""
 
+import math
+
 # About 12 GPU minutes on one H200: 54 runs of 4000 steps (dispatch-bound at these widths).
 GPU_SCALE = 4
 
@@ -17,7 +19,10 @@ _METRICS = (
   ('eval.bleu', 'BLEU'),
   ('eval.loss', 'the per-token NLL'),
 )
-_SHARE = 0.5  # a jump: one step per e-fold of parameters carries over half of all the change
+# A jump: the metric goes from 10% to 90% of its change within a factor of 4 in parameters, one
+# doubling of d_model (parameters grow about as d_model^2), so between two neighbouring sizes of a
+# grid that doubles d_model; a smooth rise takes longer. In e-folds of parameters: ln 4 = 1.386.
+_JUMP_WIDTH = math.log(4)
 
 
 def _variant(width: int, smoothing: bool) -> dict:
@@ -32,19 +37,30 @@ def _variant(width: int, smoothing: bool) -> dict:
 
 
 def _rules(sizes: list[str], learns: str, family: str) -> list[dict]:
-  """The same largest_step rule on every metric of one family: a jump for exact match, a smooth
-  curve for the others."""
+  """The same sigmoid_width rule on every metric of one family: a jump for exact match, a smooth
+  rise for the others."""
   rules = []
   for metric, name in _METRICS:
-    rule = dict(kind='largest_step', metric=metric, variants=sizes, x='params', requires=[learns])
-    if metric == 'eval.exact_match':
-      rule['at_least_share'] = _SHARE
-      rule['text'] = (f'{family}: {name} jumps: one step between neighbouring sizes carries '
-                      'over half of its change per e-fold of parameters')  # fmt: skip
+    jump = metric == 'eval.exact_match'
+    rule = dict(
+      kind='sigmoid_width',
+      metric=metric,
+      variants=sizes,
+      x='params',
+      shape='jump' if jump else 'smooth',
+      threshold=_JUMP_WIDTH,
+      requires=[learns],
+    )
+    if jump:
+      rule['text'] = (
+        f'{family}: {name} jumps: it goes from 10% to 90% of its change within a '
+        'factor of 4 in parameters'
+      )
     else:
-      rule['at_most_share'] = _SHARE
-      rule['text'] = (f'{family}: {name} changes smoothly: no step between neighbouring sizes '
-                      'carries half of its change per e-fold of parameters')  # fmt: skip
+      rule['text'] = (
+        f'{family}: {name} changes smoothly: going from 10% to 90% of its change takes '
+        'more than a factor of 4 in parameters'
+      )
     rules.append(rule)
   return rules
 
@@ -77,10 +93,11 @@ def get_sweep(scale: int = 1) -> dict:
   variants |= {size: _variant(w, False) for size, w in zip(plain, _WIDTHS)}
   return dict(
     name='emergence',
-    claim='Exact match on the numbers task jumps between two neighbouring sizes (over half of '
-    'its whole change per e-fold of parameters in one step), while the per-token accuracy, BLEU '
-    'and the per-token log-likelihood of the same answers change smoothly (no step carries half '
-    'of theirs), and the log-likelihood improves at every size when no label smoothing caps it.',
+    claim='Exact match on the numbers task jumps with model size: it goes from 10% to 90% of its '
+    'change within a factor of 4 in parameters (one doubling of d_model), while the per-token '
+    'accuracy, BLEU and the per-token log-likelihood of the same answers rise smoothly (taking '
+    'longer than that), and the log-likelihood improves at every size when no label smoothing '
+    'caps it.',
     description='EncoderDecoder 2+2 layers, d_ff = 4 d_model, d_model '
     f'{", ".join(map(str, _WIDTHS))} (4 heads; 2 below d_model 16): dW is the default run '
     '(configs/default.py, d_model 128, label smoothing 0.1) at width W, every other knob equal; '
@@ -91,11 +108,14 @@ def get_sweep(scale: int = 1) -> dict:
     'right; eval.accuracy: the share of their target tokens predicted right, teacher forced; '
     'eval.bleu: BLEU of the greedy translations; eval.loss: the mean negative log-likelihood per '
     'target token of the same answers, teacher forced, scored without label smoothing (lower is '
-    'better). largest_step with x=params: the largest change between neighbouring sizes per '
-    'e-fold of parameters, as a share of the sum of all of them, so the uneven grid counts as '
-    'if evenly spaced in log parameters; a share that 2 pooled std over seeds could carry '
-    'across 0.5 is inconclusive, for a jump and a smooth curve alike. The preconditions keep '
-    'the rules from judging a family whose largest member never learns the task.',
+    'better). sigmoid_width: a logistic in ln(parameters) fitted by least squares to every '
+    "seed's value; its width from 10% to 90% of its change, in e-folds of parameters, with a 95% "
+    'interval from 1000 bootstrap resamples of the seeds within each size. A jump: the interval '
+    f'lies below ln 4 = {_JUMP_WIDTH:.3f}; smooth: above it; across it, or when a logistic fits '
+    'shuffled values as well (no rise beyond the noise), inconclusive. Unlike the share of the '
+    'largest step between neighbouring sizes, the width does not shrink as sizes are added inside '
+    'the rise. The preconditions keep the rules from judging a family whose largest member '
+    'never learns the task.',
     base='configs/default.py',
     overrides={
       'train.steps': steps,
@@ -110,7 +130,7 @@ def get_sweep(scale: int = 1) -> dict:
       dict(
         name='untrained',
         reason='a model that learned nothing spells no answer exactly: '
-        'exact match 0 at every size (an analytic value), so no step carries a jump',
+        'exact match 0 at every size (an analytic value), so it has no rise to call a jump',
         values={size: {'eval.exact_match': 0.0} for size in variants},
       ),
     ],  # fmt: skip
