@@ -25,6 +25,12 @@ _ALLOW_DIRTY = flags.DEFINE_bool(
 )
 _RUN = flags.DEFINE_string('run', None, 'Internal: run one VARIANT:SEED (a --parallel worker).')
 _REVISION = flags.DEFINE_string('revision', 'unknown', 'Internal: the git revision --run records.')
+_SOURCE_DIR = flags.DEFINE_string(
+  'source_dir', None, "Internal: the checkout --run's git check reads (default: this one)."
+)
+_IGNORE_CHANGES = flags.DEFINE_list(
+  'ignore_changes', [], "Internal: paths besides --workdir that --run's git check leaves out."
+)
 flags.mark_flags_as_required(['sweep', 'workdir'])
 
 
@@ -35,7 +41,10 @@ def main():
   if _RUN.value:
     variant, _, seed = _RUN.value.rpartition(':')
     spec.select_variants(sweep, [variant])
-    result = sweeps.execute_run(sweep, variant, int(seed), _WORKDIR.value, _REVISION.value)
+    result = sweeps.execute_run(
+      sweep, variant, int(seed), _WORKDIR.value, _REVISION.value, _IGNORE_CHANGES.value,
+      _SOURCE_DIR.value or sweeps.SOURCE_DIR,
+    )  # fmt: skip
     print(f'{variant} seed {seed}: {result["status"]}, {result["wall_time_s"]:.0f} s', flush=True)
     return
   results = sweeps.run_sweep(

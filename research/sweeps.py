@@ -41,7 +41,7 @@ from research.results import (
 )
 from research.spec import Sweep, resolve_config, resolve_measure, select_variants
 from transformer import util
-from transformer.training import faults
+from transformer.training import checkpoint, faults
 from transformer.training.loop import train_and_evaluate
 from transformer.training.state import weights
 from transformer.training.workdir import load_run
@@ -52,36 +52,18 @@ SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # The source revision -----------------------------------------------------------------------
+def run_source(ignore: Sequence[str] = (), source_dir: str = SOURCE_DIR) -> checkpoint.Source:
+  """The checkout at `source_dir` with what a sweep's git check leaves out: RESULT_ROOTS and the
+  paths in `ignore` (its workdir, a regenerated root). The sweep's check and each of its runs
+  (`execute_run`) use it alike, so a run's revision is clean when the sweep's is."""
+  return checkpoint.Source(source_dir, (*RESULT_ROOTS, *(os.path.abspath(p) for p in ignore)))
+
+
 def source_state(ignore: Sequence[str] = (), source_dir: str = SOURCE_DIR) -> tuple[str, list[str]]:
   """(HEAD sha, changed files) of the git checkout holding `source_dir`; ('unknown', []) outside
   git. Untracked files count; those under RESULT_ROOTS or the paths in `ignore` do not."""
-
-  def git(*args: str) -> str:
-    out = subprocess.run(['git', '-C', source_dir, *args], capture_output=True, text=True,
-                         timeout=60, check=True)  # fmt: skip
-    return out.stdout
-
-  try:
-    top = os.path.realpath(git('rev-parse', '--show-toplevel').strip())
-    head = git('rev-parse', 'HEAD').strip()
-    status = git('status', '--porcelain=v1', '-z', '--untracked-files=all').split('\0')
-  except (OSError, subprocess.SubprocessError):
-    return 'unknown', []
-  skip = list(RESULT_ROOTS)
-  for path in ignore:
-    rel = os.path.relpath(os.path.realpath(path), top)
-    if not rel.startswith('..'):
-      skip.append(rel)
-  changed, entries = [], iter(status)
-  for entry in entries:
-    if not entry:
-      continue
-    if entry[0] in 'RC':  # a rename or copy: the next entry is the old path
-      next(entries, None)
-    path = entry[3:]
-    if not any(path == s or path.startswith(s.rstrip('/') + '/') for s in skip if s != '.'):
-      changed.append(path)
-  return head, sorted(changed)
+  source = run_source(ignore, source_dir)
+  return checkpoint.source_state(source.directory, source.ignore)
 
 
 def checked_revision(ignore: Sequence[str], allow_dirty: bool, source_dir: str = SOURCE_DIR) -> str:
@@ -161,10 +143,21 @@ def _first_difference(a: Mapping, b: Mapping, prefix: str = '') -> str:
 
 
 def execute_run(
-  sweep: Sweep, variant: str, seed: int, workdir: str, revision: str = 'unknown'
+  sweep: Sweep,
+  variant: str,
+  seed: int,
+  workdir: str,
+  revision: str = 'unknown',
+  ignore_changes: Sequence[str] = (),
+  source_dir: str = SOURCE_DIR,
 ) -> dict:
   """Trains (or resumes) one run, measures it and appends its line (`revision` its git_revision)
   to results.jsonl; returns the line.
+
+  The run's own record of its code, revisions.jsonl in its directory, leaves out what the
+  sweep's check does (`run_source`: the workdir, RESULT_ROOTS and `ignore_changes`). Training
+  adds a line at each start; measuring, or evaluating another run's checkpoint, adds one too
+  (`checkpoint.record_measure`), so that every run directory names the code behind its numbers.
 
   A finished run (a line with the same config) is returned as it is. A run whose loss
   stops being finite (training.faults.NonFiniteError) is recorded with status 'diverged' and
@@ -178,6 +171,7 @@ def execute_run(
   config = resolve_config(sweep, variant, seed)
   directory = run_dir(workdir, variant, seed)
   os.makedirs(directory, exist_ok=True)
+  code = run_source([workdir, *ignore_changes], source_dir)
   source = sweep.eval_variants.get(variant, {}).get('from')
   checkpoint_dir = run_dir(workdir, source, seed) if source else directory
   start = time.time()
@@ -190,7 +184,7 @@ def execute_run(
   else:
     if sweep.train:
       try:
-        train_and_evaluate(config, directory)
+        train_and_evaluate(config, directory, code)
       except faults.NonFiniteError as e:
         status, error = 'diverged', str(e).splitlines()[0]
     curve = read_curve(directory)
@@ -201,6 +195,8 @@ def execute_run(
     metrics['diverged'] = 0.0
   figures = []
   measure = resolve_measure(sweep)
+  if (measure is not None and status == 'ok') or source is not None or not sweep.train:
+    checkpoint.record_measure(directory, code)  # nothing else records this run's code
   if measure is not None and status == 'ok':
     ctx = MeasureContext(config, directory, checkpoint_dir, variant, seed, sweep.scale, sweep.train)
     extra = dict(measure(ctx, **sweep.measure_args) or {})
@@ -279,12 +275,24 @@ def _prepare_workdir(sweep: Sweep, workdir: str, seeds: int, revision: str) -> N
   util.write_json(path, sweep_metadata(sweep, seeds, revision))
 
 
-def worker_command(sweep: Sweep, workdir: str, variant: str, seed: int, revision: str) -> list[str]:
+def worker_command(
+  sweep: Sweep,
+  workdir: str,
+  variant: str,
+  seed: int,
+  revision: str,
+  ignore_changes: Sequence[str] = (),
+  source_dir: str = SOURCE_DIR,
+) -> list[str]:
   """The command that runs one (variant, seed) in its own process (see experiments/sweep.py)."""
-  return [
+  command = [
     sys.executable, '-m', WORKER_MODULE, f'--sweep={sweep.path}', f'--workdir={workdir}',
     f'--scale={sweep.scale}', f'--run={variant}:{seed}', f'--revision={revision}',
+    f'--source_dir={source_dir}',
   ]  # fmt: skip
+  if ignore_changes:
+    command.append(f'--ignore_changes={",".join(os.path.abspath(p) for p in ignore_changes)}')
+  return command
 
 
 def run_sweep(
@@ -324,14 +332,23 @@ def run_sweep(
   if parallel == 1:
     for i, (variant, seed) in enumerate(todo):
       log(f'[{i + 1}/{len(todo)}] {variant} seed {seed} -> {run_dir(workdir, variant, seed)}')
-      result = execute_run(sweep, variant, seed, workdir, revision)
+      result = execute_run(sweep, variant, seed, workdir, revision, ignore_changes, source_dir)
       log(f'  {variant} seed {seed}: {result["status"]}, {result["wall_time_s"]:.0f} s')
   else:
-    _run_parallel(sweep, workdir, todo, parallel, log, revision)
+    _run_parallel(sweep, workdir, todo, parallel, log, revision, ignore_changes, source_dir)
   return write_results(workdir)
 
 
-def _run_parallel(sweep: Sweep, workdir: str, todo: list, parallel: int, log, revision) -> None:
+def _run_parallel(
+  sweep: Sweep,
+  workdir: str,
+  todo: list,
+  parallel: int,
+  log,
+  revision: str,
+  ignore_changes: Sequence[str] = (),
+  source_dir: str = SOURCE_DIR,
+) -> None:
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE='false')  # GPU: share the device memory
   pending, running, failed = list(todo), {}, []
   while pending or running:
@@ -346,7 +363,7 @@ def _run_parallel(sweep: Sweep, workdir: str, todo: list, parallel: int, log, re
       os.makedirs(directory, exist_ok=True)
       with open(os.path.join(directory, 'log.txt'), 'a') as out:
         process = subprocess.Popen(
-          worker_command(sweep, workdir, variant, seed, revision),
+          worker_command(sweep, workdir, variant, seed, revision, ignore_changes, source_dir),
           stdout=out,
           stderr=subprocess.STDOUT,
           env=env,

@@ -13,6 +13,7 @@ import pytest
 from experiments import regenerate as regenerate_cli
 from research import report, spec, sweeps
 from research import results as results_lib
+from transformer.training import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -91,6 +92,89 @@ def test_a_sweep_does_not_start_from_a_dirty_tree(tmp_path):
   with pytest.raises(ValueError, match=r'uncommitted changes \(model.py\)'):
     sweeps.run_sweep(spec.load_sweep(str(path)), workdir, log=lambda _: None, source_dir=source)
   assert not os.path.exists(workdir)  # refused before anything was written
+
+
+def _revisions(run):
+  with open(os.path.join(run, checkpoint.REVISIONS)) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_a_runs_revision_leaves_out_its_sweeps_output_as_the_sweep_does(tmp_path):
+  source, sha = _repo(tmp_path / 'repo')
+  path = tmp_path / 'one.py'
+  path.write_text(_ONE_RUN_SWEEP)
+  # The sweep writes inside the checkout, untracked, beside changes under docs/results.
+  workdir = os.path.join(source, 'sweeps', 'one')
+  os.makedirs(os.path.join(workdir, 'earlier'))
+  open(os.path.join(workdir, 'earlier', 'metrics.jsonl'), 'w').close()
+  (tmp_path / 'repo' / 'docs' / 'results' / 'old' / 'report.md').write_text('new\n')
+  assert checkpoint.source_state(source)[1] == [
+    'docs/results/old/report.md', 'sweeps/one/earlier/metrics.jsonl'
+  ]  # fmt: skip
+  sweep = spec.load_sweep(str(path))
+  (line,) = sweeps.run_sweep(sweep, workdir, log=lambda _: None, source_dir=source)
+  run = os.path.join(workdir, 'base', 'seed_0')
+  assert line['git_revision'] == sha
+  assert [(r['revision'], r['dirty'], r['start_step']) for r in _revisions(run)] == [
+    (sha, False, 0)
+  ]  # the run's own check saw only the sweep's output (and its own files): clean
+  with open(os.path.join(run, 'git_revision.txt')) as f:
+    assert f.read() == sha + '\n'
+  # A change elsewhere is a dirty run too (the sweep ran only because it was allowed).
+  (tmp_path / 'repo' / 'model.py').write_text('x = 2\n')
+  lines = sweeps.run_sweep(sweep, workdir, seeds=2, log=lambda _: None, allow_dirty=True,
+                           source_dir=source)  # fmt: skip
+  assert [r['git_revision'] for r in lines] == [sha, f'{sha}-dirty']
+  second = _revisions(os.path.join(workdir, 'base', 'seed_1'))
+  assert [(r['revision'], r['dirty']) for r in second] == [(sha, True)]
+
+
+_MEASURED_SWEEP = """
+def measure(ctx):
+  return {'measured': 1.0}
+
+def get_sweep(scale):
+  return dict(
+    name='measured',
+    claim='every run names its code',
+    base='configs/gpt_tiny.py',
+    overrides={
+      'model.d_model': 16, 'model.num_heads': 2, 'model.d_ff': 32, 'model.num_layers': 1,
+      'data.tokenizer': 'byte', 'data.max_length': 16, 'data.batch_size': 4,
+      'data.eval_batch_size': 4, 'data.num_train_examples': 64, 'data.num_eval_examples': 8,
+      'train.steps': 2, 'train.log_every': 1, 'train.eval_every': 2, 'train.checkpoint_every': 2,
+      'train.eval_decode_examples': 0, 'optim.warmup_steps': 1,
+    },
+    variants={'base': {}},
+    eval_variants={'again': {'from': 'base', 'overrides': {}}},
+    train=TRAIN,
+    measure='measure',
+    metrics=['measured'],
+  )
+"""
+
+
+def test_every_run_records_its_code_trained_evaluated_or_measured_only(tmp_path):
+  """revisions.jsonl in every run directory: a start of training, and a measure line for a
+  measure, an eval variant (no training of its own) and a sweep that does not train."""
+  source, sha = _repo(tmp_path / 'repo')
+  for train in (True, False):
+    path = tmp_path / f'measured_{train}.py'
+    text = _MEASURED_SWEEP.replace('TRAIN', str(train))
+    path.write_text(text if train else text.replace('    eval_variants=', '    # '))
+    workdir = str(tmp_path / f'out_{train}')
+    lines = sweeps.run_sweep(spec.load_sweep(str(path)), workdir, log=lambda _: None,
+                             source_dir=source)  # fmt: skip
+    assert {r['variant'] for r in lines} == ({'base', 'again'} if train else {'base'})
+    for line in lines:
+      found = _revisions(os.path.join(workdir, line['run_dir']))
+      kinds = [
+        ('train' if 'start_step' in r else 'measure', r['revision'], r['dirty']) for r in found
+      ]
+      trained = train and line['variant'] == 'base'
+      assert kinds == [('train', sha, False)] * trained + [('measure', sha, False)], line['variant']
+    if train:  # a measure line is no start of training
+      assert [e['start_step'] for e in checkpoint.revision_history(workdir + '/base/seed_0')] == [0]
 
 
 # results.jsonl ---------------------------------------------------------------------------------

@@ -177,6 +177,9 @@ def test_parallel_workers_give_the_same_results(tmp_path, finished):
     spec.load_sweep(path), workdir, parallel=2, log=messages.append, source_dir=source
   )
   assert [r['git_revision'] for r in parallel] == [sha, sha]
+  for line in parallel:  # each worker checked the same source checkout, clean
+    with open(os.path.join(workdir, line['run_dir'], 'revisions.jsonl')) as f:
+      assert [(r['revision'], r['dirty']) for r in map(json.loads, f)] == [(sha, False)]
   assert sum(m.startswith('started ') for m in messages) == 2
   assert [r['metrics']['eval.loss'] for r in parallel] == pytest.approx(
     [r['metrics']['eval.loss'] for r in results], rel=1e-5

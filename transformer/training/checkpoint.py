@@ -11,6 +11,7 @@ one that fails to read for any other reason (permissions, I/O, versions, topolog
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import jax
@@ -623,24 +625,66 @@ def _installed() -> dict[str, str]:
   return {'orbax-checkpoint': getattr(ocp, '__version__', 'unknown'), 'jax': jax.__version__}
 
 
-def _git_revision(source_dir: str = _SOURCE_DIR) -> str:
-  """`git rev-parse HEAD` of the tree holding `source_dir` (+ '-dirty' if changed), or 'unknown'."""
+def source_state(
+  source_dir: str = _SOURCE_DIR, ignore: Sequence[str] = ()
+) -> tuple[str, list[str]]:
+  """(HEAD sha, changed files) of the git checkout holding `source_dir`; ('unknown', []) outside
+  git. Untracked files count, except those git ignores and those under a path in `ignore`: an
+  absolute path, or one relative to the checkout's top (such as 'docs/results'). A sweep's
+  check and each of its runs leave out the same paths: the sweep's own output, never code."""
 
   def git(*args: str) -> str:
-    result = subprocess.run(
-      ['git', *args], cwd=source_dir, capture_output=True, text=True, timeout=60, check=True
-    )
-    return result.stdout.strip()
+    out = subprocess.run(['git', '-C', source_dir, *args], capture_output=True, text=True,
+                         timeout=60, check=True)  # fmt: skip
+    return out.stdout
 
   try:
-    revision = git('rev-parse', 'HEAD')
-    dirty = git('status', '--porcelain')
+    top = os.path.realpath(git('rev-parse', '--show-toplevel').strip())
+    head = git('rev-parse', 'HEAD').strip()
+    status = git('status', '--porcelain=v1', '-z', '--untracked-files=all').split('\0')
   except (OSError, subprocess.SubprocessError):
-    return 'unknown'
-  return revision + ('-dirty' if dirty else '')
+    return 'unknown', []
+  skip = []
+  for path in ignore:
+    rel = os.path.relpath(os.path.realpath(path), top) if os.path.isabs(path) else path
+    if not rel.startswith('..') and os.path.normpath(rel) != '.':
+      skip.append(os.path.normpath(rel).replace(os.sep, '/'))
+  changed, entries = [], iter(status)
+  for entry in entries:
+    if not entry:
+      continue
+    if entry[0] in 'RC':  # a rename or copy: the next entry is the old path
+      next(entries, None)
+    path = entry[3:]
+    if not any(path == s or path.startswith(s + '/') for s in skip):
+      changed.append(path)
+  return head, sorted(changed)
 
 
-def write_run_metadata(workdir: str, config: ml_collections.ConfigDict) -> None:
+def _git_revision(source_dir: str = _SOURCE_DIR, ignore: Sequence[str] = ()) -> str:
+  """The HEAD sha of the checkout holding `source_dir`, + '-dirty' when it has changes outside
+  `ignore` (`source_state`); 'unknown' outside git."""
+  head, changed = source_state(source_dir, ignore)
+  return head + ('-dirty' if changed and head != 'unknown' else '')
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where a run's code is: the git checkout holding `directory`, and the paths in it that are
+  output, not code (`ignore`, as `source_state` reads them). A sweep passes its own output
+  folder and the results roots, so that the runs' revisions are clean when the sweep's is."""
+
+  directory: str = _SOURCE_DIR
+  ignore: tuple[str, ...] = ()
+
+  def revision(self, workdir: str) -> str:
+    """The revision a run in `workdir` records: its own files never make it dirty."""
+    return _git_revision(self.directory, (*self.ignore, os.path.abspath(workdir)))
+
+
+def write_run_metadata(
+  workdir: str, config: ml_collections.ConfigDict, source: Source | None = None
+) -> None:
   """Writes workdir/config.json and workdir/git_revision.txt (process 0 only), each atomically.
 
   Call `check_resume_compatible` first: this overwrites the config.json of a previous run.
@@ -651,25 +695,40 @@ def write_run_metadata(workdir: str, config: ml_collections.ConfigDict) -> None:
   util.write_atomic(
     os.path.join(workdir, 'config.json'), config.to_json_best_effort(indent=2) + '\n'
   )
-  util.write_atomic(os.path.join(workdir, 'git_revision.txt'), _git_revision() + '\n')
+  revision = (source or Source()).revision(workdir)
+  util.write_atomic(os.path.join(workdir, 'git_revision.txt'), revision + '\n')
 
 
-def record_start(workdir: str, step: int) -> None:
+def record_start(workdir: str, step: int, source: Source | None = None) -> None:
   """Appends this start of training to workdir/revisions.jsonl (process 0): the code's revision,
-  whether it had uncommitted changes, the step it trains from and the time (UTC).
+  whether it had uncommitted changes (outside `source.ignore` and the workdir), the step it
+  trains from and the time (UTC).
 
   The file is only ever appended to, so it keeps every revision that trained the workdir;
   `revision_history` turns its lines into step ranges. git_revision.txt holds the latest only.
   """
   if jax.process_index() != 0:
     return
-  revision = _git_revision()
+  _append_revision(workdir, (source or Source()).revision(workdir), {'start_step': int(step)})
+
+
+def record_measure(workdir: str, source: Source | None = None) -> None:
+  """Appends to workdir/revisions.jsonl the code that measures the run there (a sweep's measure,
+  or an evaluation of another run's checkpoint): a line with "measure": true and no start_step,
+  so that `revision_history`, which is about training, skips it."""
+  if jax.process_index() != 0:
+    return
+  _append_revision(workdir, (source or Source()).revision(workdir), {'measure': True})
+
+
+def _append_revision(workdir: str, revision: str, fields: dict) -> None:
   line = {
     'revision': revision.removesuffix('-dirty'),
     'dirty': revision.endswith('-dirty'),
-    'start_step': int(step),
+    **fields,
     'time': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
   }
+  os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, REVISIONS)
   with open(path, 'a+b') as f:  # appends go to the end, wherever the file position is
     cut = False

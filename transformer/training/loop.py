@@ -42,8 +42,14 @@ def _log(*args) -> None:
     print(*args, flush=True)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(
+  config: ml_collections.ConfigDict, workdir: str, source: checkpoint.Source | None = None
+) -> dict[str, Any]:
   """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final metrics.
+
+  `source` says where the code is and which paths in its checkout are output, not code (a sweep
+  passes its own folder): the revision the run records (git_revision.txt, revisions.jsonl) is
+  dirty only for changes elsewhere. Default: this package's checkout, leaving out the workdir.
 
   Raises:
     Preempted: SIGTERM or SIGINT stopped the run after its checkpoint (see `faults.StopSignals`);
@@ -76,8 +82,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     with faults.StopSignals() as signals:  # from here on a signal means: checkpoint, then stop
       run = Run(config, workdir, experiment=experiment)  # model.vocab_size from the tokenizer
       checkpoint.check_resume_compatible(workdir, config)
-      checkpoint.write_run_metadata(workdir, config)
-      return _train_loop(run, tcfg, ckpt, workdir, signals)
+      checkpoint.write_run_metadata(workdir, config, source)
+      return _train_loop(run, tcfg, ckpt, workdir, signals, source)
   except Exception as error:  # a collective or barrier that failed because a peer is gone
     if not peers.is_peer_lost(error, jax.process_count()):
       raise
@@ -108,13 +114,14 @@ def _train_loop(
   ckpt: checkpoint.Checkpointer,
   workdir: str,
   signals: faults.StopSignals | None = None,
+  source: checkpoint.Source | None = None,
 ) -> dict[str, Any]:
   """The steps of `train_and_evaluate`, from the latest checkpoint of `ckpt` to train.steps.
 
   Each step's loss and finiteness are read back right after it (the next batch is prepared
   while it runs): a non-finite step or a loss spike is handled before anything is saved.
   """
-  loop = _Loop(run, tcfg, ckpt, workdir, signals)
+  loop = _Loop(run, tcfg, ckpt, workdir, signals, source)
   state = loop.restore_or_init()
   util.release_host_memory()  # what compiling the initialisation freed
   step, steps = loop.begin(int(state.step))
@@ -144,9 +151,16 @@ class _Loop:
   resuming, a non-finite step, a loss spike, logging, a stop signal, evaluation and saving."""
 
   def __init__(
-    self, run: Run, tcfg: TrainConfig, ckpt: checkpoint.Checkpointer, workdir: str, signals
+    self,
+    run: Run,
+    tcfg: TrainConfig,
+    ckpt: checkpoint.Checkpointer,
+    workdir: str,
+    signals,
+    source: checkpoint.Source | None = None,
   ):
     self.run, self.ckpt, self.workdir, self.signals = run, ckpt, workdir, signals
+    self.source = source  # where the code is, for the revision each start records
     self.tcfg = tcfg
     self.policy = faults.nonfinite_policy(tcfg.nonfinite, run.model_cfg.dtype)
     self.iterator = run.task.train_iterator()
@@ -201,7 +215,7 @@ class _Loop:
         signal_name=got,
       )
     if start < self.tcfg.steps:  # the code that trains from here, for experiments.describe
-      checkpoint.record_start(self.workdir, start)
+      checkpoint.record_start(self.workdir, start, self.source)
     return start, self.tcfg.steps
 
   def received(self) -> bool:
