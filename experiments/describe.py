@@ -21,7 +21,7 @@ def main():
 
   from transformer import config as config_lib
   from transformer.model import describe
-  from transformer.training import checkpoint
+  from transformer.training import checkpoint, provenance
 
   model = _CONFIG.value.model
   if _WORKDIR.value:
@@ -31,7 +31,7 @@ def main():
     model = ml_collections.ConfigDict(saved['model'])
   print(describe.describe(config_lib.ModelConfig.from_config(model), seq_len=_SEQ_LEN.value))
   if _WORKDIR.value:
-    print(checkpoint.describe_history(_WORKDIR.value))
+    print(provenance.describe_history(_WORKDIR.value))
 
 
 if __name__ == '__main__':

@@ -41,7 +41,7 @@ from research.results import (
 )
 from research.spec import Sweep, resolve_config, resolve_measure, select_variants
 from transformer import util
-from transformer.training import checkpoint, faults
+from transformer.training import faults, provenance
 from transformer.training.loop import train_and_evaluate
 from transformer.training.state import weights
 from transformer.training.workdir import load_run
@@ -52,18 +52,18 @@ SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # The source revision -----------------------------------------------------------------------
-def run_source(ignore: Sequence[str] = (), source_dir: str = SOURCE_DIR) -> checkpoint.Source:
+def run_source(ignore: Sequence[str] = (), source_dir: str = SOURCE_DIR) -> provenance.Source:
   """The checkout at `source_dir` with what a sweep's git check leaves out: RESULT_ROOTS and the
   paths in `ignore` (its workdir, a regenerated root). The sweep's check and each of its runs
   (`execute_run`) use it alike, so a run's revision is clean when the sweep's is."""
-  return checkpoint.Source(source_dir, (*RESULT_ROOTS, *(os.path.abspath(p) for p in ignore)))
+  return provenance.Source(source_dir, (*RESULT_ROOTS, *(os.path.abspath(p) for p in ignore)))
 
 
 def source_state(ignore: Sequence[str] = (), source_dir: str = SOURCE_DIR) -> tuple[str, list[str]]:
   """(HEAD sha, changed files) of the git checkout holding `source_dir`; ('unknown', []) outside
   git. Untracked files count; those under RESULT_ROOTS or the paths in `ignore` do not."""
   source = run_source(ignore, source_dir)
-  return checkpoint.source_state(source.directory, source.ignore)
+  return provenance.source_state(source.directory, source.ignore)
 
 
 def checked_revision(ignore: Sequence[str], allow_dirty: bool, source_dir: str = SOURCE_DIR) -> str:
@@ -157,7 +157,7 @@ def execute_run(
   The run's own record of its code, revisions.jsonl in its directory, leaves out what the
   sweep's check does (`run_source`: the workdir, RESULT_ROOTS and `ignore_changes`). Training
   adds a line at each start; measuring, or evaluating another run's checkpoint, adds one too
-  (`checkpoint.record_measure`), so that every run directory names the code behind its numbers.
+  (`provenance.record_measure`), so that every run directory names the code behind its numbers.
 
   A finished run (a line with the same config) is returned as it is. A run whose loss
   stops being finite (training.faults.NonFiniteError) is recorded with status 'diverged' and
@@ -196,7 +196,7 @@ def execute_run(
   figures = []
   measure = resolve_measure(sweep)
   if (measure is not None and status == 'ok') or source is not None or not sweep.train:
-    checkpoint.record_measure(directory, code)  # nothing else records this run's code
+    provenance.record_measure(directory, code)  # nothing else records this run's code
   if measure is not None and status == 'ok':
     ctx = MeasureContext(config, directory, checkpoint_dir, variant, seed, sweep.scale, sweep.train)
     extra = dict(measure(ctx, **sweep.measure_args) or {})

@@ -151,14 +151,14 @@ def tiny_config():
 def make_untrained_workdir(path, family: str, **model) -> str:
   """A workdir as training leaves it (config.json, tokenizer/, a checkpoint at step 0) of the
   tiny config, without training: for tests of loading and using a saved model."""
-  from transformer.training import checkpoint
+  from transformer.training import checkpoint, provenance
   from transformer.training.run import Run
 
   config = make_tiny_config(family)
   config.model.update(model)
   run = Run(config, str(path))
   run.task.tokenizer.save(os.path.join(path, 'tokenizer'))
-  checkpoint.write_run_metadata(str(path), run.config)
+  provenance.write_run_metadata(str(path), run.config)
   ckpt = checkpoint.Checkpointer(str(path))
   ckpt.save(0, run.init_state(), {})
   ckpt.close()

@@ -19,7 +19,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from transformer.config import experiment
-from transformer.training import checkpoint
+from transformer.training import checkpoint, provenance
 from transformer.training.run import Run
 
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
@@ -168,7 +168,7 @@ def checkpoints(results: dict, out_dir: str) -> None:
   workdir = os.path.join(out_dir, 'run')
   config = tiny_config('causal_lm', 0.0, (2, 2, 2))
   run, state, _, _ = train_three_steps(config)
-  checkpoint.write_run_metadata(workdir, config)
+  provenance.write_run_metadata(workdir, config)
   ckpt = checkpoint.Checkpointer(workdir)
   ckpt.save(3, state, run.task.train_iterator().get_state())
   ckpt.close()

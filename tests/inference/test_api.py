@@ -9,7 +9,7 @@ from decode_reference import greedy_uncached_continue, greedy_uncached_translate
 
 import transformer
 from transformer import data
-from transformer.training import checkpoint
+from transformer.training import provenance
 from transformer.training.loop import train_and_evaluate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -116,7 +116,7 @@ def test_load_errors_name_the_workdir(tmp_path, tiny_config):
   with pytest.raises(FileNotFoundError, match='no config.json'):
     transformer.load(str(tmp_path))
   config = tiny_config('causal_lm')
-  checkpoint.write_run_metadata(str(tmp_path), config)
+  provenance.write_run_metadata(str(tmp_path), config)
   with pytest.raises(FileNotFoundError, match='no checkpoint'):
     transformer.load(str(tmp_path))
 

@@ -12,7 +12,7 @@ from decode_reference import greedy_uncached_continue
 
 import transformer
 from configs import char_lm
-from transformer.training import checkpoint
+from transformer.training import checkpoint, provenance
 from transformer.training.run import Run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +38,7 @@ def _workdir(path, **model):
   (path / 'input.txt').write_text(TEXT)
   config = _config(path / 'input.txt', **model)
   run = Run(config, str(path))
-  checkpoint.write_run_metadata(str(path), run.config)
+  provenance.write_run_metadata(str(path), run.config)
   ckpt = checkpoint.Checkpointer(str(path))
   ckpt.save(0, run.init_state(), {})
   ckpt.close()

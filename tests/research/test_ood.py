@@ -12,7 +12,7 @@ from research.sweeps import MeasureContext
 from transformer import data
 from transformer.data import grammar
 from transformer.data import number_words as numbers
-from transformer.training import checkpoint
+from transformer.training import checkpoint, provenance
 from transformer.training.run import Run
 
 
@@ -21,7 +21,7 @@ def _workdir(path, config) -> str:
   the conftest's untrained_workdir with data knobs of its own."""
   run = Run(config, str(path))
   run.task.tokenizer.save(os.path.join(path, 'tokenizer'))
-  checkpoint.write_run_metadata(str(path), run.config)
+  provenance.write_run_metadata(str(path), run.config)
   ckpt = checkpoint.Checkpointer(str(path))
   ckpt.save(0, run.init_state(), {})
   ckpt.close()

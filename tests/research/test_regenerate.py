@@ -13,7 +13,7 @@ import pytest
 from experiments import regenerate as regenerate_cli
 from research import report, spec, sweeps
 from research import results as results_lib
-from transformer.training import checkpoint
+from transformer.training import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -95,7 +95,7 @@ def test_a_sweep_does_not_start_from_a_dirty_tree(tmp_path):
 
 
 def _revisions(run):
-  with open(os.path.join(run, checkpoint.REVISIONS)) as f:
+  with open(os.path.join(run, provenance.REVISIONS)) as f:
     return [json.loads(line) for line in f]
 
 
@@ -108,7 +108,7 @@ def test_a_runs_revision_leaves_out_its_sweeps_output_as_the_sweep_does(tmp_path
   os.makedirs(os.path.join(workdir, 'earlier'))
   open(os.path.join(workdir, 'earlier', 'metrics.jsonl'), 'w').close()
   (tmp_path / 'repo' / 'docs' / 'results' / 'old' / 'report.md').write_text('new\n')
-  assert checkpoint.source_state(source)[1] == [
+  assert provenance.source_state(source)[1] == [
     'docs/results/old/report.md', 'sweeps/one/earlier/metrics.jsonl'
   ]  # fmt: skip
   sweep = spec.load_sweep(str(path))
@@ -174,7 +174,7 @@ def test_every_run_records_its_code_trained_evaluated_or_measured_only(tmp_path)
       trained = train and line['variant'] == 'base'
       assert kinds == [('train', sha, False)] * trained + [('measure', sha, False)], line['variant']
     if train:  # a measure line is no start of training
-      assert [e['start_step'] for e in checkpoint.revision_history(workdir + '/base/seed_0')] == [0]
+      assert [e['start_step'] for e in provenance.revision_history(workdir + '/base/seed_0')] == [0]
 
 
 # results.jsonl ---------------------------------------------------------------------------------

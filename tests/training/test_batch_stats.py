@@ -14,7 +14,7 @@ from transformer.config import ModelConfig
 from transformer.config.experiment import Config
 from transformer.model import models
 from transformer.model.norms import BATCHNORM_MOMENTUM
-from transformer.training import checkpoint, steps
+from transformer.training import checkpoint, provenance, steps
 from transformer.training.state import BatchNormTrainState, TrainState, create_state, weights
 
 VOCAB, D = 40, 24
@@ -190,7 +190,7 @@ def test_a_run_trains_saves_and_loads_its_statistics(tmp_path, tiny_config):
   moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), state.batch_stats, before)
   assert min(jax.tree.leaves(moved)) > 0
   run.task.tokenizer.save(os.path.join(tmp_path, 'tokenizer'))
-  checkpoint.write_run_metadata(str(tmp_path), run.config)
+  provenance.write_run_metadata(str(tmp_path), run.config)
   ckpt = checkpoint.Checkpointer(str(tmp_path))
   try:
     ckpt.save(1, state, {})

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 from configs import base
-from transformer.training import checkpoint
+from transformer.training import checkpoint, provenance
 
 
 @flax.struct.dataclass
@@ -579,7 +579,7 @@ def _config(**model_overrides) -> ml_collections.ConfigDict:
 def test_write_and_read_run_metadata(tmp_path):
   workdir = tmp_path / 'run'
   config = _config()
-  checkpoint.write_run_metadata(str(workdir), config)
+  provenance.write_run_metadata(str(workdir), config)
   saved = checkpoint.read_run_config(str(workdir))
   assert saved['model']['d_model'] == 256 and saved['model']['window'] == [4, 0]
   assert saved['model']['num_kv_heads'] is None and saved['data']['task'] == config.data.task
@@ -592,7 +592,7 @@ def test_write_and_read_run_metadata(tmp_path):
 
 
 def test_config_write_is_atomic(tmp_path, monkeypatch):
-  checkpoint.write_run_metadata(str(tmp_path), _config())
+  provenance.write_run_metadata(str(tmp_path), _config())
   before = (tmp_path / 'config.json').read_text()
 
   def failing_replace(src, dst):
@@ -600,7 +600,7 @@ def test_config_write_is_atomic(tmp_path, monkeypatch):
 
   monkeypatch.setattr(os, 'replace', failing_replace)
   with pytest.raises(OSError, match='disk full'):
-    checkpoint.write_run_metadata(str(tmp_path), _config(d_model=1024))
+    provenance.write_run_metadata(str(tmp_path), _config(d_model=1024))
   assert (tmp_path / 'config.json').read_text() == before
   assert sorted(os.listdir(tmp_path)) == ['config.json', 'git_revision.txt']
 
@@ -613,11 +613,11 @@ def test_every_revision_that_trained_a_workdir_is_recorded_with_its_steps(
   workdir, first, second = tmp_path / 'run', 'a' * 40, 'b' * 40
   monkeypatch.setattr(checkpoint, '_git_revision', lambda *_: first)
   train_and_evaluate(tiny_config('causal_lm', steps=4), str(workdir))
-  with open(workdir / checkpoint.REVISIONS, 'a') as f:
+  with open(workdir / provenance.REVISIONS, 'a') as f:
     f.write('{"revision": "cut short by a ki')  # a kill during the append
   monkeypatch.setattr(checkpoint, '_git_revision', lambda *_: second + '-dirty')
   train_and_evaluate(tiny_config('causal_lm', steps=8), str(workdir))
-  history = checkpoint.revision_history(str(workdir))
+  history = provenance.revision_history(str(workdir))
   ranges = [(e['revision'], e['dirty'], e['start_step'], e['end_step']) for e in history]
   assert ranges == [(first, False, 0, 4), (second, True, 4, 8)]
   assert (workdir / 'git_revision.txt').read_text() == second + '-dirty\n'  # the latest only
@@ -628,8 +628,8 @@ def test_every_revision_that_trained_a_workdir_is_recorded_with_its_steps(
   assert shown[-3] == f'{workdir}: trained by 2 revision(s)', done.stdout
   assert re.fullmatch(rf'  steps 0-4 +{first}, started 20\d\d-.*', shown[-2]), shown
   assert re.fullmatch(rf'  steps 4-8 +{second} with uncommitted changes, started .*', shown[-1])
-  os.remove(workdir / checkpoint.REVISIONS)  # a workdir from before the record: still read
-  assert checkpoint.describe_history(str(workdir)) == (
+  os.remove(workdir / provenance.REVISIONS)  # a workdir from before the record: still read
+  assert provenance.describe_history(str(workdir)) == (
     f'{workdir}: last trained by revision {second} with uncommitted changes (git_revision.txt; '
     'the revisions of earlier starts were not recorded then)'
   )
@@ -638,29 +638,29 @@ def test_every_revision_that_trained_a_workdir_is_recorded_with_its_steps(
 def test_a_start_from_an_earlier_checkpoint_ends_the_ranges_before_it(tmp_path):
   lines = [{'revision': r, 'dirty': False, 'start_step': s, 'time': 't'} for r, s in
            [('a', 0), ('b', 6), ('c', 4)]]  # fmt: skip
-  (tmp_path / checkpoint.REVISIONS).write_text(''.join(json.dumps(x) + '\n' for x in lines))
+  (tmp_path / provenance.REVISIONS).write_text(''.join(json.dumps(x) + '\n' for x in lines))
   os.makedirs(tmp_path / 'checkpoints' / '8')
-  history = checkpoint.revision_history(str(tmp_path))
+  history = provenance.revision_history(str(tmp_path))
   # c resumed from step 4 (b's checkpoints were lost): none of b's steps are in checkpoint 8.
   assert [(e['start_step'], e['end_step']) for e in history] == [(0, 4), (6, 6), (4, 8)]
-  assert checkpoint.revision_history(str(tmp_path / 'none')) == []
+  assert provenance.revision_history(str(tmp_path / 'none')) == []
   # Resumed from a checkpoint made before the record, with a damaged line and a cut one.
-  (tmp_path / checkpoint.REVISIONS).write_text(
+  (tmp_path / provenance.REVISIONS).write_text(
     '[1]\n' + json.dumps(lines[1]) + '\n{"revision": "c", "dirty": false, "start_st'
   )
-  history = checkpoint.revision_history(str(tmp_path))
+  history = provenance.revision_history(str(tmp_path))
   assert [(e['revision'], e['start_step'], e['end_step']) for e in history] == [
     (None, 0, 6),
     ('b', 6, 8),
   ]
-  assert checkpoint.describe_history(str(tmp_path)).splitlines()[1:] == [
+  assert provenance.describe_history(str(tmp_path)).splitlines()[1:] == [
     '  steps 0-6        an unrecorded revision (trained before revisions.jsonl)',
     '  steps 6-8        b, started t',
   ]
 
 
 def test_git_revision(tmp_path):
-  assert checkpoint._git_revision(str(tmp_path)) == 'unknown'  # /tmp is not in a git tree
+  assert provenance._git_revision(str(tmp_path)) == 'unknown'  # /tmp is not in a git tree
 
   def git(*args):
     command = ['git', '-c', 'user.name=t', '-c', 'user.email=t@t', *args]
@@ -673,13 +673,13 @@ def test_git_revision(tmp_path):
   head = (tmp_path / '.git' / 'HEAD').read_text().split()[-1]  # e.g. refs/heads/main
   commit = (tmp_path / '.git' / head).read_text().strip()
   (tmp_path / 'sub').mkdir()
-  assert checkpoint._git_revision(str(tmp_path / 'sub')) == commit
+  assert provenance._git_revision(str(tmp_path / 'sub')) == commit
   (tmp_path / 'a.py').write_text('x = 2\n')
-  assert checkpoint._git_revision(str(tmp_path / 'sub')) == commit + '-dirty'
+  assert provenance._git_revision(str(tmp_path / 'sub')) == commit + '-dirty'
 
 
 def _workdir_with_checkpoint(tmp_path, config):
-  checkpoint.write_run_metadata(str(tmp_path), config)
+  provenance.write_run_metadata(str(tmp_path), config)
   ckpt = checkpoint.Checkpointer(str(tmp_path))
   _save(ckpt, 1)
   ckpt.close()
@@ -747,7 +747,7 @@ def test_a_knob_added_since_the_checkpoint_resumes_at_its_default_only(tmp_path)
 
 def test_check_resume_compatible_passes_without_checkpoints(tmp_path):
   checkpoint.check_resume_compatible(str(tmp_path / 'new'), _config())  # a fresh workdir
-  checkpoint.write_run_metadata(str(tmp_path), _config())  # a run that never saved a step
+  provenance.write_run_metadata(str(tmp_path), _config())  # a run that never saved a step
   checkpoint.check_resume_compatible(str(tmp_path), _config(d_model=512))
 
 

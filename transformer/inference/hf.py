@@ -49,7 +49,7 @@ from transformer.inference.hf_weights import (  # noqa: F401
   params_to_hf,
 )
 from transformer.model import models
-from transformer.training import checkpoint, optim
+from transformer.training import checkpoint, optim, provenance
 from transformer.training.state import TrainState, create_state, optim_config, state_from_params
 
 DIRECTIONS = ('from_hf', 'to_hf')
@@ -236,7 +236,7 @@ def import_hf(
   if os.path.isfile(os.path.join(directory, 'tokenizer.json')):
     config.data.tokenizer = 'hf'  # fine-tuning reads the model's own tokenizer from tokenizer/
   with _staged(workdir) as tmp:
-    checkpoint.write_run_metadata(tmp, config)
+    provenance.write_run_metadata(tmp, config)
     with open(os.path.join(tmp, HF_CONFIG), 'w') as f:
       json.dump(hf, f, indent=2)
     ckpt = checkpoint.Checkpointer(tmp, keep=config.train.keep_checkpoints)

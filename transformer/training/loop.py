@@ -23,7 +23,7 @@ from transformer.config import ModelConfig
 from transformer.config.experiment import Config, DataConfig, TrainConfig
 from transformer.data.prepare import NoRoomError
 from transformer.model import entropy, hooks, models, probes
-from transformer.training import checkpoint, events, faults, peers
+from transformer.training import checkpoint, events, faults, peers, provenance
 from transformer.training.faults import (  # noqa: F401 - the loop's outcomes
   EXIT_PREEMPTED,
   NonFiniteError,
@@ -43,7 +43,7 @@ def _log(*args) -> None:
 
 
 def train_and_evaluate(
-  config: ml_collections.ConfigDict, workdir: str, source: checkpoint.Source | None = None
+  config: ml_collections.ConfigDict, workdir: str, source: provenance.Source | None = None
 ) -> dict[str, Any]:
   """Trains `config` in `workdir`, resuming from its latest checkpoint; returns final metrics.
 
@@ -82,7 +82,7 @@ def train_and_evaluate(
     with faults.StopSignals() as signals:  # from here on a signal means: checkpoint, then stop
       run = Run(config, workdir, experiment=experiment)  # model.vocab_size from the tokenizer
       checkpoint.check_resume_compatible(workdir, config)
-      checkpoint.write_run_metadata(workdir, config, source)
+      provenance.write_run_metadata(workdir, config, source)
       return _train_loop(run, tcfg, ckpt, workdir, signals, source)
   except Exception as error:  # a collective or barrier that failed because a peer is gone
     if not peers.is_peer_lost(error, jax.process_count()):
@@ -114,7 +114,7 @@ def _train_loop(
   ckpt: checkpoint.Checkpointer,
   workdir: str,
   signals: faults.StopSignals | None = None,
-  source: checkpoint.Source | None = None,
+  source: provenance.Source | None = None,
 ) -> dict[str, Any]:
   """The steps of `train_and_evaluate`, from the latest checkpoint of `ckpt` to train.steps.
 
@@ -157,7 +157,7 @@ class _Loop:
     ckpt: checkpoint.Checkpointer,
     workdir: str,
     signals,
-    source: checkpoint.Source | None = None,
+    source: provenance.Source | None = None,
   ):
     self.run, self.ckpt, self.workdir, self.signals = run, ckpt, workdir, signals
     self.source = source  # where the code is, for the revision each start records
@@ -215,7 +215,7 @@ class _Loop:
         signal_name=got,
       )
     if start < self.tcfg.steps:  # the code that trains from here, for experiments.describe
-      checkpoint.record_start(self.workdir, start, self.source)
+      provenance.record_start(self.workdir, start, self.source)
     return start, self.tcfg.steps
 
   def received(self) -> bool:
