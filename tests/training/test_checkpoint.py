@@ -611,11 +611,11 @@ def test_every_revision_that_trained_a_workdir_is_recorded_with_its_steps(
   from transformer.training.loop import train_and_evaluate
 
   workdir, first, second = tmp_path / 'run', 'a' * 40, 'b' * 40
-  monkeypatch.setattr(checkpoint, '_git_revision', lambda *_: first)
+  monkeypatch.setattr(provenance, '_git_revision', lambda *_: first)
   train_and_evaluate(tiny_config('causal_lm', steps=4), str(workdir))
   with open(workdir / provenance.REVISIONS, 'a') as f:
     f.write('{"revision": "cut short by a ki')  # a kill during the append
-  monkeypatch.setattr(checkpoint, '_git_revision', lambda *_: second + '-dirty')
+  monkeypatch.setattr(provenance, '_git_revision', lambda *_: second + '-dirty')
   train_and_evaluate(tiny_config('causal_lm', steps=8), str(workdir))
   history = provenance.revision_history(str(workdir))
   ranges = [(e['revision'], e['dirty'], e['start_step'], e['end_step']) for e in history]
