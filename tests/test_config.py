@@ -138,6 +138,7 @@ FROZEN_BASE = {
     'qkv_bias': Ref(None, bool),
     'remat': 'none',
     'residual': True,
+    'parallel_residual': False,
     'rope_high_freq_factor': 4.0,
     'rope_low_freq_factor': 1.0,
     'rope_original_max_length': Ref(None, int),
@@ -349,10 +350,15 @@ _SAVED_GPT_TINY = {
 }
 
 
+# Knobs added after that save: a config saved without them reads back with their defaults (off).
+_ADDED_SINCE = {'parallel_residual': False}
+
+
 def test_saved_model_configs_read_back_and_write_the_same_keys():
   cfg = ModelConfig.from_config(_SAVED_GPT_TINY)
-  assert json.loads(json.dumps(cfg.to_dict())) == _SAVED_GPT_TINY  # what config.json saves
-  assert list(cfg.to_dict()) == list(_SAVED_GPT_TINY)  # in the same order
+  saved = json.loads(json.dumps(cfg.to_dict()))  # what config.json saves
+  assert saved == {**_SAVED_GPT_TINY, **_ADDED_SINCE}
+  assert [k for k in saved if k not in _ADDED_SINCE] == list(_SAVED_GPT_TINY)  # the same order
   assert (cfg.head_size, cfg.kv_heads, cfg.decoder_layers) == (16, 4, 2)
   assert cfg.compute_dtype == jnp.float32 and cfg.params_dtype == jnp.float32
   other = cfg.replace(num_heads=8, num_kv_heads=2, dtype='bfloat16')  # derived again, not copied
@@ -373,6 +379,7 @@ def test_transformer_lens_names_read_the_same_values():
     'n_layers': 3, 'n_heads': 6, 'n_key_value_heads': 2, 'd_head': 6, 'd_mlp': 40, 'd_vocab': 97,
     'd_vocab_out': 97, 'n_ctx': 33, 'eps': 1e-6, 'act_fn': 'silu', 'gated_mlp': True,
     'normalization_type': 'RMS', 'positional_embedding_type': 'rotary',
+    'parallel_attn_mlp': False, 'use_normalization_before_and_after': False,
   }  # fmt: skip
   gpt2_like = ModelConfig(activation='gelu_tanh', position='learned')
   assert (gpt2_like.act_fn, gpt2_like.normalization_type) == ('gelu_new', 'LN')

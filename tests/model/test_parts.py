@@ -36,12 +36,12 @@ def _code(fn):
 
 # option: (does cfg use it?, the functions only it runs)
 OPTIONS = {
-  'dense mlp': (lambda c: c.d_ff and c.activation != 'swiglu', [layers.FeedForward.__call__]),
-  'gated mlp': (lambda c: c.d_ff and c.activation == 'swiglu', [layers.GatedFeedForward.__call__]),
+  'dense mlp': (lambda c: c.d_ff and c.activation != 'swiglu', [layers.FeedForward._hidden]),
+  'gated mlp': (lambda c: c.d_ff and c.activation == 'swiglu', [layers.GatedFeedForward._hidden]),
   'mlp sub-layer': (lambda c: c.d_ff > 0, [models.Block._mlp]),
   'cross attention': (
     lambda c: c.family == 'encoder_decoder',
-    [encoder_decoder.CrossBlock._after_attention],
+    [encoder_decoder.CrossBlock._sublayers],
   ),
   'token types or embedding norm': (
     lambda c: c.family == 'bidirectional_lm' or c.type_vocab_size or c.embedding_norm,
@@ -57,7 +57,10 @@ OPTIONS = {
     [layers.Norm.__call__],
   ),
   'batchnorm': (lambda c: c.norm == 'batchnorm', [norms.BatchNorm.__call__]),
-  'pre-norm': (lambda c: c.norm_placement == 'pre' and c.residual, [layers.pre_norm]),
+  'pre-norm': (
+    lambda c: c.norm_placement == 'pre' and c.residual and not c.parallel_residual,
+    [layers.pre_norm],
+  ),
   'post-norm': (lambda c: c.norm_placement == 'post' and c.residual, [layers.post_norm]),
   'no residual, pre': (
     lambda c: c.norm_placement == 'pre' and not c.residual,
@@ -67,6 +70,12 @@ OPTIONS = {
     lambda c: c.norm_placement == 'post' and not c.residual,
     [layers.post_norm_no_residual],
   ),
+  'sandwich': (
+    lambda c: c.norm_placement == 'sandwich' and c.residual,
+    [layers.sandwich_norm],
+  ),
+  'sequential block': (lambda c: not c.parallel_residual, [layers.sequential]),
+  'parallel block': (lambda c: c.parallel_residual, [layers.parallel]),
   'short convolution': (lambda c: c.short_conv > 0, [short_conv.ShortConv.__call__]),
   'scan': (lambda c: c.scan_layers, [layers.scan]),
   'loop': (lambda c: not c.scan_layers, [layers.loop]),
@@ -104,6 +113,10 @@ CONFIGS = {
   'no_residual_pre': dict(family='causal_lm', norm_placement='pre', residual=False),
   'linear_scan_remat': dict(family='causal_lm', attention='linear', scan_layers=True,
                             remat='full', position='rope'),
+  'neox_parallel': dict(family='causal_lm', norm_placement='pre', parallel_residual=True,
+                        position='rope'),
+  'gemma_sandwich': dict(family='causal_lm', norm_placement='sandwich', norm='rmsnorm',
+                         activation='swiglu', position='rope'),
   'compressed_conv': dict(family='causal_lm', attention='compressed', compress_block=4,
                           short_conv=3, norm_placement='pre'),
 }  # fmt: skip

@@ -20,7 +20,7 @@ FAMILIES = ('encoder_decoder', 'bidirectional_lm', 'causal_lm')
 POSITIONS = ('sinusoidal', 'learned', 'rope', 'alibi', 'none')
 ROPE_SCALINGS = ('none', 'linear', 'ntk', 'yarn', 'llama3')
 NORMS = ('layernorm', 'rmsnorm', 'batchnorm')
-NORM_PLACEMENTS = ('pre', 'post')
+NORM_PLACEMENTS = ('pre', 'post', 'sandwich')
 ACTIVATIONS = ('relu', 'gelu', 'gelu_tanh', 'swiglu')
 # The names a config may choose; `model.attention.register_implementation` adds its own here.
 ATTENTION_IMPLEMENTATIONS = [None, 'xla', 'chunked', 'pallas', 'cudnn']
@@ -63,11 +63,12 @@ class ModelConfig:
   rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths under context / this are kept
   norm: str = 'layernorm'  # one of NORMS; batchnorm: statistics over a batch's real tokens
   norm_eps: float = 1e-6  # epsilon inside the norm
-  norm_placement: str = (
-    'post'  # 'post' (paper, norm after the residual add) or 'pre' (+ final norm)
-  )
+  # 'post' (paper: norm after the residual add), 'pre' (+ final norm) or 'sandwich' (Gemma 2: pre,
+  # and a second norm on each sub-layer's output)
+  norm_placement: str = 'post'
   embedding_norm: bool = False  # a norm right after the embeddings (BERT)
   residual: bool = True  # residual connections around each sub-layer; False ablates them
+  parallel_residual: bool = False  # GPT-NeoX/GPT-J: x + attn(norm1(x)) + mlp(norm2(x)), pre-norm
   activation: str = 'relu'  # one of ACTIVATIONS
   use_bias: bool = True  # biases in the attention and feed-forward projections
   norm_bias: bool = True  # Layer/BatchNorm's bias; False as nanoGPT's bias=False (RMSNorm: none)
@@ -195,6 +196,8 @@ TL_NAMES: dict[str, Any] = {
   'act_fn': lambda c: _TL_ACTIVATIONS[c.activation],
   'gated_mlp': lambda c: c.activation == 'swiglu',
   'normalization_type': lambda c: {'layernorm': 'LN', 'rmsnorm': 'RMS'}.get(c.norm, c.norm),
+  'parallel_attn_mlp': 'parallel_residual',
+  'use_normalization_before_and_after': lambda c: c.norm_placement == 'sandwich',
   'positional_embedding_type': lambda c: {'learned': 'standard', 'rope': 'rotary'}.get(
     c.position, c.position
   ),
@@ -230,7 +233,7 @@ _RULES: dict[str, Any] = {
   'param_dtype': tuple(DTYPES),
   **dict.fromkeys(('embedding_norm', 'use_bias', 'scale_embeddings', 'share_embeddings'), 'bool'),
   **dict.fromkeys(('tie_output', 'attention_scale', 'scan_layers', 'qk_norm'), 'bool'),
-  **dict.fromkeys(('output_head', 'norm_bias', 'output_bias'), 'bool'),
+  **dict.fromkeys(('output_head', 'norm_bias', 'output_bias', 'parallel_residual'), 'bool'),
   **dict.fromkeys(('rope_theta', 'norm_eps', 'init_std'), 'positive number'),
   'rope_scaling_factor': 'at least 1',
   **dict.fromkeys(('dropout_rate', 'attention_dropout_rate', 'ffn_dropout_rate'), 'rate'),
@@ -301,6 +304,15 @@ def _check_combinations(c: ModelConfig) -> None:
     raise ValueError(
       f'attention_dropout_rate={c.attention_dropout_rate} needs the materialised probabilities of '
       f"attention_impl='xla' (or None), not {c.attention_impl!r}; set attention_dropout_rate=0"
+    )
+  if c.parallel_residual and (
+    c.norm_placement != 'pre' or not c.residual or c.family not in ('causal_lm', 'bidirectional_lm')
+  ):
+    raise ValueError(
+      f'parallel_residual=True adds attention and MLP, each after its own norm, to one residual '
+      f"stream: it needs norm_placement='pre', residual=True and a causal_lm or bidirectional_lm; "
+      f'this config has norm_placement={c.norm_placement!r}, residual={c.residual}, '
+      f'family={c.family!r}'
     )
   if c.short_conv and c.family != 'causal_lm':
     raise ValueError(

@@ -36,18 +36,17 @@ class CrossBlock(Block):
   """A layer of the 2017 decoder: causal self attention, cross attention to the encoder output,
   then the MLP. Called as (x, self_mask, positions, encoded [B, S, D], cross_mask)."""
 
-  def _after_attention(self, x, drop, segments, encoded, cross_mask):
-    x = HookPoint(name='hook_resid_mid')(x)
-    # RoPE and ALiBi act in self attention only: decoder and encoder positions index different
-    # sequences, so their distance means nothing. Queries from x [B, T, D], keys/values from the
-    # encoder output [B, S, D].
-    attention = self._attention('cross_attention', None)
-    modes = dict(deterministic=self.deterministic, cache_mode=self.cache_mode)
-    attend = lambda h: HookPoint(name='hook_cross_attn_out')(
-      attention(h, encoded, mask=cross_mask, **modes)
+  def _sublayers(self, mask, positions, encoded, cross_mask) -> list:
+    """Self attention, cross attention, the MLP. RoPE and ALiBi act in self attention only:
+    decoder and encoder positions index different sequences, so their distance means nothing.
+    Queries from x [B, T, D], keys/values from the encoder output [B, S, D]."""
+    attention, modes = (
+      self._attention('cross_attention', None),
+      dict(deterministic=self.deterministic, cache_mode=self.cache_mode),
     )
-    x = self._sublayer(x, attend, 'cross_attention', drop, segments)
-    return self._mlp(x, drop, segments) if self.parts.mlp else x
+    cross = lambda h: attention(h, encoded, mask=cross_mask, **modes)
+    self_attention, *mlp = super()._sublayers(mask, positions)
+    return [self_attention, ('cross_attention', cross, HookPoint(name='hook_cross_attn_out'))] + mlp
 
 
 def _cross_mask(q_segments: Array | None, kv_segments: Array | None, q_len, kv_len) -> MaskSpec:

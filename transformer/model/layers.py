@@ -120,8 +120,10 @@ def cpu_matmul(lhs: Array, rhs: Array, dimension_numbers, precision=None) -> Arr
 
 
 @functools.cache
-def _dtypes(cfg: ModelConfig) -> dict:
-  return dict(dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype)
+def _settings(cfg: ModelConfig, matmul: bool) -> dict:
+  """DenseGeneral's dtypes, and its matmul (None: lax.dot_general), chosen once per config."""
+  dot = cpu_matmul if matmul and jax.default_backend() == 'cpu' else None
+  return dict(dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype, dot_general=dot)
 
 
 def dense(cfg, features, axes: tuple, name: str, init=None, use_bias=True, axis=-1, matmul=False):
@@ -129,13 +131,9 @@ def dense(cfg, features, axes: tuple, name: str, init=None, use_bias=True, axis=
   dtypes, its kernel on the logical `axes` (initialised by `init`, default `kernel_init(cfg)`)
   and its bias on the output axes. `matmul`: the weight matmul above on CPU."""
   out_axes = axes[-1:] if isinstance(features, int) else axes[-len(features) :]
-  kernel = nn.with_logical_partitioning(init or kernel_init(cfg), axes)
-  zeros = nn.with_logical_partitioning(nn.initializers.zeros, out_axes)
-  dot = cpu_matmul if matmul and jax.default_backend() == 'cpu' else None  # None: lax's
-  return nn.DenseGeneral(
-    features, axis, use_bias=use_bias, kernel_init=kernel, bias_init=zeros, dot_general=dot,
-    name=name, **_dtypes(cfg),
-  )  # fmt: skip
+  return nn.DenseGeneral(features, axis, use_bias=use_bias, name=name, **_settings(cfg, matmul),
+    kernel_init=nn.with_logical_partitioning(init or kernel_init(cfg), axes),
+    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, out_axes))  # fmt: skip
 
 
 # Norms ---------------------------------------------------------------------------------------
@@ -195,7 +193,8 @@ class Embed(nn.Module):
   def attend(self, x: Array) -> Array:
     """Logits against every embedding: [B, T, D] -> [B, T, V]."""
     # No sqrt(D) here: the scale applies to the lookup only, as in the paper.
-    logits = jnp.einsum('btd,vd->btv', x, self.table())  # [B, T, V]
+    table = self.embedding.astype(self.cfg.compute_dtype)  # [V, D]
+    logits = jnp.einsum('btd,vd->btv', x, table)  # [B, T, V]
     return constrain(logits, ('batch', 'length', 'vocab'))
 
   def table(self) -> Array:
@@ -213,9 +212,10 @@ class ScaledEmbed(Embed):
     return x * jnp.asarray(math.sqrt(self.cfg.d_model), x.dtype)  # [B, T, D]
 
 
-def _hook_pos_embed(table: Array, x: Array) -> Array:
-  """hook_pos_embed: what is added, [B, T, D] like x (TransformerLens repeats it per row)."""
-  return HookPoint(name='hook_pos_embed')(jnp.broadcast_to(table, x.shape))
+@functools.cache
+def _table_init(cfg: ModelConfig) -> Callable:
+  """Learned positions' and token types' tables: normal(init_std), rows unsharded."""
+  return nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), (None, 'embed'))
 
 
 class AddSinusoidal(nn.Module):
@@ -225,8 +225,9 @@ class AddSinusoidal(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, positions: Array) -> Array:
-    table = positions_lib.sinusoidal(positions, self.cfg.d_model).astype(x.dtype)
-    return x + _hook_pos_embed(table, x)  # [B, T, D]
+    table = positions_lib.sinusoidal(positions, self.cfg.d_model).astype(x.dtype)  # [B or 1, T, D]
+    # hook_pos_embed: what is added, [B, T, D] like x (TransformerLens repeats it per row).
+    return x + HookPoint(name='hook_pos_embed')(jnp.broadcast_to(table, x.shape))  # [B, T, D]
 
 
 class AddLearned(nn.Module):
@@ -242,10 +243,10 @@ class AddLearned(nn.Module):
         f'sequence length {length} exceeds max_length={cfg.max_length} of learned positions; '
         "use a shorter sequence or position='rope'/'sinusoidal'"
       )
-    init = nn.with_logical_partitioning(nn.initializers.normal(cfg.init_std), (None, 'embed'))
-    table = nn.Embed(cfg.max_length, cfg.d_model, embedding_init=init,
+    table = nn.Embed(cfg.max_length, cfg.d_model, embedding_init=_table_init(cfg),
                      param_dtype=cfg.params_dtype, name='positions')  # fmt: skip
-    return x + _hook_pos_embed(table(positions).astype(x.dtype), x)  # [B, T, D]
+    table = table(positions).astype(x.dtype)  # [B or 1, T, D]
+    return x + HookPoint(name='hook_pos_embed')(jnp.broadcast_to(table, x.shape))  # [B, T, D]
 
 
 class Embedder(nn.Module):
@@ -285,9 +286,7 @@ class TypedEmbedder(Embedder):
       types = nn.Embed(
         cfg.type_vocab_size,
         cfg.d_model,
-        embedding_init=nn.with_logical_partitioning(
-          nn.initializers.normal(cfg.init_std), (None, 'embed')
-        ),
+        embedding_init=_table_init(cfg),
         param_dtype=cfg.params_dtype,
         dtype=cfg.compute_dtype,
         name='token_types',
@@ -315,52 +314,78 @@ class FeedForward(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, deterministic: bool) -> Array:
-    h = ACTIVATIONS[self.cfg.activation](HookPoint(name='hook_pre')(self._up(x)))  # [B, T, F]
-    return self._down(h, deterministic)
-
-  def _up(self, x: Array, name: str = 'wi') -> Array:
-    """x [B, T, D] -> [B, T, F] by the up projection `name` (logical axes embed, mlp)."""
-    cfg = self.cfg
-    return dense(cfg, cfg.d_ff, ('embed', 'mlp'), name, use_bias=cfg.use_bias, matmul=True)(x)
-
-  def _down(self, h: Array, deterministic: bool) -> Array:
-    """The hidden h [B, T, F] -> [B, T, D], after the hidden dropout and hook_post."""
-    cfg, h = self.cfg, constrain(h, ('batch', 'length', 'mlp'))
+    """x [B, T, D] -> [B, T, D]: up, the hidden [B, T, F], its dropout and hook_post, down."""
+    cfg, bias = self.cfg, self.cfg.use_bias
+    up = functools.partial(dense, cfg, cfg.d_ff, ('embed', 'mlp'), use_bias=bias, matmul=True)
+    h = constrain(self._hidden(up, x), ('batch', 'length', 'mlp'))  # [B, T, F]
     h = nn.Dropout(cfg.ffn_dropout_rate)(h, deterministic=deterministic)
     h = HookPoint(name='hook_post')(h)  # [B, T, F]
     # 'wo' writes into the residual stream, so it takes the block's (maybe scaled) out_init.
-    wo = dense(cfg, cfg.d_model, ('mlp', 'embed'), 'wo', self.out_init, cfg.use_bias, matmul=True)
+    wo = dense(cfg, cfg.d_model, ('mlp', 'embed'), 'wo', self.out_init, bias, matmul=True)
     return wo(h)  # [B, T, D]
+
+  def _hidden(self, up: Callable, x: Array) -> Array:
+    """The activation of the up projection up(name) [B, T, D] -> [B, T, F]."""
+    return ACTIVATIONS[self.cfg.activation](HookPoint(name='hook_pre')(up('wi')(x)))
 
 
 class GatedFeedForward(FeedForward):
   """SwiGLU: silu(x W_gate) * (x W_in), a gated unit with two up projections (LLaMA)."""
 
-  @nn.compact
-  def __call__(self, x: Array, deterministic: bool) -> Array:
-    pre = HookPoint(name='hook_pre')(self._up(x, 'gate'))  # [B, T, F]
-    linear = HookPoint(name='hook_pre_linear')(self._up(x, 'wi'))  # [B, T, F]
-    return self._down(nn.silu(pre) * linear, deterministic)
+  def _hidden(self, up: Callable, x: Array) -> Array:
+    pre = HookPoint(name='hook_pre')(up('gate')(x))  # [B, T, F]
+    linear = HookPoint(name='hook_pre_linear')(up('wi')(x))  # [B, T, F]
+    return nn.silu(pre) * linear
 
 
-# Residual wiring: sublayer(x, f, norm, drop) -> [B, T, D], for the sub-layer f, its norm and the
-# residual dropout. Pre-norm leaves the residual stream un-normalised (stable deep stacks; needs
-# a final norm); post-norm normalises the sum, as in the 2017 paper. Without the residual the
+# Residual wiring of one sub-layer: sublayer(x, f, out, norm, drop) -> [B, T, D], for the
+# sub-layer f, its output hook point `out`, norm(suffix) (the sub-layer's norm `<name>_<suffix>`)
+# and the residual dropout. Pre-norm leaves the residual stream un-normalised (stable deep stacks;
+# needs a final norm); post-norm normalises the sum, as in the 2017 paper; sandwich (Gemma 2) is
+# pre-norm with a second norm on the sub-layer's output, before its hook. Without the residual the
 # sub-layer's output replaces x (an ablation).
-def pre_norm(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
-  return x + drop(f(norm(x)))
+def pre_norm(x: Array, f: Callable, out: Callable, norm: Callable, drop: Callable) -> Array:
+  return x + drop(out(f(norm('norm')(x))))
 
 
-def post_norm(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
-  return norm(x + drop(f(x)))
+def post_norm(x: Array, f: Callable, out: Callable, norm: Callable, drop: Callable) -> Array:
+  return norm('norm')(x + drop(out(f(x))))
 
 
-def pre_norm_no_residual(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
-  return drop(f(norm(x)))
+def sandwich_norm(x: Array, f: Callable, out: Callable, norm: Callable, drop: Callable) -> Array:
+  return x + drop(out(norm('post_norm')(f(norm('norm')(x)))))
 
 
-def post_norm_no_residual(x: Array, f: Callable, norm: Callable, drop: Callable) -> Array:
-  return norm(drop(f(x)))
+def pre_norm_no_residual(x, f: Callable, out: Callable, norm: Callable, drop: Callable) -> Array:
+  return drop(out(f(norm('norm')(x))))
+
+
+def post_norm_no_residual(x, f: Callable, out: Callable, norm: Callable, drop: Callable) -> Array:
+  return norm('norm')(drop(out(f(x))))
+
+
+def sandwich_norm_no_residual(x, f: Callable, out: Callable, norm: Callable, drop) -> Array:
+  return drop(out(norm('post_norm')(f(norm('norm')(x)))))
+
+
+# How a block composes its sub-layers [(name, f, out)]: block(x, sublayers, sublayer, norm, drop)
+# -> [B, T, D], with norm(name, suffix) and `sublayer` the wiring above.
+def sequential(x: Array, sublayers: list, sublayer: Callable, norm: Callable, drop) -> Array:
+  """One sub-layer after the other; hook_resid_mid is the stream after the first, where more
+  follow (TransformerLens's, which attention-only layers lack)."""
+  for i, (name, f, out) in enumerate(sublayers):
+    x = HookPoint(name='hook_resid_mid')(x) if i == 1 else x
+    x = sublayer(x, f, out, functools.partial(norm, name), drop)
+  return x  # [B, T, D]
+
+
+def parallel(x: Array, sublayers: list, sublayer: Callable, norm: Callable, drop) -> Array:
+  """GPT-NeoX's and GPT-J's parallel residual: every sub-layer reads the same x through its own
+  pre-norm, and their outputs add to it, x + attn(ln1(x)) + mlp(ln2(x))."""
+  y = x
+  for name, f, out in sublayers:
+    y = y + drop(out(f(norm(name, 'norm')(x))))
+  return y  # [B, T, D]
 
 
 # The layer loops: layers(block, num_layers, x, *args) -> [B, T, D].

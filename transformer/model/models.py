@@ -64,23 +64,30 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x: Array, mask: MaskSpec, positions: Array | None, *context):
     """x [B, T, D]; mask: self attention's; positions [B or 1, T] or None. Returns [B, T, D]."""
-    p, segments = self.parts, mask.q_segment_ids  # [B, T]; 0 = padding, which BatchNorm skips
-    # One dropout module for every sub-layer's output.
-    drop = functools.partial(nn.Dropout(self.cfg.dropout_rate), deterministic=self.deterministic)
+    p, det = self.parts, self.deterministic
+    drop = functools.partial(nn.Dropout(self.cfg.dropout_rate), deterministic=det)  # one for all
+    # The norm `<sub-layer>_<suffix>`; segment 0 is padding, which BatchNorm skips.
+    norm = lambda name, suffix: functools.partial(
+      p.norm(name=f'{name}_{suffix}'), segments=mask.q_segment_ids, deterministic=det
+    )
     x = HookPoint(name='hook_resid_pre')(x)  # [B, T, D]
-    # Self attention: causal in a decoder, not in an encoder (the mask says which).
-    attention = self._attention('self_attention', p.relative_positions)
-    conv = p.short_conv(name='short_conv') if p.short_conv else None
+    x = p.block(x, self._sublayers(mask, positions, *context), p.sublayer, norm, drop)
+    x = HookPoint(name='hook_resid_post')(constrain(x, ('batch', 'length', 'embed')))  # [B, T, D]
+    return (x, None) if self.scanned else x
+
+  def _sublayers(self, mask: MaskSpec, positions: Array | None) -> list:
+    """[(name, f, output hook)]: self attention (causal in a decoder, not in an encoder: the
+    mask says which), then the MLP if the model has one."""
+    attention = self._attention('self_attention', self.parts.relative_positions)
+    conv = self.parts.short_conv(name='short_conv') if self.parts.short_conv else None
     modes = dict(deterministic=self.deterministic, cache_mode=self.cache_mode)
 
     def mix(h):  # [B, T, D] -> [B, T, D]
       h = conv(h, mask, positions, self.cache_mode) if conv else h
-      return HookPoint(name='hook_attn_out')(attention(h, mask=mask, positions=positions, **modes))
+      return attention(h, mask=mask, positions=positions, **modes)
 
-    x = self._sublayer(x, mix, 'self_attention', drop, segments)  # [B, T, D]
-    x = self._after_attention(x, drop, segments, *context)
-    x = HookPoint(name='hook_resid_post')(constrain(x, ('batch', 'length', 'embed')))  # [B, T, D]
-    return (x, None) if self.scanned else x
+    mlp = self._mlp() if self.parts.mlp else []  # none with d_ff=0: attention only
+    return [('self_attention', mix, HookPoint(name='hook_attn_out'))] + mlp
 
   def _attention(self, name: str, relative_positions) -> nn.Module:
     cfg, p, out_init = self.cfg, self.parts, residual_out_init(self.cfg, self.num_layers)
@@ -88,22 +95,9 @@ class Block(nn.Module):
       cfg, p.attention, kernel_init(cfg), out_init, relative_positions, p.qk_norm, name=name
     )
 
-  def _sublayer(self, x: Array, fn, name: str, drop, segments) -> Array:
-    """x [B, T, D] through `fn` in the residual wiring, with the sub-layer's norm `name`_norm."""
-    norm = self.parts.norm(name=f'{name}_norm')
-    norm = functools.partial(norm, segments=segments, deterministic=self.deterministic)
-    return self.parts.sublayer(x, fn, norm, drop)
-
-  def _after_attention(self, x: Array, drop, segments) -> Array:
-    """The MLP sub-layer, if the model has one; attention-only layers end here (TransformerLens
-    then has no hook_resid_mid)."""
-    return self._mlp(HookPoint(name='hook_resid_mid')(x), drop, segments) if self.parts.mlp else x
-
-  def _mlp(self, x: Array, drop, segments) -> Array:
-    out_init = residual_out_init(self.cfg, self.num_layers)
-    ffn = self.parts.mlp(self.cfg, out_init, name='mlp')
-    mlp = lambda h: HookPoint(name='hook_mlp_out')(ffn(h, self.deterministic))
-    return self._sublayer(x, mlp, 'mlp', drop, segments)
+  def _mlp(self) -> list:
+    ffn = self.parts.mlp(self.cfg, residual_out_init(self.cfg, self.num_layers), name='mlp')
+    return [('mlp', lambda h: ffn(h, self.deterministic), HookPoint(name='hook_mlp_out'))]
 
 
 class Stack(nn.Module):

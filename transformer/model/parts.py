@@ -29,14 +29,18 @@ from transformer.model.short_conv import ShortConv
 Array = jax.Array
 
 
-# (norm_placement, residual) -> the residual wiring (`layers.pre_norm`, ...), and whether the
-# stack ends in a final norm.
+# (norm_placement, residual) -> the residual wiring of a sub-layer (`layers.pre_norm`, ...), and
+# whether the stack ends in a final norm.
 WIRINGS = {
   ('pre', True): (layers.pre_norm, True),
   ('post', True): (layers.post_norm, False),
+  ('sandwich', True): (layers.sandwich_norm, True),
   ('pre', False): (layers.pre_norm_no_residual, True),
   ('post', False): (layers.post_norm_no_residual, False),
+  ('sandwich', False): (layers.sandwich_norm_no_residual, True),
 }
+# parallel_residual -> how a block composes its sub-layers.
+BLOCKS = {False: layers.sequential, True: layers.parallel}
 
 
 # Norms: a module class with cfg's settings bound, made as norm(name=...) and called as
@@ -131,7 +135,8 @@ class Parts(NamedTuple):
   """What `parts(cfg)` picked; None where the model has no such part."""
 
   norm: Callable[..., nn.Module]  # norm(name=...)(x, segments, deterministic)
-  sublayer: Callable  # the residual wiring: sublayer(x, f, norm, drop)
+  sublayer: Callable  # a sub-layer's residual wiring: sublayer(x, f, out, norm, drop)
+  block: Callable  # the sub-layers composed: block(x, sublayers, sublayer, norm, drop)
   final_norm: bool  # the stack ends in a norm (pre-norm wiring)
   embed: type[nn.Module]  # the token table: layers.Embed, or ScaledEmbed (x sqrt(d_model))
   embedder: Callable[..., nn.Module]  # embedder(cfg, embed, name=...)(tokens, positions, ...)
@@ -154,6 +159,7 @@ def parts(cfg: ModelConfig) -> Parts:
   return Parts(
     norm=NORMS[cfg.norm](cfg),
     sublayer=sublayer,
+    block=BLOCKS[cfg.parallel_residual],
     final_norm=final_norm,
     embed=layers.ScaledEmbed if cfg.scale_embeddings else layers.Embed,
     embedder=embedder(cfg),
