@@ -174,6 +174,7 @@ _CLI_CASES = {  # flags -> a piece of the one error line
 _BEFORE_ANY_WORK = ('train.', 'data.batch_size', 'data.max_length', 'notext', 'magic')
 
 
+@pytest.mark.slow  # ~20 s of processes that mostly import JAX; test_loop's CLI errors stay fast
 def test_fuzz_cli_flags_give_one_clear_line(tmp_path):
   binary = tmp_path / 'binary.txt'
   binary.write_bytes(bytes(np.random.default_rng(0).integers(128, 256, 500, dtype=np.uint8)))

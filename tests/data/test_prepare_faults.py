@@ -60,7 +60,11 @@ def _shards(out: str) -> dict[str, bytes]:
   return {n: open(os.path.join(out, n), 'rb').read() for n in os.listdir(out) if '.bin' in n}
 
 
-@pytest.mark.parametrize('workers, full_after', [(1, 1_100_000), (2, 200_000)])
+# Two workers (the parallel writer's own path) is the slow suite's: the one-worker case covers the
+# error line and the resume in README's run.
+@pytest.mark.parametrize(
+  'workers, full_after', [(1, 1_100_000), pytest.param(2, 200_000, marks=pytest.mark.slow)]
+)
 def test_full_disk_is_one_error_line_and_the_same_command_resumes(tmp_path, workers, full_after):
   train, out = _corpus(tmp_path), str(tmp_path / 'out')
   (tmp_path / 'inject').mkdir()

@@ -168,6 +168,7 @@ def _finish(proc, log, timeout=120.0):
   return proc.returncode, open(f'{log}.err').read()
 
 
+@pytest.mark.slow  # three training processes; the signal and rollback tests below stay fast
 def test_killed_twice_the_same_command_resumes_exactly(compile_cache, reference, tmp_path):
   """SIGTERM at a random step: a checkpoint, exit status 75 and one line. The same command
   resumes, and a second SIGTERM while its checkpoint is written (its temp dir exists) stops it at
