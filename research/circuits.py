@@ -132,7 +132,9 @@ def _readout(cfg: ModelConfig, params: Any) -> np.ndarray:
   """[D, V]: centring (LayerNorm), the final norm's gain, then the unembedding."""
   D, params = cfg.d_model, nn.meta.unbox(params)
   centre = np.eye(D) - (1.0 / D if norms.reapplied(cfg.norm, 'the OV readout') else 0.0)
-  gain = np.asarray(params['decoder']['stack']['final_norm']['scale'], np.float64)
+  gain = norms.gain(
+    cfg.norm, np.asarray(params['decoder']['stack']['final_norm']['scale'], np.float64)
+  )
   return centre @ (gain[:, None] * unembed(cfg, params))
 
 
@@ -154,7 +156,9 @@ def composition_scores(cfg: ModelConfig, params: Any) -> dict[str, np.ndarray]:
   check(cfg)
   L, N = cfg.num_layers, cfg.num_heads
   gains = [
-    np.asarray(_layer(cfg, params, layer)['self_attention_norm']['scale'], np.float64)
+    norms.gain(
+      cfg.norm, np.asarray(_layer(cfg, params, layer)['self_attention_norm']['scale'], np.float64)
+    )
     for layer in range(L)
   ]
   ov, qk = {}, {}

@@ -222,7 +222,7 @@ def direct_logit_attribution(
   unembed = np.asarray(unembed, np.float64)
   direction = unembed[:, good].T - unembed[:, bad].T  # [B, D]: each row's own target pair
   norm = params['decoder']['stack']['final_norm']
-  w = np.asarray(norm['scale'], np.float64)
+  w = norms.gain(cfg.norm, np.asarray(norm['scale'], np.float64))
   scale = np.asarray(cache['ln_final.hook_scale'], np.float64)[:, position]  # [B, 1]
 
   def through(x):  # [B, D] at `position` -> [B]

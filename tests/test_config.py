@@ -139,6 +139,12 @@ FROZEN_BASE = {
     'remat': 'none',
     'residual': True,
     'parallel_residual': False,
+    'rope_dim': Ref(None, int),
+    'query_pre_attn_scalar': Ref(None, float),
+    'attention_softcap': Ref(None, float),
+    'logit_softcap': Ref(None, float),
+    'attention_layers': '',
+    'rope_local_theta': Ref(None, float),
     'rope_high_freq_factor': 4.0,
     'rope_low_freq_factor': 1.0,
     'rope_original_max_length': Ref(None, int),
@@ -258,8 +264,8 @@ def test_model_defaults_are_the_base_config():
 
 
 def test_choice_lists_are_the_registries():
-  # swiglu is a gated pair of projections, not an elementwise function, so FeedForward builds it.
-  assert sorted(config.ACTIVATIONS) == sorted([*layers.ACTIVATIONS, 'swiglu'])
+  # swiglu and geglu gate a pair of projections, not an elementwise function: GatedFeedForward's.
+  assert sorted(config.ACTIVATIONS) == sorted([*layers.ACTIVATIONS, *layers.GATES])
   assert sorted(config.REMAT_POLICIES) == sorted(['none', *remat.REMAT_POLICIES])
   assert sorted(config.ATTENTION_IMPLEMENTATIONS[1:]) == sorted(attention.registered())
   assert sorted(experiment.SCHEDULES) == sorted(optim.SCHEDULE_BUILDERS)
@@ -351,7 +357,15 @@ _SAVED_GPT_TINY = {
 
 
 # Knobs added after that save: a config saved without them reads back with their defaults (off).
-_ADDED_SINCE = {'parallel_residual': False}
+_ADDED_SINCE = {
+  'parallel_residual': False,
+  'rope_dim': None,
+  'query_pre_attn_scalar': None,
+  'attention_softcap': None,
+  'logit_softcap': None,
+  'attention_layers': '',
+  'rope_local_theta': None,
+}
 
 
 def test_saved_model_configs_read_back_and_write_the_same_keys():
@@ -379,7 +393,9 @@ def test_transformer_lens_names_read_the_same_values():
     'n_layers': 3, 'n_heads': 6, 'n_key_value_heads': 2, 'd_head': 6, 'd_mlp': 40, 'd_vocab': 97,
     'd_vocab_out': 97, 'n_ctx': 33, 'eps': 1e-6, 'act_fn': 'silu', 'gated_mlp': True,
     'normalization_type': 'RMS', 'positional_embedding_type': 'rotary',
-    'parallel_attn_mlp': False, 'use_normalization_before_and_after': False,
+    'parallel_attn_mlp': False, 'use_normalization_before_and_after': False, 'rotary_dim': 6,
+    'attn_scores_soft_cap': -1.0, 'output_logits_soft_cap': -1.0, 'use_attn_scale': True,
+    'attn_scale': 6**0.5, 'rotary_base_local': None,
   }  # fmt: skip
   gpt2_like = ModelConfig(activation='gelu_tanh', position='learned')
   assert (gpt2_like.act_fn, gpt2_like.normalization_type) == ('gelu_new', 'LN')

@@ -36,8 +36,14 @@ def _code(fn):
 
 # option: (does cfg use it?, the functions only it runs)
 OPTIONS = {
-  'dense mlp': (lambda c: c.d_ff and c.activation != 'swiglu', [layers.FeedForward._hidden]),
-  'gated mlp': (lambda c: c.d_ff and c.activation == 'swiglu', [layers.GatedFeedForward._hidden]),
+  'dense mlp': (
+    lambda c: c.d_ff and c.activation not in ('swiglu', 'geglu'),
+    [layers.FeedForward._hidden],
+  ),
+  'gated mlp': (
+    lambda c: c.d_ff and c.activation in ('swiglu', 'geglu'),
+    [layers.GatedFeedForward._hidden],
+  ),
   'mlp sub-layer': (lambda c: c.d_ff > 0, [models.Block._mlp]),
   'cross attention': (
     lambda c: c.family == 'encoder_decoder',
@@ -49,7 +55,8 @@ OPTIONS = {
   ),
   'sinusoidal': (lambda c: c.position == 'sinusoidal', [layers.AddSinusoidal.__call__]),
   'learned': (lambda c: c.position == 'learned', [layers.AddLearned.__call__]),
-  'rope': (lambda c: c.position == 'rope', [parts.rope]),
+  'rope': (lambda c: c.position == 'rope' and not c.rope_dim, [parts.rope]),
+  'partial rope': (lambda c: c.position == 'rope' and c.rope_dim, [parts.partial_rope]),
   'alibi': (lambda c: c.position == 'alibi', [parts.alibi]),
   'scaled embeddings': (lambda c: c.scale_embeddings, [layers.ScaledEmbed.__call__]),
   'layernorm or rmsnorm': (
@@ -57,6 +64,9 @@ OPTIONS = {
     [layers.Norm.__call__],
   ),
   'batchnorm': (lambda c: c.norm == 'batchnorm', [norms.BatchNorm.__call__]),
+  '(1 + w) rmsnorm': (lambda c: c.norm == 'rmsnorm_offset', [layers.OffsetNorm._gain]),
+  'soft-capped head': (lambda c: c.logit_softcap, [models._Softcapped.__call__]),
+  'per-layer windows': (lambda c: c.attention_layers, [layers.patterned]),
   'pre-norm': (
     lambda c: c.norm_placement == 'pre' and c.residual and not c.parallel_residual,
     [layers.pre_norm],
@@ -78,7 +88,7 @@ OPTIONS = {
   'parallel block': (lambda c: c.parallel_residual, [layers.parallel]),
   'short convolution': (lambda c: c.short_conv > 0, [short_conv.ShortConv.__call__]),
   'scan': (lambda c: c.scan_layers, [layers.scan]),
-  'loop': (lambda c: not c.scan_layers, [layers.loop]),
+  'loop': (lambda c: not c.scan_layers and not c.attention_layers, [layers.loop]),
   'remat': (lambda c: c.remat != 'none', [remat._lift_checkpoint]),
   'softmax': (lambda c: c.attention == 'softmax', [attention.softmax_attend]),
   'linear attention': (lambda c: c.attention == 'linear', [linear_attention.attend]),
@@ -114,9 +124,11 @@ CONFIGS = {
   'linear_scan_remat': dict(family='causal_lm', attention='linear', scan_layers=True,
                             remat='full', position='rope'),
   'neox_parallel': dict(family='causal_lm', norm_placement='pre', parallel_residual=True,
-                        position='rope'),
-  'gemma_sandwich': dict(family='causal_lm', norm_placement='sandwich', norm='rmsnorm',
-                         activation='swiglu', position='rope'),
+                        position='rope', rope_dim=4),
+  'gemma_sandwich': dict(family='causal_lm', norm_placement='sandwich', norm='rmsnorm_offset',
+                         activation='geglu', position='rope', attention_layers='LG',
+                         window=(3, 0), rope_local_theta=100.0, attention_softcap=20.0,
+                         logit_softcap=10.0, query_pre_attn_scalar=6.0),
   'compressed_conv': dict(family='causal_lm', attention='compressed', compress_block=4,
                           short_conv=3, norm_placement='pre'),
 }  # fmt: skip
@@ -165,21 +177,21 @@ def test_the_table_is_chosen_once_per_config():
 def test_every_norm_kind_has_one_call_signature():
   x = jnp.asarray(jax.random.normal(jax.random.PRNGKey(0), (2, 3, 8)))
   segments = jnp.asarray([[1, 1, 0], [1, 1, 1]])
-  for kind in ('layernorm', 'rmsnorm', 'batchnorm'):
+  for kind in ('layernorm', 'rmsnorm', 'batchnorm', 'rmsnorm_offset'):
     norm = parts.parts(ModelConfig(**{**_BASE, 'norm': kind})).norm()
     variables = norm.init(jax.random.PRNGKey(1), x, segments, False)
     y = norm.apply(variables, x, segments, True)  # deterministic: running statistics
     assert y.shape == x.shape, kind
 
 
-@pytest.mark.parametrize('kind', ['layernorm', 'rmsnorm'])
+@pytest.mark.parametrize('kind', ['layernorm', 'rmsnorm', 'rmsnorm_offset'])
 def test_the_analyses_numpy_norm_is_the_models_norm(kind):
   rng = np.random.default_rng(0)
   x = rng.standard_normal((2, 5, 8)) * 3 + 1
   weights = {'scale': rng.standard_normal(8) + 1}
   if kind == 'layernorm':
     weights['bias'] = rng.standard_normal(8)
-  module = layers.Norm(kind, 1e-5)
+  module = parts.parts(ModelConfig(**{**_BASE, 'norm': kind, 'norm_eps': 1e-5})).norm()
   want = module.apply({'params': weights}, jnp.asarray(x, jnp.float32))
   got = norms.normalized(kind, x, 1e-5, weights['scale'], weights.get('bias'))
   np.testing.assert_allclose(got, np.asarray(want, np.float64), rtol=1e-5, atol=1e-5)

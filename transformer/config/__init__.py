@@ -19,9 +19,10 @@ import jax.numpy as jnp
 FAMILIES = ('encoder_decoder', 'bidirectional_lm', 'causal_lm')
 POSITIONS = ('sinusoidal', 'learned', 'rope', 'alibi', 'none')
 ROPE_SCALINGS = ('none', 'linear', 'ntk', 'yarn', 'llama3')
-NORMS = ('layernorm', 'rmsnorm', 'batchnorm')
+# rmsnorm_offset: RMSNorm whose weight w multiplies as (1 + w), starting at 0 (Gemma's)
+NORMS = ('layernorm', 'rmsnorm', 'batchnorm', 'rmsnorm_offset')
 NORM_PLACEMENTS = ('pre', 'post', 'sandwich')
-ACTIVATIONS = ('relu', 'gelu', 'gelu_tanh', 'swiglu')
+ACTIVATIONS = ('relu', 'gelu', 'gelu_tanh', 'swiglu', 'geglu')  # geglu: gated gelu_tanh (Gemma)
 # The names a config may choose; `model.attention.register_implementation` adds its own here.
 ATTENTION_IMPLEMENTATIONS = [None, 'xla', 'chunked', 'pallas', 'cudnn']
 # the attention itself; the implementations above are softmax's
@@ -54,6 +55,7 @@ class ModelConfig:
   max_length: int = 512  # longest sequence for learned positions
   position: str = 'sinusoidal'  # one of POSITIONS
   rope_theta: float = 10000.0  # RoPE base
+  rope_dim: int | None = None  # RoPE turns each head's first rope_dim dims (NeoX: H/4); None: all
   rope_scaling: str = 'none'  # RoPE context scaling, one of ROPE_SCALINGS
   rope_scaling_factor: float = 1.0  # how much longer than the trained context to reach
   rope_original_max_length: int | None = None  # trained context (YaRN, llama3); None = max_length
@@ -82,6 +84,9 @@ class ModelConfig:
   tie_output: bool = True  # the output projection is the transposed target embedding
   output_bias: bool = False  # a bias on the untied output projection (TransformerLens's b_U)
   attention_scale: bool = True  # scale logits by 1/sqrt(head_dim); False = the ablation
+  query_pre_attn_scalar: float | None = None  # Gemma: scale by this^-0.5 instead; None = head_dim
+  attention_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap); None: off
+  logit_softcap: float | None = None  # Gemma 2: the same on the output logits; None: off
   attention: str = 'softmax'  # one of ATTENTIONS: softmax, or linear (Katharopoulos et al. 2020)
   linear_feature_map: str = 'elu'  # attention='linear': phi, one of LINEAR_FEATURE_MAPS
   short_conv: int = 0  # causal depthwise convolution of this many taps before self attention
@@ -89,6 +94,12 @@ class ModelConfig:
   attention_impl: str | None = None  # one of ATTENTION_IMPLEMENTATIONS; None = pick for the backend
   attention_chunk_size: int = 128  # key block of the 'chunked' path
   window: tuple[int, int] | None = None  # self-attention sliding window (left, right)
+  # Per-layer 'L' (local: the window) or 'G' (global: none), repeated over the layers: 'LG' is
+  # Gemma 2's, 'GL' GPT-Neo's, 'LLLLLG' Gemma 3's; '' = every layer uses `window`.
+  attention_layers: str = ''
+  rope_local_theta: float | None = (
+    None  # RoPE base of the local layers (Gemma 3); None = rope_theta
+  )
   init: str = 'scaled'  # 'scaled' shrinks residual-branch outputs by 1/sqrt(2*layers); 'plain';
   # 'large' grows them by sqrt(2*layers), the deliberate opposite (an ablation)
   init_distribution: str = 'xavier'  # weight init: 'xavier' uniform or 'normal' with init_std
@@ -182,7 +193,8 @@ class ModelConfig:
 KNOBS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.init)
 _DERIVED = tuple(f.name for f in dataclasses.fields(ModelConfig) if not f.init)
 # TransformerLens's HookedTransformerConfig names -> sparrow's field, or how to compute the value.
-_TL_ACTIVATIONS = {'relu': 'relu', 'gelu': 'gelu', 'gelu_tanh': 'gelu_new', 'swiglu': 'silu'}
+_TL_ACTIVATIONS = {'relu': 'relu', 'gelu': 'gelu', 'gelu_tanh': 'gelu_new', 'swiglu': 'silu',
+                   'geglu': 'gelu_pytorch_tanh'}  # fmt: skip
 TL_NAMES: dict[str, Any] = {
   'n_layers': 'num_layers',
   'n_heads': 'num_heads',
@@ -194,9 +206,19 @@ TL_NAMES: dict[str, Any] = {
   'n_ctx': 'max_length',
   'eps': 'norm_eps',
   'act_fn': lambda c: _TL_ACTIVATIONS[c.activation],
-  'gated_mlp': lambda c: c.activation == 'swiglu',
-  'normalization_type': lambda c: {'layernorm': 'LN', 'rmsnorm': 'RMS'}.get(c.norm, c.norm),
+  'gated_mlp': lambda c: c.activation in ('swiglu', 'geglu'),
+  'normalization_type': lambda c: {
+    'layernorm': 'LN',
+    'rmsnorm': 'RMS',
+    'rmsnorm_offset': 'RMS',
+  }.get(c.norm, c.norm),
+  'attn_scores_soft_cap': lambda c: c.attention_softcap or -1.0,
+  'output_logits_soft_cap': lambda c: c.logit_softcap or -1.0,
+  'use_attn_scale': 'attention_scale',
+  'attn_scale': lambda c: math.sqrt(c.query_pre_attn_scalar or c.head_size),
+  'rotary_base_local': 'rope_local_theta',
   'parallel_attn_mlp': 'parallel_residual',
+  'rotary_dim': lambda c: c.rope_dim or c.head_size,
   'use_normalization_before_and_after': lambda c: c.norm_placement == 'sandwich',
   'positional_embedding_type': lambda c: {'learned': 'standard', 'rope': 'rotary'}.get(
     c.position, c.position
@@ -235,6 +257,10 @@ _RULES: dict[str, Any] = {
   **dict.fromkeys(('tie_output', 'attention_scale', 'scan_layers', 'qk_norm'), 'bool'),
   **dict.fromkeys(('output_head', 'norm_bias', 'output_bias', 'parallel_residual'), 'bool'),
   **dict.fromkeys(('rope_theta', 'norm_eps', 'init_std'), 'positive number'),
+  **dict.fromkeys(
+    ('query_pre_attn_scalar', 'attention_softcap', 'logit_softcap', 'rope_local_theta'),
+    'optional positive number',
+  ),
   'rope_scaling_factor': 'at least 1',
   **dict.fromkeys(('dropout_rate', 'attention_dropout_rate', 'ffn_dropout_rate'), 'rate'),
   **dict.fromkeys(('rope_low_freq_factor', 'rope_high_freq_factor'), 'finite'),
@@ -243,7 +269,9 @@ _RULES: dict[str, Any] = {
   **dict.fromkeys(('pad_id', 'num_decoder_layers'), 'optional count'),
   **dict.fromkeys(('vocab_size', 'd_model', 'num_heads', 'num_layers', 'max_length'), 'positive'),
   'attention_chunk_size': 'positive',
+  'attention_layers': 'string',
   **dict.fromkeys(('num_kv_heads', 'head_dim', 'rope_original_max_length'), 'optional positive'),
+  'rope_dim': 'optional positive',
 }
 
 
@@ -260,6 +288,7 @@ _KINDS = {  # kind: (test, what the message says the value must be)
   'at least 1': (_number(lambda v: v >= 1), 'be a finite number >= 1.0'),
   'rate': (_number(lambda v: 0 <= v < 1), 'be in [0, 1)'),
   'count': (lambda v: _is_int(v) and v >= 0, 'be an integer >= 0'),
+  'string': (lambda v: isinstance(v, str), 'be a string'),
   'positive': (lambda v: _is_int(v) and v > 0, 'be a positive integer'),
 }
 
@@ -292,6 +321,13 @@ def _check_sizes(c: ModelConfig) -> None:
     )
   if c.position == 'rope' and c.head_size % 2:
     raise ValueError(f'position=rope needs an even head dimension, got head_dim={c.head_size}')
+  if c.rope_dim is not None and (
+    c.position != 'rope' or c.rope_dim % 2 or c.rope_dim > c.head_size
+  ):
+    raise ValueError(
+      f'rope_dim={c.rope_dim} must be an even number of dims, at most the head size '
+      f'{c.head_size}, with position=rope (this config: position={c.position!r}); or None (all)'
+    )
   if c.position == 'sinusoidal' and c.d_model % 2:
     raise ValueError(f'position=sinusoidal needs an even d_model, got d_model={c.d_model}')
   if c.window is not None and (len(c.window) != 2 or min(c.window) < 0):
@@ -343,10 +379,50 @@ def _check_combinations(c: ModelConfig) -> None:
       "qk_norm=True normalises each head's queries and keys with the norm of model.norm, and "
       "norm='batchnorm' has no per-head form; use qk_norm=False, or norm='layernorm' or 'rmsnorm'"
     )
+  _check_gemma(c)
   if c.rope_scaling == 'llama3' and not 0 < c.rope_low_freq_factor < c.rope_high_freq_factor:
     raise ValueError(
       f'rope_low_freq_factor={c.rope_low_freq_factor} and rope_high_freq_factor='
       f'{c.rope_high_freq_factor} must satisfy 0 < low < high for rope_scaling=llama3'
+    )
+
+
+def _check_gemma(c: ModelConfig) -> None:
+  """The knobs that Gemma and GPT-Neo brought: per-layer windows, soft-capping, the query scale."""
+  pattern = c.attention_layers
+  if not isinstance(pattern, str) or set(pattern) - {'L', 'G'}:
+    raise ValueError(
+      f"attention_layers={pattern!r} must be a string of 'L' (local) and 'G' (global), e.g. 'LG'"
+    )
+  if pattern and ('L' not in pattern or c.window is None or c.scan_layers):
+    raise ValueError(
+      f'attention_layers={pattern!r} gives its local layers the sliding window and its global '
+      f'layers none: it needs an L, a window and scan_layers=False (this config: '
+      f'window={c.window}, scan_layers={c.scan_layers})'
+    )
+  if c.rope_local_theta is not None and (c.position != 'rope' or 'L' not in pattern):
+    raise ValueError(
+      f'rope_local_theta={c.rope_local_theta} is the RoPE base of the local layers: it needs '
+      f"position='rope' and local layers in attention_layers (this config: {c.position!r}, "
+      f'{pattern!r})'
+    )
+  if c.attention_softcap is not None and (
+    c.attention != 'softmax' or c.position == 'alibi' or c.attention_impl in ('pallas', 'cudnn')
+  ):
+    raise ValueError(
+      f'attention_softcap={c.attention_softcap} caps softmax logits on the xla and chunked paths, '
+      f'before the mask and without ALiBi; this config has attention={c.attention!r}, '
+      f'position={c.position!r}, attention_impl={c.attention_impl!r}'
+    )
+  if c.logit_softcap is not None and c.family != 'causal_lm':
+    raise ValueError(
+      f'logit_softcap={c.logit_softcap} caps the next-token logits of a causal_lm (Gemma 2), not '
+      f'family={c.family!r}; set logit_softcap=None'
+    )
+  if c.query_pre_attn_scalar is not None and not c.attention_scale:
+    raise ValueError(
+      f'query_pre_attn_scalar={c.query_pre_attn_scalar} sets the logits scale, which '
+      'attention_scale=False turns off; keep one of them'
     )
 
 

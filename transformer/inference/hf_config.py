@@ -1,5 +1,5 @@
 """Hugging Face config.json <-> sparrow model config: which architecture a folder holds, and how
-each of its fields maps onto `ModelConfig` (GPT-2, BERT and the Llama family), both ways."""
+each of its fields maps onto `ModelConfig` (GPT-2, BERT, the Llama family, GPT-NeoX), both ways."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import ml_collections
 from transformer import config as config_lib
 from transformer.config import ModelConfig, experiment
 
-ARCHS = ('gpt2', 'bert', 'llama', 'qwen2', 'qwen3', 'mistral')
+ARCHS = ('gpt2', 'bert', 'llama', 'qwen2', 'qwen3', 'mistral', 'gpt_neox', 'gpt_neo', 'gemma2',
+         'gemma3_text')  # fmt: skip
+GEMMA = ('gemma2', 'gemma3_text')
 LLAMA_FAMILY = ('llama', 'qwen2', 'qwen3', 'mistral')
 # config.json `architectures` entries -> arch, for files whose model_type is missing.
 _ARCHITECTURES = {
@@ -24,6 +26,10 @@ _ARCHITECTURES = {
   'Qwen2ForCausalLM': 'qwen2',
   'Qwen3ForCausalLM': 'qwen3',
   'MistralForCausalLM': 'mistral',
+  'GPTNeoXForCausalLM': 'gpt_neox',
+  'GPTNeoForCausalLM': 'gpt_neo',
+  'Gemma2ForCausalLM': 'gemma2',
+  'Gemma3ForCausalLM': 'gemma3_text',
 }
 _CAUSAL_LM = {arch: name for name, arch in _ARCHITECTURES.items() if name.endswith('ForCausalLM')}
 # Config keys both ways: (sparrow model key, config.json key, Hugging Face's default for it).
@@ -75,6 +81,46 @@ _LLAMA_KEYS = (
 )
 for _arch in LLAMA_FAMILY:
   _CONFIG_KEYS[_arch] = _LLAMA_KEYS
+_CONFIG_KEYS['gpt_neox'] = (  # Pythia
+  ('vocab_size', 'vocab_size', 50432),
+  ('d_model', 'hidden_size', 6144),
+  ('num_heads', 'num_attention_heads', 64),
+  ('d_ff', 'intermediate_size', 24576),
+  ('num_layers', 'num_hidden_layers', 44),
+  ('max_length', 'max_position_embeddings', 2048),
+  ('norm_eps', 'layer_norm_eps', 1e-5),
+  ('activation', 'hidden_act', 'gelu'),
+  ('dropout_rate', 'hidden_dropout', 0.0),
+  ('attention_dropout_rate', 'attention_dropout', 0.0),
+  ('init_std', 'initializer_range', 0.02),
+  ('tie_output', 'tie_word_embeddings', False),
+  ('parallel_residual', 'use_parallel_residual', True),
+)
+_CONFIG_KEYS['gpt_neo'] = (  # TinyStories, GPT-Neo 125M
+  ('vocab_size', 'vocab_size', 50257),
+  ('d_model', 'hidden_size', 2048),
+  ('num_heads', 'num_heads', 16),
+  ('d_ff', 'intermediate_size', None),  # None = 4 * hidden_size
+  ('num_layers', 'num_layers', 24),
+  ('max_length', 'max_position_embeddings', 2048),
+  ('norm_eps', 'layer_norm_epsilon', 1e-5),
+  ('activation', 'activation_function', 'gelu_new'),
+  ('dropout_rate', 'resid_dropout', 0.0),
+  ('attention_dropout_rate', 'attention_dropout', 0.0),
+  ('init_std', 'initializer_range', 0.02),
+  ('tie_output', 'tie_word_embeddings', True),
+)
+_GEMMA_KEYS = (
+  *(k for k in _LLAMA_KEYS if k[0] not in ('norm_eps', 'tie_output', 'head_dim')),
+  ('head_dim', 'head_dim', 256),
+  ('norm_eps', 'rms_norm_eps', 1e-6),
+  ('tie_output', 'tie_word_embeddings', True),
+  ('query_pre_attn_scalar', 'query_pre_attn_scalar', 256),
+  ('attention_softcap', 'attn_logit_softcapping', None),
+  ('logit_softcap', 'final_logit_softcapping', None),
+)
+for _arch in GEMMA:
+  _CONFIG_KEYS[_arch] = _GEMMA_KEYS
 # What each architecture fixes, whatever the default config says.
 _COMMON = dict(
   position='learned',
@@ -133,6 +179,29 @@ _FIXED['llama'] = dict(
   init='plain',
 )
 _FIXED['mistral'] = _FIXED['llama']
+# GPT-NeoX: pre-LayerNorm, biases everywhere, RoPE on the first rope_dim dims of each head, and
+# (Pythia) the parallel residual.
+_FIXED['gpt_neox'] = dict(
+  family='causal_lm',
+  position='rope',
+  norm_placement='pre',
+  embedding_norm=False,
+  attention_scale=True,
+  type_vocab_size=0,
+  num_classes=0,
+  pad_id=None,
+  init='plain',
+)
+# GPT-NeoX-era GPT-Neo: GPT-2's layout with Linear layers, no q/k/v biases, unscaled logits, and
+# local (windowed) and global layers alternating.
+_FIXED['gpt_neo'] = dict(_FIXED['gpt2'], qkv_bias=False, attention_scale=False, init='plain')
+# Gemma 2 and 3: sandwich RMSNorms with (1 + w), GeGLU, embeddings x sqrt(d_model), sliding and
+# global layers; Gemma 3 adds q/k norms.
+_FIXED['gemma2'] = dict(
+  _FIXED['llama'], norm='rmsnorm_offset', norm_placement='sandwich', activation='geglu',
+  scale_embeddings=True,
+)  # fmt: skip
+_FIXED['gemma3_text'] = dict(_FIXED['gemma2'], qk_norm=True)
 _FIXED['qwen2'] = dict(_FIXED['llama'], qkv_bias=True)  # biases on q, k and v only
 _FIXED['qwen3'] = dict(_FIXED['llama'], qk_norm=True)  # RMSNorm over head_dim on q and k
 # config.json values that sparrow cannot express: (key, the only value it imports).
@@ -147,6 +216,14 @@ _REQUIRED = {
   'mistral': (('hidden_act', 'silu'),),
   'qwen2': (('hidden_act', 'silu'), ('use_sliding_window', False)),
   'qwen3': (('hidden_act', 'silu'), ('use_sliding_window', False)),
+  'gpt_neox': (('attention_bias', True),),  # False drops attention's biases but not the MLP's
+  'gpt_neo': (),
+  'gemma2': (('hidden_activation', 'gelu_pytorch_tanh'), ('attention_bias', False)),
+  'gemma3_text': (
+    ('hidden_activation', 'gelu_pytorch_tanh'),
+    ('attention_bias', False),
+    ('use_bidirectional_attention', False),
+  ),
 }
 _ACTIVATIONS = {'gelu': 'gelu', 'gelu_new': 'gelu_tanh', 'gelu_pytorch_tanh': 'gelu_tanh'}
 _ACTIVATIONS['relu'] = 'relu'
@@ -193,25 +270,34 @@ def _num_classes(hf: dict) -> int:
   return len(hf['id2label']) if hf.get('id2label') else int(hf.get('num_labels', 2))
 
 
-def _rope_fields(hf: dict, where: str) -> dict[str, Any]:
-  """rope_theta and the scaling of `rope_parameters` (transformers 5) or `rope_scaling` (older)."""
+def _rope_fields(hf: dict, where: str, head_size: int | None = None) -> dict[str, Any]:
+  """rope_theta and the scaling of `rope_parameters` (transformers 5) or `rope_scaling` (older);
+  with `head_size`, the rotated dims of a partial rotary factor too (GPT-NeoX)."""
   key = 'rope_parameters' if hf.get('rope_parameters') else 'rope_scaling'
   params = hf.get(key) or {}
   if not isinstance(params, dict):
     raise ValueError(f'{where}: {key}={params!r} must be an object with a rope_type')
-  theta = params.get('rope_theta', hf.get('rope_theta', 10000.0))
+  # GPT-NeoX files before transformers 5 say rotary_emb_base and rotary_pct.
+  theta = params.get('rope_theta', hf.get('rope_theta', hf.get('rotary_emb_base', 10000.0)))
   kind = params.get('rope_type', params.get('type', 'default'))
   if kind not in ROPE_TYPES:
     raise ValueError(
       f'{where}: {key}.rope_type={kind!r} is not supported; sparrow imports rope_type '
       f'{", ".join(ROPE_TYPES)}'
     )
-  partial = params.get('partial_rotary_factor', hf.get('partial_rotary_factor', 1.0))
-  if partial != 1.0:
+  partial = params.get(
+    'partial_rotary_factor', hf.get('partial_rotary_factor', hf.get('rotary_pct'))
+  )
+  partial = 1.0 if partial is None else partial
+  if partial != 1.0 and head_size is None:
     raise ValueError(
-      f'{where}: partial_rotary_factor={partial} is not supported; sparrow rotates all'
+      f'{where}: partial_rotary_factor={partial} is not supported here; sparrow rotates all'
     )
   fields = dict(rope_theta=float(theta), rope_scaling=ROPE_TYPES[kind])
+  if partial != 1.0:
+    if not 0 < partial <= 1:
+      raise ValueError(f'{where}: partial_rotary_factor={partial} must be in (0, 1]')
+    fields['rope_dim'] = int(head_size * partial)  # as transformers rounds it
   if kind != 'default':
     fields['rope_scaling_factor'] = float(params['factor'])
   if kind == 'llama3':
@@ -245,6 +331,55 @@ def _llama_fields(arch: str, hf: dict, fields: dict, where: str) -> None:
     )
 
 
+def _layer_pattern(types: list, local: str) -> str:
+  """'L'/'G' per layer from config.json's list of layer types ('' when every layer is global)."""
+  pattern = ''.join('L' if t == local else 'G' for t in types)
+  return pattern if 'L' in pattern else ''
+
+
+def _gpt_neo_fields(hf: dict, fields: dict, where: str) -> None:
+  layers = hf.get('attention_layers') or [
+    kind
+    for kinds, repeat in hf.get('attention_types') or []
+    for _ in range(repeat)
+    for kind in kinds
+  ]
+  if len(layers) != fields['num_layers'] or set(layers) - {'global', 'local'}:
+    raise ValueError(
+      f"{where}: attention_layers={layers!r} must give 'global' or 'local' for each of its "
+      f'num_layers={fields["num_layers"]} layers'
+    )
+  fields['attention_layers'] = _layer_pattern(layers, 'local')
+  if fields['attention_layers']:  # HF: key j visible from query i iff 0 <= i - j < window_size
+    fields['window'] = (int(hf.get('window_size', 256)) - 1, 0)
+
+
+def _gemma_fields(arch: str, hf: dict, fields: dict, where: str) -> None:
+  types = hf.get('layer_types') or []
+  if len(types) != fields['num_layers'] or set(types) - {'sliding_attention', 'full_attention'}:
+    raise ValueError(
+      f"{where}: layer_types={types!r} must give 'sliding_attention' or 'full_attention' for "
+      f'each of its num_hidden_layers={fields["num_layers"]} layers'
+    )
+  fields['attention_layers'] = _layer_pattern(types, 'sliding_attention')
+  if fields['attention_layers']:  # HF: key j visible from query i iff i - window < j <= i
+    fields['window'] = (int(hf['sliding_window']) - 1, 0)
+  rope = hf.get('rope_parameters') or {}
+  if arch == 'gemma3_text' and 'full_attention' in rope:  # one RoPE per layer type
+    full, local = rope['full_attention'], rope.get('sliding_attention', rope['full_attention'])
+    for kind, params in (('full_attention', full), ('sliding_attention', local)):
+      if params.get('rope_type', 'default') != 'default':
+        raise ValueError(
+          f'{where}: rope_parameters.{kind}.rope_type={params["rope_type"]!r} is not supported; '
+          "sparrow imports Gemma 3 with rope_type 'default' for both layer types"
+        )
+    fields['rope_theta'] = float(full.get('rope_theta', 1e6))
+    if fields['attention_layers']:
+      fields['rope_local_theta'] = float(local.get('rope_theta', 1e4))
+  else:
+    fields.update(_rope_fields(hf, where))
+
+
 def model_fields(arch: str, hf: dict, where: str = 'config.json') -> dict[str, Any]:
   """The sparrow `config.model` fields of a Hugging Face config.json dict of `arch`."""
   check_arch(arch)
@@ -260,7 +395,7 @@ def model_fields(arch: str, hf: dict, where: str = 'config.json') -> dict[str, A
   fields = {**_COMMON, **_FIXED[arch]}
   for key, hf_key, default in _CONFIG_KEYS[arch]:
     fields[key] = hf[hf_key] if hf.get(hf_key) is not None else default
-  if arch == 'gpt2':
+  if arch in ('gpt2', 'gpt_neo'):
     fields['d_ff'] = fields['d_ff'] or 4 * fields['d_model']
   for key in ('vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_layers'):
     value = fields[key]
@@ -270,6 +405,13 @@ def model_fields(arch: str, hf: dict, where: str = 'config.json') -> dict[str, A
   if arch in LLAMA_FAMILY:
     _llama_fields(arch, hf, fields, where)
     return fields
+  if arch in GEMMA:
+    _gemma_fields(arch, hf, fields, where)
+    return fields
+  if arch == 'gpt_neo':
+    _gpt_neo_fields(hf, fields, where)
+  if arch == 'gpt_neox':
+    fields.update(_rope_fields(hf, where, head_size=fields['d_model'] // fields['num_heads']))
   act_key = dict((k, h) for k, h, _ in _CONFIG_KEYS[arch])['activation']
   if fields['activation'] not in _ACTIVATIONS:
     raise ValueError(
@@ -341,9 +483,31 @@ def hf_config(arch: str, cfg: ModelConfig, original: dict | None = None) -> dict
       hf[hf_key] = _HF_ACTIVATIONS.get(cfg.activation, cfg.activation)
   if arch == 'gpt2':
     hf['embd_pdrop'] = cfg.dropout_rate
+  elif arch == 'gpt_neox':
+    hf.pop('rotary_pct', None)
+    hf.pop('rotary_emb_base', None)
+    partial = (cfg.rope_dim or cfg.head_size) / cfg.head_size
+    hf['rope_parameters'] = dict(
+      rope_theta=cfg.rope_theta, rope_type='default', partial_rotary_factor=partial
+    )
   elif arch == 'bert':
     hf['tie_word_embeddings'] = True
-  else:
+  elif arch == 'gpt_neo':
+    layers = _layer_types(cfg, 'local', 'global')
+    hf.update(attention_layers=layers, attention_types=[[layers, 1]])
+    hf['window_size'] = 256 if cfg.window is None else cfg.window[0] + 1
+  if arch in GEMMA:
+    hf.update(num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_size)
+    hf['query_pre_attn_scalar'] = cfg.query_pre_attn_scalar or cfg.head_size
+    hf['layer_types'] = _layer_types(cfg, 'sliding_attention', 'full_attention')
+    hf['sliding_window'] = 4096 if cfg.window is None else cfg.window[0] + 1
+    rope = {'rope_type': 'default', 'rope_theta': cfg.rope_theta}
+    local = {'rope_type': 'default', 'rope_theta': cfg.rope_local_theta or cfg.rope_theta}
+    hf.pop('rope_scaling', None)
+    hf['rope_parameters'] = (
+      rope if arch == 'gemma2' else {'full_attention': rope, 'sliding_attention': local}
+    )
+  elif arch in LLAMA_FAMILY:
     hf['num_key_value_heads'] = cfg.kv_heads
     hf['head_dim'] = cfg.head_size
     rope = {'rope_theta': cfg.rope_theta, 'rope_type': 'default'}
@@ -368,6 +532,12 @@ def hf_config(arch: str, cfg: ModelConfig, original: dict | None = None) -> dict
   return hf
 
 
+def _layer_types(cfg: ModelConfig, local: str, full: str) -> list[str]:
+  """config.json's per-layer list of `cfg.attention_layers` ('' : every layer global)."""
+  pattern = cfg.attention_layers or 'G'
+  return [local if pattern[i % len(pattern)] == 'L' else full for i in range(cfg.num_layers)]
+
+
 def _resolved(cfg: ModelConfig, key: str) -> Any:
   """A knob's value as the model uses it: None resolved where it stands for another value."""
   value = getattr(cfg, key)
@@ -379,6 +549,9 @@ def _resolved(cfg: ModelConfig, key: str) -> Any:
     'num_decoder_layers': cfg.decoder_layers,
     'rope_original_max_length': cfg.max_length,
     'qkv_bias': cfg.use_bias,
+    'rope_dim': cfg.head_size,
+    'query_pre_attn_scalar': cfg.head_size,
+    'rope_local_theta': cfg.rope_theta,
   }
   return fallback.get(key)
 
@@ -386,7 +559,7 @@ def _resolved(cfg: ModelConfig, key: str) -> Any:
 def check_exportable(arch: str, cfg: ModelConfig) -> None:
   """Raises one ValueError naming the first model field that `arch` cannot express."""
   check_arch(arch)
-  if arch in ('gpt2', 'bert') and cfg.activation not in _HF_ACTIVATIONS:
+  if arch in ('gpt2', 'bert', 'gpt_neox', 'gpt_neo') and cfg.activation not in _HF_ACTIVATIONS:
     valid = ', '.join(_HF_ACTIVATIONS)
     raise ValueError(
       f'cannot export activation={cfg.activation!r} as {arch}; it needs one of {valid}'

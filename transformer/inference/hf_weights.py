@@ -21,14 +21,22 @@ from flax import traverse_util
 
 from transformer import util
 from transformer.config import ModelConfig
-from transformer.inference.hf_config import LLAMA_FAMILY, check_arch
+from transformer.inference.hf_config import GEMMA, LLAMA_FAMILY, check_arch
 from transformer.model import models
 
 WEIGHTS = 'model.safetensors'
 # Prefix of the model body in task models (GPT2LMHeadModel, BertForMaskedLM, LlamaForCausalLM).
 _BODY_PREFIX = {'gpt2': 'transformer.', 'bert': 'bert.', **{a: 'model.' for a in LLAMA_FAMILY}}
-_HEADS = {'gpt2': ('lm_head.',), 'bert': ('cls.', 'classifier.')}
-_HEADS.update({a: ('lm_head.',) for a in LLAMA_FAMILY})
+_BODY_PREFIX.update(
+  gpt_neox='gpt_neox.', gpt_neo='transformer.', gemma2='model.', gemma3_text='model.'
+)
+# GPT-NeoX's head: embed_out in the Hub's files, lm_head from transformers 5 on.
+_HEADS = {
+  'gpt2': ('lm_head.',),
+  'bert': ('cls.', 'classifier.'),
+  'gpt_neox': ('embed_out.', 'lm_head.'),
+}
+_HEADS.update({a: ('lm_head.',) for a in (*LLAMA_FAMILY, 'gpt_neo', *GEMMA)})
 # Buffers and heads that a sparrow model has no use for (matched after the body prefix is cut).
 _IGNORED = {
   'gpt2': (r'h\.\d+\.attn\.(bias|masked_bias)$',),  # causal-mask buffers of old checkpoints
@@ -38,6 +46,10 @@ _IGNORED = {
   ),
 }
 _IGNORED.update({a: (r'layers\.\d+\.self_attn\.rotary_emb\.inv_freq$',) for a in LLAMA_FAMILY})
+# Old GPT-NeoX files keep the causal mask and the rotary frequencies as buffers.
+_IGNORED['gpt_neox'] = (r'layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)$',)
+_IGNORED['gpt_neo'] = (r'h\.\d+\.attn\.attention\.(bias|masked_bias)$',)
+_IGNORED.update({a: (r'layers\.\d+\.self_attn\.rotary_emb\.inv_freq$',) for a in GEMMA})
 _POOLER = r'pooler\.'  # ignored too unless the target has a classifier (num_classes > 0)
 _SAFETENSORS_NAMES = {'F32': 'float32', 'BF16': 'bfloat16', 'F16': 'float16'}
 
@@ -220,10 +232,95 @@ def _llama_rules(cfg: ModelConfig) -> list[_Rule]:
   return rules
 
 
+def _neox_rules(cfg: ModelConfig) -> list[_Rule]:
+  """GPTNeoXForCausalLM (Pythia; body prefix cut) <-> CausalLM. The fused query_key_value [N*3*H, D]
+  interleaves by head: head n's q, k and v are rows (n, 0..2, :) of [N, 3, H]."""
+  N, H = cfg.num_heads, cfg.head_size
+  head = ('embed_out.weight', 'lm_head.weight')
+  rules = [
+    _one(('embed_in.weight', *head) if cfg.tie_output else 'embed_in.weight', ('embedding',) * 2),
+    *_norm('final_layer_norm', ('decoder', 'stack', 'final_norm')),
+  ]
+  if not cfg.tie_output:
+    rules.append(_one(head, ('head', 'logits', 'kernel'), jnp.transpose, jnp.transpose))
+  for i in range(cfg.num_layers):
+    h, s = f'layers.{i}', ('decoder', 'stack', f'layer_{i}')
+    qkv = tuple(s + ('self_attention', n) for n in ('query', 'key', 'value'))
+    rules += [
+      *_norm(f'{h}.input_layernorm', s + ('self_attention_norm',)),
+      _Rule(  # [N*3*H, D] -> query/key/value kernels [D, N, H]
+        ((f'{h}.attention.query_key_value.weight',),),
+        tuple(p + ('kernel',) for p in qkv),
+        lambda w: tuple(w.reshape(N, 3, H, -1)[:, j].transpose(2, 0, 1) for j in range(3)),
+        lambda q, k, v: (jnp.stack([q, k, v], 2).transpose(1, 2, 3, 0).reshape(N * 3 * H, -1),),
+      ),
+      _Rule(  # [N*3*H] -> [N, H] each
+        ((f'{h}.attention.query_key_value.bias',),),
+        tuple(p + ('bias',) for p in qkv),
+        lambda b: tuple(b.reshape(N, 3, H)[:, j] for j in range(3)),
+        lambda q, k, v: (jnp.stack([q, k, v], 1).reshape(N * 3 * H),),
+      ),
+      _merge_heads(f'{h}.attention.dense.weight', s + ('self_attention', 'out', 'kernel'), N, H),
+      _one(f'{h}.attention.dense.bias', s + ('self_attention', 'out', 'bias')),
+      *_norm(f'{h}.post_attention_layernorm', s + ('mlp_norm',)),
+      *_linear(f'{h}.mlp.dense_h_to_4h', s + ('mlp', 'wi')),
+      *_linear(f'{h}.mlp.dense_4h_to_h', s + ('mlp', 'wo')),
+    ]
+  return rules
+
+
+def _gpt_neo_rules(cfg: ModelConfig) -> list[_Rule]:
+  """GPTNeoForCausalLM (TinyStories; body prefix cut) <-> CausalLM: GPT-2's names, with torch
+  Linear layers ([out, in]) and q/k/v without biases."""
+  N, H = cfg.num_heads, cfg.head_size
+  tied = ('wte.weight', 'lm_head.weight') if cfg.tie_output else 'wte.weight'
+  rules = [
+    _one(tied, ('embedding',) * 2),
+    _one('wpe.weight', ('decoder', 'embedder', 'positions', 'positions', 'embedding')),
+    *_norm('ln_f', ('decoder', 'stack', 'final_norm')),
+  ]
+  if not cfg.tie_output:
+    rules.append(_one('lm_head.weight', ('head', 'logits', 'kernel'), jnp.transpose, jnp.transpose))
+  for i in range(cfg.num_layers):
+    h, s = f'h.{i}', ('decoder', 'stack', f'layer_{i}')
+    a = f'{h}.attn.attention'
+    rules += [
+      *_norm(f'{h}.ln_1', s + ('self_attention_norm',)),
+      *(_split_heads(f'{a}.{p}_proj.weight', s + ('self_attention', n, 'kernel'), N, H)
+        for p, n in (('q', 'query'), ('k', 'key'), ('v', 'value'))),
+      _merge_heads(f'{a}.out_proj.weight', s + ('self_attention', 'out', 'kernel'), N, H),
+      _one(f'{a}.out_proj.bias', s + ('self_attention', 'out', 'bias')),
+      *_norm(f'{h}.ln_2', s + ('mlp_norm',)),
+      *_linear(f'{h}.mlp.c_fc', s + ('mlp', 'wi')),
+      *_linear(f'{h}.mlp.c_proj', s + ('mlp', 'wo')),
+    ]  # fmt: skip
+  return rules
+
+
+def _gemma_rules(cfg: ModelConfig) -> list[_Rule]:
+  """Gemma2ForCausalLM / Gemma3ForCausalLM <-> CausalLM: Llama's names and layout, with four norms
+  per layer (the sandwich: input / post_attention, pre_ / post_feedforward) instead of two."""
+  rules = []
+  for rule in _llama_rules(cfg):
+    name = rule.hf[0][0]
+    if name.endswith('.post_attention_layernorm.weight'):  # Llama's second norm, Gemma's first post
+      h, layer = name.rsplit('.post_attention_layernorm', 1)[0], rule.sparrow[0][:3]
+      rules += [
+        dataclasses.replace(rule, sparrow=(layer + ('self_attention_post_norm', 'scale'),)),
+        _one(f'{h}.pre_feedforward_layernorm.weight', layer + ('mlp_norm', 'scale')),
+        _one(f'{h}.post_feedforward_layernorm.weight', layer + ('mlp_post_norm', 'scale')),
+      ]
+    else:
+      rules.append(rule)
+  return rules
+
+
+_RULES = {'gpt2': _gpt2_rules, 'bert': _bert_rules, 'gpt_neox': _neox_rules,
+          'gpt_neo': _gpt_neo_rules, **dict.fromkeys(GEMMA, _gemma_rules)}  # fmt: skip
+
+
 def _rules(arch: str, cfg: ModelConfig) -> list[_Rule]:
-  if arch == 'gpt2':
-    return _gpt2_rules(cfg)
-  return _bert_rules(cfg) if arch == 'bert' else _llama_rules(cfg)
+  return _RULES.get(arch, _llama_rules)(cfg)
 
 
 def _targets(cfg: ModelConfig) -> dict[Path, jax.ShapeDtypeStruct]:

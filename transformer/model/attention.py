@@ -60,10 +60,17 @@ def default_scale(head_dim: int) -> float:
 
 
 def scores(
-  qg: Array, k: Array, scale: float, bias: Array | None = None, *, form: str = 'grouped'
+  qg: Array,
+  k: Array,
+  scale: float,
+  bias: Array | None = None,
+  *,
+  form: str = 'grouped',
+  softcap: float | None = None,
 ) -> Array:
   """The attention logits of every softmax path (dense, chunked, one decoding step): q.k * scale
-  in float32 (bfloat16 exp/sum over S keys loses too much), plus an additive bias (ALiBi).
+  in float32 (bfloat16 exp/sum over S keys loses too much), soft-capped to softcap * tanh(. /
+  softcap) where `softcap` is set (Gemma 2), plus an additive bias (ALiBi).
 
   qg: queries grouped by kv head `[B, T, K, G, H]` (query head n = k * G + g, so the G heads
   that share kv head k line up against it without repeating k); k: `[B, S, K, H]`; bias:
@@ -84,6 +91,7 @@ def scores(
     logits = (logits.reshape(B, K, T, S) * scale)[:, :, None]  # [B, K, G, T, S]
   else:
     logits = jnp.einsum('btkgh,bskh->bkgts', qg, k, preferred_element_type=jnp.float32) * scale
+  logits = logits if softcap is None else softcap * jnp.tanh(logits / softcap)  # Gemma 2's cap
   return logits if bias is None else logits + bias
 
 
@@ -99,6 +107,7 @@ def xla_attention(
   return_probs=False,
   dropout=None,
   hooks=None,
+  softcap=None,
 ):
   """Reference: dense logits and mask. Returns out, or (out, probs) if return_probs.
 
@@ -114,7 +123,8 @@ def xla_attention(
     bias = alibi_bias(alibi_slopes, jnp.arange(T), jnp.arange(S)).reshape(K, -1, T, S)
   merged = K == N and not return_probs and dropout is None and hooks is None
   form = 'merged' if merged else 'grouped'
-  logits = scores(q.reshape(B, T, K, N // K, H), k, scale, bias, form=form)  # [B, K, G, T, S]
+  # [B, K, G, T, S]
+  logits = scores(q.reshape(B, T, K, N // K, H), k, scale, bias, form=form, softcap=softcap)
   if merged:  # one kv head per query head: the product with v is a plain batched matmul too
     visible = mask.dense(T, S)  # [B or 1, 1, T, S]
     logits = jnp.where(visible, logits.reshape(B, N, T, S), NEG)
@@ -190,6 +200,7 @@ def dot_product_attention(
   dropout_rate: float = 0.0,
   dropout_rng: Array | None = None,
   hooks: tuple[Callable[[Array], Array], Callable[[Array], Array]] | None = None,
+  softcap: float | None = None,
 ) -> Array | tuple[Array, Array]:
   """Multi-head (and grouped-query) scaled dot-product attention.
 
@@ -209,6 +220,8 @@ def dot_product_attention(
     chunk_size: keys per block for 'chunked'.
     dropout_rate: dropout on the attention probabilities (needs 'xla' and `dropout_rng`).
     dropout_rng: PRNG key for that dropout.
+    softcap: caps the scaled logits to softcap * tanh(logits / softcap) (Gemma 2), on 'xla' and
+      'chunked'.
     hooks: with return_probs, (on_scores, on_pattern): functions of the float32 scores
       [B, N, T, S] (scaled, ALiBi added, -inf where masked) and of the probabilities, each
       returning the values the attention goes on with (the hook points of `MultiHeadAttention`).
@@ -234,8 +247,15 @@ def dot_product_attention(
       f"dropout_rate={dropout_rate} on attention probabilities needs implementation='xla' and a "
       f'dropout_rng; got implementation={implementation!r}'
     )
+  if softcap is not None and (implementation not in ('xla', 'chunked') or alibi_slopes is not None):
+    raise ValueError(
+      f"softcap={softcap} needs implementation='xla' or 'chunked' (or None) and no ALiBi; got "
+      f'implementation={implementation!r}'
+    )
   scale = default_scale(q.shape[-1]) if scale is None else scale
   kwargs = dict(mask=mask, scale=scale, alibi_slopes=alibi_slopes, chunk_size=chunk_size)
+  if softcap is not None:
+    kwargs['softcap'] = softcap
   # Only the dense path materialises the probabilities [B, N, T, S], to return or drop out.
   if return_probs or dropout_rate > 0:
     dropout = (dropout_rate, dropout_rng) if dropout_rate > 0 else None
@@ -390,8 +410,15 @@ HEADS, KV_HEADS = ('batch', 'length', 'heads', 'kv'), ('batch', 'length', 'kv_he
 
 @functools.cache
 def logit_scale(cfg: ModelConfig) -> float:
-  """The logits' multiplier: 1/sqrt(head_size), or 1.0 for the unscaled ablation."""
-  return default_scale(cfg.head_size) if cfg.attention_scale else 1.0
+  """The logits' multiplier: 1/sqrt(head_size) (Gemma: 1/sqrt(query_pre_attn_scalar)), or 1.0
+  for the unscaled ablation."""
+  return default_scale(cfg.query_pre_attn_scalar or cfg.head_size) if cfg.attention_scale else 1.0
+
+
+@functools.cache
+def softcap_kwargs(cfg: ModelConfig) -> dict:
+  """The implementations' softcap keyword, where the model caps its logits (Gemma 2)."""
+  return {} if cfg.attention_softcap is None else {'softcap': cfg.attention_softcap}
 
 
 def softmax_attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, dropout,
@@ -400,7 +427,7 @@ def softmax_attend(m, q, k, v, mask, alibi_slopes, self_attention, prefill, drop
   dense 'xla' path where the probabilities are returned, hooked or dropped out."""
   cfg, mask = m.cfg, MaskSpec() if mask is None else mask  # the mask says what each query sees
   kwargs = dict(mask=mask, scale=logit_scale(cfg), alibi_slopes=alibi_slopes,
-                chunk_size=cfg.attention_chunk_size)  # fmt: skip
+                chunk_size=cfg.attention_chunk_size, **softcap_kwargs(cfg))  # fmt: skip
   if return_probs or dropout:  # the probabilities exist on the dense path only
     hooks = None
     if return_probs:

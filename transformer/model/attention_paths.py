@@ -18,7 +18,7 @@ from jax import Array
 from transformer.kernels import masks as kernel_masks
 from transformer.kernels.masks import NEG, MaskSpec
 from transformer.model import attention
-from transformer.model.attention import logit_scale, scores
+from transformer.model.attention import logit_scale, scores, softcap_kwargs
 from transformer.model.positions import alibi_bias
 
 
@@ -43,6 +43,7 @@ class _ChunkConfig(NamedTuple):
   scale: float
   chunk: int  # C, keys per block
   kv_len: int  # S before padding to a multiple of C
+  softcap: float | None = None  # logits -> softcap * tanh(logits / softcap), or None
 
 
 def _key_blocks(k, v, kv_seg, C):
@@ -63,7 +64,7 @@ def _chunk_logits(cfg, qg, k_c, start, q_seg, kv_seg_c, slopes):
   T, K, C = qg.shape[1], qg.shape[2], k_c.shape[1]
   q_pos, k_pos = jnp.arange(T), start + jnp.arange(C)
   bias = None if slopes is None else alibi_bias(slopes, q_pos, k_pos).reshape(K, -1, T, C)
-  s = scores(qg, k_c, cfg.scale, bias)  # [B, K, G, T, C]
+  s = scores(qg, k_c, cfg.scale, bias, softcap=cfg.softcap)  # [B, K, G, T, C]
   visible = _visible_keys(cfg.causal, cfg.window, q_pos, k_pos, q_seg, kv_seg_c, cfg.kv_len)
   visible = visible[:, :, None]  # [B or 1, 1, 1, T, C]
   return jnp.where(visible, s, NEG), visible
@@ -134,6 +135,8 @@ def _flash_bwd(cfg, res, dout):
     dv_c = jnp.einsum('bkgtc,btkgh->bckh', p.astype(v.dtype), dog, preferred_element_type=f32)
     dp = jnp.einsum('btkgh,bckh->bkgtc', dog, v_c, preferred_element_type=f32)  # [B, K, G, T, C]
     ds = p * (dp - D[..., None])  # d logits, [B, K, G, T, C]
+    if cfg.softcap is not None:  # through the cap: d tanh(r) = 1 - tanh(r)^2, r = logits / cap
+      ds = ds * jnp.where(visible, 1.0 - jnp.square(s / cfg.softcap), 0.0)
     ds_in = ds.astype(q.dtype)
     # [B, T, K, G, H]
     dq = dq + jnp.einsum('bkgtc,bckh->btkgh', ds_in, k_c, preferred_element_type=f32)
@@ -158,12 +161,13 @@ def _flash_bwd(cfg, res, dout):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def chunked_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=128):
+def chunked_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=128, softcap=None):
   """Flash-attention style in pure JAX: memory O(T * chunk_size), exact custom gradient."""
   S = k.shape[1]
   # A static (hashable) config, the custom_vjp's nondiff argument; C <= S, so short inputs are
   # not padded up to a whole chunk.
-  cfg = _ChunkConfig(mask.causal, mask.window, float(scale), min(chunk_size, S), S)
+  cap = None if softcap is None else float(softcap)
+  cfg = _ChunkConfig(mask.causal, mask.window, float(scale), min(chunk_size, S), S, cap)
   return _flash(q, k, v, mask.q_segment_ids, mask.kv_segment_ids, alibi_slopes, cfg)
 
 
@@ -226,7 +230,9 @@ def pallas_attention(q, k, v, *, mask, scale, alibi_slopes, chunk_size=None):
 
 
 # KV-cache decoding: one query per row ------------------------------------------------------
-def attend_one_step(q, k, v, visible, *, scale, alibi_slopes=None, q_pos=None) -> Array:
+def attend_one_step(
+  q, k, v, visible, *, scale, alibi_slopes=None, q_pos=None, softcap=None
+) -> Array:
   """One query per row against cached keys: dense float32 logits [B, K, G, L] are cheap here.
 
   Kept apart from `dot_product_attention` because the mask and the ALiBi bias depend on each row's
@@ -246,7 +252,8 @@ def attend_one_step(q, k, v, visible, *, scale, alibi_slopes=None, q_pos=None) -
   if alibi_slopes is not None:
     bias = alibi_bias(alibi_slopes, q_pos, jnp.arange(L))  # [N, B, L]: row b's query at q_pos[b]
     bias = bias.reshape(K, N // K, B, 1, L).transpose(2, 0, 1, 3, 4)  # [B, K, G, 1, L]
-  logits = scores(q.reshape(B, 1, K, N // K, H), k, scale, bias, form='step')[:, :, :, 0]
+  qg = q.reshape(B, 1, K, N // K, H)
+  logits = scores(qg, k, scale, bias, form='step', softcap=softcap)[:, :, :, 0]
   visible = visible[:, None, None, :]  # [B or 1, 1, 1, L]
   probs = jax.nn.softmax(jnp.where(visible, logits, NEG), axis=-1)
   # A row with no visible key has uniform softmax over NEG logits; zero it so it outputs 0.
@@ -293,17 +300,17 @@ def kv_cache(m, mode, k, v, self_attention, mask, positions):
 
 def softmax_step(m, q, k, v, self_attention, mask, positions, alibi_slopes):
   """q [B, 1, N, H] over the cached k/v [B, L, K, H]."""
-  scale = logit_scale(m.cfg)
+  kw = dict(scale=logit_scale(m.cfg), **softcap_kwargs(m.cfg))
   if not self_attention:  # the cross mask is top-left aligned already: [B or 1, S]
     visible = (MaskSpec() if mask is None else mask).dense(1, k.shape[1])[:, 0, 0]
-    return attend_one_step(q, k, v, visible, scale=scale)
+    return attend_one_step(q, k, v, visible, **kw)
   q_pos = jnp.broadcast_to(positions, (q.shape[0], 1))[:, 0]  # [B]
   slots = jnp.arange(k.shape[1])[None]  # [1, L]
   # Row b's query sits at q_pos[b]; causal, as later slots are not written yet.
   visible = kernel_masks.visible(
     q_pos[:, None], slots, None, None, causal=True, window=mask.window
   )  # [B, L]
-  return attend_one_step(q, k, v, visible, scale=scale, alibi_slopes=alibi_slopes, q_pos=q_pos)
+  return attend_one_step(q, k, v, visible, alibi_slopes=alibi_slopes, q_pos=q_pos, **kw)
 
 
 # The blocked paths and the cuDNN kernel, beside the dense one that attention.py writes.

@@ -32,6 +32,8 @@ encoder-only model, with l the layer:
   blocks.{l}.hook_attn_out      [B, T, D]  the attention's output, added to the residual stream
   blocks.{l}.hook_resid_mid     [B, T, D]  the residual stream between attention and MLP
   blocks.{l}.ln2.hook_scale, hook_normalized, hook_out  the MLP's norm
+  blocks.{l}.ln1_post.*, ln2_post.*  sandwich norms (Gemma 2/3): the sub-layer's output, normalised
+                                    before hook_attn_out / hook_mlp_out
   blocks.{l}.mlp.hook_pre       [B, T, F]  before the activation (SwiGLU: the gate; the linear
   blocks.{l}.mlp.hook_pre_linear           half is hook_pre_linear)
   blocks.{l}.mlp.hook_post      [B, T, F]  after it
@@ -180,6 +182,8 @@ _PARTS = {
   'self_attention_norm': 'ln1',
   'cross_attention_norm': 'ln_cross',
   'mlp_norm': 'ln2',
+  'self_attention_post_norm': 'ln1_post',  # sandwich norms (Gemma 2): on each sub-layer's output
+  'mlp_post_norm': 'ln2_post',
   'final_norm': 'ln_final',
   'query_norm': 'q_norm',  # qk-norm (Qwen3): the norms of each head's queries and keys
   'key_norm': 'k_norm',

@@ -166,12 +166,25 @@ class Norm(nn.Module):
     y = x32 * jax.lax.rsqrt(var) if hooked is scale else x32 / hooked
     # hook_normalized: before the weight and bias, float32, as in TransformerLens.
     y = HookPoint(name='hook_normalized')(y)
-    ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
-    y = y * self.param('scale', ones, (features,), self.param_dtype)
+    y = y * self._gain(features)
     if self.kind == 'layernorm' and self.use_bias:
       zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
       y = y + self.param('bias', zeros, (features,), self.param_dtype)
     return HookPoint(name='hook_out')(y.astype(self.dtype))  # x's shape, compute dtype
+
+  def _gain(self, features: int) -> Array:
+    """The per-feature weight the normalised x is multiplied by: the parameter 'scale'."""
+    ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
+    return self.param('scale', ones, (features,), self.param_dtype)
+
+
+class OffsetNorm(Norm):
+  """RMSNorm whose parameter holds the weight minus 1 (starting at 0), applied as (1 + scale) in
+  float32: Gemma's, so that its checkpoints load and export as they are."""
+
+  def _gain(self, features: int) -> Array:
+    zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
+    return 1.0 + self.param('scale', zeros, (features,), self.param_dtype).astype(jnp.float32)
 
 
 # Embeddings ----------------------------------------------------------------------------------
@@ -329,13 +342,17 @@ class FeedForward(nn.Module):
     return ACTIVATIONS[self.cfg.activation](HookPoint(name='hook_pre')(up('wi')(x)))
 
 
+# The gated units' activations on the gate: SwiGLU (LLaMA) and GeGLU (Gemma).
+GATES = {'swiglu': nn.silu, 'geglu': ACTIVATIONS['gelu_tanh']}
+
+
 class GatedFeedForward(FeedForward):
-  """SwiGLU: silu(x W_gate) * (x W_in), a gated unit with two up projections (LLaMA)."""
+  """SwiGLU or GeGLU: act(x W_gate) * (x W_in), a gated unit with two up projections."""
 
   def _hidden(self, up: Callable, x: Array) -> Array:
     pre = HookPoint(name='hook_pre')(up('gate')(x))  # [B, T, F]
     linear = HookPoint(name='hook_pre_linear')(up('wi')(x))  # [B, T, F]
-    return nn.silu(pre) * linear
+    return GATES[self.cfg.activation](pre) * linear
 
 
 # Residual wiring of one sub-layer: sublayer(x, f, out, norm, drop) -> [B, T, D], for the
@@ -394,6 +411,17 @@ def loop(block: Callable, num_layers: int, x: Array, *args) -> Array:
   for i in range(num_layers):
     x = block(name=f'layer_{i}')(x, *args)
   return x
+
+
+def patterned(block: Callable, num_layers: int, x: Array, mask, positions, *args, layers) -> Array:
+  """`loop` over layers that differ by `cfg.attention_layers`: `layers` holds each layer's config
+  and parts (`parts.layer_configs`), so a local layer ('L') attends within the sliding window
+  (and turns RoPE by the local base), a global one ('G') sees every key."""
+  _, _, *rest = block.args  # the stack's config and parts, then its own arguments
+  for i, (cfg, p) in enumerate(layers[:num_layers]):
+    layer = block.func(cfg, p, *rest, **block.keywords, name=f'layer_{i}')
+    x = layer(x, mask.replace(window=cfg.window), positions, *args)
+  return x  # [B, T, D]
 
 
 def scan(block: Callable, num_layers: int, x: Array, *args) -> Array:

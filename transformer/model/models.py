@@ -172,8 +172,8 @@ class HeadInputs(NamedTuple):
 
 
 def has_fused_head(cfg: ModelConfig) -> bool:
-  """Whether `head_inputs=True` works for `cfg`: a tied head that predicts tokens."""
-  return cfg.tie_output and cfg.num_classes == 0
+  """Whether `head_inputs=True` works for `cfg`: a tied head that predicts tokens, uncapped."""
+  return cfg.tie_output and cfg.num_classes == 0 and cfg.logit_softcap is None
 
 
 class TiedHead(nn.Module):
@@ -208,13 +208,40 @@ class UntiedHead(nn.Module):
     return constrain(logits, ('batch', 'length', 'vocab'))  # [B, T, V]
 
 
+class _Softcapped:
+  """A head whose logits are soft-capped to cap * tanh(logits / cap) in float32 (Gemma 2's final
+  logits, cap = cfg.logit_softcap)."""
+
+  @nn.compact
+  def __call__(self, x: Array, head_inputs: bool = False) -> Array:
+    logits, cap = super().__call__(x, head_inputs), self.cfg.logit_softcap
+    return (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)  # [B, T, V]
+
+
+class SoftcappedTiedHead(_Softcapped, TiedHead):
+  pass
+
+
+class SoftcappedUntiedHead(_Softcapped, UntiedHead):
+  pass
+
+
+# (tie_output, soft-capped) -> CausalLM's head
+HEADS = {
+  (True, False): TiedHead,
+  (False, False): UntiedHead,
+  (True, True): SoftcappedTiedHead,
+  (False, True): SoftcappedUntiedHead,
+}
+
+
 class CausalLM(nn.Module):
   """GPT: tokens [B, T] -> next-token logits [B, T, V]."""
 
   cfg: ModelConfig
 
   def setup(self):
-    cfg, head = self.cfg, TiedHead if self.cfg.tie_output else UntiedHead
+    cfg, head = self.cfg, HEADS[self.cfg.tie_output, self.cfg.logit_softcap is not None]
     self.embedding = parts(cfg).embed(cfg)
     self.decoder = Decoder(cfg, self.embedding, cfg.num_layers)
     self.head = head(cfg, self.embedding)

@@ -19,7 +19,17 @@ Array = jax.Array
 # apply_ln_to_stack, the logit lens, direct logit attribution, the OV readout): the arithmetic of
 # `Norm`, written once per kind. BatchNorm divides by running statistics, not by the token's own,
 # so an analysis cannot reapply it; `reapplied` refuses it in one line.
-CENTRES = {'layernorm': True, 'rmsnorm': False}  # kind -> whether it subtracts the mean
+CENTRES = {
+  'layernorm': True,
+  'rmsnorm': False,
+  'rmsnorm_offset': False,
+}  # kind -> subtracts the mean?
+OFFSETS = {'rmsnorm_offset': 1.0}  # kind -> what its weight adds to the parameter 'scale' (Gemma)
+
+
+def gain(kind: str, scale):
+  """The weight norm `kind` multiplies by, from its parameter 'scale' (Gemma's: 1 + scale)."""
+  return scale + OFFSETS[kind] if kind in OFFSETS else scale
 
 
 def reapplied(kind: str, what: str) -> bool:
@@ -47,7 +57,7 @@ def divisor(kind: str, x, eps: float, what: str = 'this analysis'):
 
 def normalized(kind: str, x, eps: float, scale, bias=None, what: str = 'this analysis'):
   """The whole norm on x [..., D], in x's NumPy dtype: centred, divided, times scale, + bias."""
-  y = centred(kind, x, what) / divisor(kind, x, eps, what) * scale
+  y = centred(kind, x, what) / divisor(kind, x, eps, what) * gain(kind, scale)
   return y if bias is None else y + bias
 
 

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from transformer.config import ModelConfig
 from transformer.model import attention_paths, layers, remat
@@ -22,7 +23,7 @@ from transformer.model import compressed_attention as compressed
 from transformer.model import linear_attention as linear
 from transformer.model import positions as positions_lib
 from transformer.model.attention import Kind, softmax_attend
-from transformer.model.layers import HookPoint, Norm
+from transformer.model.layers import HookPoint, Norm, OffsetNorm
 from transformer.model.norms import BatchNorm
 from transformer.model.short_conv import ShortConv
 
@@ -45,15 +46,16 @@ BLOCKS = {False: layers.sequential, True: layers.parallel}
 
 # Norms: a module class with cfg's settings bound, made as norm(name=...) and called as
 # norm(x [..., D], segments [...] or None, deterministic) -> x's shape in the compute dtype.
-def _norm(cfg: ModelConfig, kind: str) -> Callable[..., nn.Module]:
+def _norm(cfg: ModelConfig, kind: str, module: type[nn.Module] = Norm) -> Callable[..., nn.Module]:
   return functools.partial(
-    Norm, kind, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, use_bias=cfg.norm_bias
+    module, kind, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, use_bias=cfg.norm_bias
   )
 
 
 NORMS: dict[str, Callable[[ModelConfig], Callable[..., nn.Module]]] = {
   'layernorm': lambda cfg: _norm(cfg, 'layernorm'),
   'rmsnorm': lambda cfg: _norm(cfg, 'rmsnorm'),
+  'rmsnorm_offset': lambda cfg: _norm(cfg, 'rmsnorm', OffsetNorm),  # Gemma's (1 + w)
   'batchnorm': lambda cfg: functools.partial(
     BatchNorm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, use_bias=cfg.norm_bias
   ),
@@ -71,10 +73,9 @@ def qk_norm(cfg: ModelConfig) -> Callable[..., nn.Module] | None:
 # Relative positions, in self attention: fn(cfg, q [B, T, N, H], k [B, S, K, H], positions [B or
 # 1, T]) -> (q, k, ALiBi slopes [N] or None); called inside the attention module, whose hook
 # points (hook_rot_q, hook_rot_k) they declare.
-def rope(cfg: ModelConfig, q: Array, k: Array, positions: Array):
-  """Rotates q and k by their positions, so that q.k depends on the offset i - j only."""
-  inv_freq, mscale = positions_lib.rope_frequencies(
-    cfg.head_size,
+def _rope_frequencies(cfg: ModelConfig, dims: int):
+  return positions_lib.rope_frequencies(
+    dims,
     theta=cfg.rope_theta,
     scaling=cfg.rope_scaling,
     factor=cfg.rope_scaling_factor,
@@ -82,8 +83,24 @@ def rope(cfg: ModelConfig, q: Array, k: Array, positions: Array):
     low_freq_factor=cfg.rope_low_freq_factor,
     high_freq_factor=cfg.rope_high_freq_factor,
   )
+
+
+def rope(cfg: ModelConfig, q: Array, k: Array, positions: Array):
+  """Rotates q and k by their positions, so that q.k depends on the offset i - j only."""
+  inv_freq, mscale = _rope_frequencies(cfg, cfg.head_size)
   q = HookPoint(name='hook_rot_q')(positions_lib.apply_rope(q, positions, inv_freq, mscale))
   k = HookPoint(name='hook_rot_k')(positions_lib.apply_rope(k, positions, inv_freq, mscale))
+  return q, k, None  # q [B, T, N, H], k [B, S, K, H]
+
+
+def partial_rope(cfg: ModelConfig, q: Array, k: Array, positions: Array):
+  """GPT-NeoX's RoPE on the first `rope_dim` dims of each head; the others pass as they are."""
+  d = cfg.rope_dim
+  inv_freq, mscale = _rope_frequencies(cfg, d)
+  rotate = lambda x: jnp.concatenate(
+    [positions_lib.apply_rope(x[..., :d], positions, inv_freq, mscale), x[..., d:]], axis=-1
+  )
+  q, k = HookPoint(name='hook_rot_q')(rotate(q)), HookPoint(name='hook_rot_k')(rotate(k))
   return q, k, None  # q [B, T, N, H], k [B, S, K, H]
 
 
@@ -92,7 +109,8 @@ def alibi(cfg: ModelConfig, q: Array, k: Array, positions: Array):
   return q, k, positions_lib.alibi_slopes(cfg.num_heads)
 
 
-RELATIVE_POSITIONS = {'rope': rope, 'alibi': alibi}  # others: none in attention
+# others: none in attention; 'partial_rope' is position='rope' with a rope_dim under the head size
+RELATIVE_POSITIONS = {'rope': rope, 'partial_rope': partial_rope, 'alibi': alibi}
 # Absolute positions, added to the token embeddings: module(cfg, name='positions')(x, positions).
 ABSOLUTE_POSITIONS = {'sinusoidal': layers.AddSinusoidal, 'learned': layers.AddLearned}
 
@@ -108,10 +126,10 @@ def embedder(cfg: ModelConfig) -> Callable[..., nn.Module]:
 
 
 def mlp(cfg: ModelConfig) -> type[nn.Module] | None:
-  """The feed-forward sub-layer: dense, gated (SwiGLU), or none (d_ff=0: attention only)."""
+  """The feed-forward sub-layer: dense, gated (SwiGLU, GeGLU), or none (d_ff=0: attention only)."""
   if not cfg.d_ff:
     return None
-  return layers.GatedFeedForward if cfg.activation == 'swiglu' else layers.FeedForward
+  return layers.GatedFeedForward if cfg.activation in layers.GATES else layers.FeedForward
 
 
 def rematerialise(cfg: ModelConfig) -> Callable[[type[nn.Module]], type[nn.Module]] | None:
@@ -146,7 +164,31 @@ class Parts(NamedTuple):
   short_conv: Callable[..., nn.Module] | None  # conv(name=...)(x, mask, positions, cache_mode)
   mlp: type[nn.Module] | None  # mlp(cfg, out_init, name=...)(x, deterministic)
   remat: Callable[[type[nn.Module]], type[nn.Module]] | None  # block class -> block class
-  layers: Callable  # layers(block, num_layers, x, *args): layers.loop or layers.scan
+  layers: Callable  # layers(block, num_layers, x, *args): layers.loop, scan or patterned
+
+
+def _relative_kind(cfg: ModelConfig) -> str:
+  partial = cfg.position == 'rope' and cfg.rope_dim not in (None, cfg.head_size)
+  return 'partial_rope' if partial else cfg.position
+
+
+@functools.lru_cache(maxsize=256)
+def layer_configs(cfg: ModelConfig) -> tuple[ModelConfig, ...]:
+  """Each layer's config under `cfg.attention_layers`, repeated over the deepest stack: a local
+  layer keeps the window (and takes rope_local_theta), a global one has none."""
+  pattern, depth = cfg.attention_layers, max(cfg.num_layers, cfg.decoder_layers)
+  local = cfg.replace(attention_layers='', rope_theta=cfg.rope_local_theta or cfg.rope_theta,
+                      rope_local_theta=None)  # fmt: skip
+  full = cfg.replace(attention_layers='', window=None, rope_local_theta=None)
+  return tuple(local if pattern[i % len(pattern)] == 'L' else full for i in range(depth))
+
+
+def _layers(cfg: ModelConfig) -> Callable:
+  """The layer loop: a scan, a loop, or (attention_layers) a loop of per-layer configs."""
+  if cfg.attention_layers:
+    configs = tuple((c, parts(c)) for c in layer_configs(cfg))
+    return functools.partial(layers.patterned, layers=configs)
+  return layers.scan if cfg.scan_layers else layers.loop
 
 
 @functools.lru_cache(maxsize=256)
@@ -163,11 +205,11 @@ def parts(cfg: ModelConfig) -> Parts:
     final_norm=final_norm,
     embed=layers.ScaledEmbed if cfg.scale_embeddings else layers.Embed,
     embedder=embedder(cfg),
-    relative_positions=RELATIVE_POSITIONS.get(cfg.position),
+    relative_positions=RELATIVE_POSITIONS.get(_relative_kind(cfg)),
     attention=KINDS[cfg.attention],
     qk_norm=qk_norm(cfg),
     short_conv=short_conv,
     mlp=mlp(cfg),
     remat=rematerialise(cfg),
-    layers=layers.scan if cfg.scan_layers else layers.loop,
+    layers=_layers(cfg),
   )
