@@ -291,3 +291,83 @@ def test_processed_weights_match_transformer_lens(folder, tokens):
                          ('accumulated_resid', {'apply_ln': True, 'layer': 2})]:  # fmt: skip
     ours, theirs = getattr(cache, method)(**kwargs), getattr(tl_cache, method)(**kwargs)
     _close(ours, theirs, f'{method} {kwargs}')
+
+
+_WEIGHTS = ['W_Q', 'W_K', 'W_V', 'W_O', 'b_Q', 'b_K', 'b_V', 'b_O', 'W_in', 'b_in', 'W_out',
+            'b_out', 'W_E', 'W_pos', 'W_U', 'b_U']  # fmt: skip
+
+
+@pytest.mark.parametrize('processed', [False, True])
+def test_weights_under_transformer_lens_names(folder, processed):
+  """model.W_Q, model.blocks[l].attn.W_Q, model.unembed.W_U, ... as TransformerLens's bridge has
+  them, with and without weight processing."""
+  m = transformer.load(folder, process_weights=processed)
+  bridge = _bridge(folder) if processed else _bridge(folder, no_processing=True)
+  for name in _WEIGHTS:
+    _close(getattr(m, name), getattr(bridge, name), name)
+  for layer in range(LAYERS):
+    for name in ('W_Q', 'W_O', 'b_V'):
+      _close(getattr(m.blocks[layer].attn, name), getattr(bridge.blocks[layer].attn, name), name)
+    _close(m.blocks[layer].mlp.W_in, bridge.blocks[layer].mlp.W_in, 'W_in')
+  _close(m.unembed.W_U, bridge.W_U, 'unembed.W_U')
+  _close(m.embed.W_E, bridge.W_E, 'embed.W_E')
+  _close(m.pos_embed.W_pos, bridge.W_pos, 'pos_embed.W_pos')
+  assert m.W_Q.shape == (LAYERS, HEADS, 84, 84 // HEADS) and m.W_U.shape == (84, VOCAB)
+
+
+def test_persistent_hooks_and_hooks_in_run_with_cache(models, tokens):
+  m, _ = models
+  name = 'blocks.1.attn.hook_z'
+  plain = m(tokens)
+
+  def zero(z, hook):
+    return z.at[:, :, 2].set(0.0)
+
+  hooked = m.run_with_hooks(tokens, fwd_hooks=[(name, zero)])
+  assert not np.allclose(hooked, plain, atol=1e-4)  # the head matters
+  m.add_hook(name, zero)
+  try:
+    np.testing.assert_allclose(m(tokens), hooked, atol=1e-6)  # on every later forward
+    _, cache = m.run_with_cache(tokens, names=[name])
+    assert np.all(cache[name][:, :, 2] == 0)
+  finally:
+    m.reset_hooks()
+  np.testing.assert_allclose(m(tokens), plain, atol=1e-6)
+  with m.hooks(fwd_hooks=[(name, zero)]):
+    np.testing.assert_allclose(m(tokens), hooked, atol=1e-6)
+  np.testing.assert_allclose(m(tokens), plain, atol=1e-6)
+  logits, cache = m.run_with_cache(tokens, names=[name], fwd_hooks=[(name, zero)])
+  np.testing.assert_allclose(logits, hooked, atol=1e-6)
+  assert np.all(cache[name][:, :, 2] == 0)  # the cache holds what the hook returned
+
+
+@pytest.mark.parametrize(
+  'hook, says',
+  [
+    (lambda z, hook: z.clone(), 'no attribute clone'),
+    (lambda z, hook: z.unsqueeze(0)[0], 'no attribute unsqueeze'),
+    (lambda z, hook: z.__setitem__((0, 0), 1.0), 'immutable'),
+    (lambda z, hook: np.zeros(3).__setitem__(0, z[0, 0, 0, 0]), 'array element'),
+  ],
+)
+def test_a_torch_idiom_in_a_hook_is_one_error_with_the_jax_way(models, tokens, hook, says):
+  m, _ = models
+  with pytest.raises(ValueError, match=r'the hook on blocks\.0\.attn\.hook_z failed') as e:
+    m.run_with_hooks(tokens, fwd_hooks=[('blocks.0.attn.hook_z', hook)])
+  assert (
+    says in str(e.value)
+    and '.at[idx].set(v)' in str(e.value)
+    and 'jax.debug.callback' in str(e.value)
+  )
+
+
+def test_utils_and_to_string(models, tokens, capsys):
+  from transformer.inference import utils
+
+  m, _ = models
+  assert utils.get_act_name('in', 0) == tl_get_act_name('in', 0)
+  np.testing.assert_array_equal(utils.get_corner(np.arange(60).reshape(3, 4, 5), 2),
+                                [[[0, 1], [5, 6]], [[20, 21], [25, 26]]])  # fmt: skip
+  assert utils.to_numpy(torch.ones(2)).tolist() == [1.0, 1.0] and utils.get_device() is not None
+  with pytest.raises(ValueError, match='no tokenizer'):
+    m.to_string(tokens[0])

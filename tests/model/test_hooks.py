@@ -19,6 +19,8 @@ if sys.version_info >= (3, 12) and importlib.util.find_spec('torch') is None:
 
 os.environ['HF_HUB_OFFLINE'] = '1'
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -257,7 +259,8 @@ def test_one_compile_serves_a_sweep_over_a_jnp_index():
   clean = {'inputs': jnp.asarray(_ids(19, T=5) % 49 + 1)}
   source = np.asarray(hooks.run(cfg, params, clean, names=[name])[1][name])
   clean_z = jnp.asarray(source)  # as docs/dissect.md's sweep: what the hook reads are arrays
-  before = len(jaxpr_cache._PROGRAMS)
+  compiles = lambda: len(jaxpr_cache._PROGRAMS) + len(hooks._LIFTED)
+  before = compiles()
   outs = []
   for head in range(3):
     index = jnp.asarray(head)  # an array: a constant passed in, not a literal of the program
@@ -266,12 +269,44 @@ def test_one_compile_serves_a_sweep_over_a_jnp_index():
       return z.at[:, :, i].set(clean_z[:, :, i])
 
     outs.append(hooks.run_jit(cfg, params, inputs, hooks=[(name, patch)])[0])
-    assert len(jaxpr_cache._PROGRAMS) == before + 1
+    assert compiles() == before + 1
   for head, got in enumerate(outs):
     put = {name: lambda z, _, h=head: z.at[:, :, h].set(source[:, :, h])}
     want = hooks.run(cfg, params, inputs, hooks=put)[0]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
   assert np.abs(np.asarray(outs[0]) - np.asarray(outs[1])).max() > 1e-4
+
+
+def test_a_loop_over_python_numbers_compiles_once_and_falls_back_where_they_must_be_static():
+  """TransformerLens's loops: each call a new hook that differs only in Python numbers (a
+  partial's keyword, a lambda's loop variable, a notebook's global), or reads another clean
+  cache. The numbers are the compiled forward's arguments, so one compile serves the loop, and
+  every result equals the forward traced with the number in it. A hook that needs its number to
+  be a Python int (a slice bound) traces at every call, with the same results."""
+  cfg, _, params = _tiny()
+  inputs = {'inputs': jnp.asarray(_ids(12, T=5) % 49 + 1)}
+  clean = {'inputs': jnp.asarray(_ids(13, T=5) % 49 + 1)}
+  name = 'blocks.1.hook_resid_pre'
+  source = np.asarray(hooks.run(cfg, params, clean, names=[name])[1][name])
+
+  def patch(resid, hook, pos, clean_resid):
+    return resid.at[:, pos].set(clean_resid[:, pos])
+
+  def cut(resid, hook, pos):  # a slice bound: needs pos static
+    return resid.at[:, : pos + 1].set(0.0)
+
+  for make in (
+    lambda p: functools.partial(patch, pos=p, clean_resid=source),
+    lambda p: lambda r, hook: patch(r, hook, p, source),
+    lambda p: functools.partial(cut, pos=p),
+  ):
+    before = len(hooks._LIFTED) + len(hooks._TRACE_EVERY_CALL)
+    for p in range(4):
+      got = hooks.run_jit(cfg, params, inputs, hooks=[(name, make(p))])[0]
+      want = hooks.run(cfg, params, inputs, hooks=[(name, make(p))])[0]  # traced with p in it
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert len(hooks._LIFTED) + len(hooks._TRACE_EVERY_CALL) == before + 1  # one key per loop
+  assert any(key[2][0][1][0][0] == 'partial' for key in hooks._TRACE_EVERY_CALL)  # cut's
 
 
 def test_transformerlens_fwd_hooks_filters_hook_objects_and_none():

@@ -21,6 +21,7 @@ import numpy as np
 from transformer import data
 from transformer.config import ModelConfig, experiment
 from transformer.inference import cache as cache_lib
+from transformer.inference import lens
 from transformer.inference import weights as weights_lib
 from transformer.model import decode, models
 from transformer.model import hooks as hooks_lib
@@ -88,7 +89,7 @@ def _hf_tokenizer(directory: str, hf_config_path: str):
   return tokenizer
 
 
-class Model:
+class Model(lens.Lens):
   """A trained or imported model ready to use: `generate`, `translate`, `fill_mask`, `score`,
   `embed`, `logits`, `hidden_states`, `attention_maps`. Text methods need a tokenizer; `logits` and
   `hidden_states` take token ids. A model.norm='batchnorm' model also has `batch_stats`, the
@@ -454,6 +455,9 @@ class Model:
       pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
     return pooled.astype(np.float32)  # [B, D]
 
+  # `model.embed.W_E` as TransformerLens's, beside sentence embeddings (lens.WithWeights).
+  embed = lens.WithWeights(embed, W_E=lambda model: model.W_E)
+
   def attention_maps(self, text: str | Any, *, source: str | None = None) -> dict[str, np.ndarray]:
     """Attention probabilities per layer: {'blocks.0.attn.hook_pattern': float32 [N, T, S], ...},
     through the 'xla' path (the names of `run_with_cache`).
@@ -477,6 +481,7 @@ class Model:
     return_type: str | None = 'logits',
     loss_per_token: bool = False,
     stop_at_layer: int | None = None,
+    fwd_hooks: list | None = None,
   ) -> tuple[Any, cache_lib.ActivationCache]:
     """(logits, cache) of one forward pass, keeping only the activations that `names` (or
     TransformerLens's `names_filter`) asks for: a list of names such as
@@ -487,13 +492,14 @@ class Model:
     `text`: a string (tokenised like training input), or int token ids [T] or [B, T].
     EncoderDecoder: the decoder side gets `text` and the encoder `source`. `return_type`,
     `loss_per_token` and `stop_at_layer` are `forward`'s; `remove_batch_dim` drops the batch
-    axis of a one-row cache.
+    axis of a one-row cache. `fwd_hooks` run as in `run_with_hooks`, and the cache holds what
+    they returned.
     """
     if names is not None and names_filter is not None:
       raise ValueError('give names or names_filter (the same thing), not both')
     names = names_filter if names is None else names
     inputs = self._hook_inputs(text, source, 'run_with_cache')
-    out, seen = self._forward(inputs, names, None, return_type, loss_per_token, stop_at_layer)
+    out, seen = self._forward(inputs, names, fwd_hooks, return_type, loss_per_token, stop_at_layer)
     cache = cache_lib.ActivationCache(seen, self)
     return out, cache.remove_batch_dim() if remove_batch_dim else cache
 
@@ -514,9 +520,9 @@ class Model:
     or None to leave it unchanged. `return_type`, `loss_per_token` and `stop_at_layer` are
     `forward`'s.
 
-    The forward is traced at every call, so a hook sees the globals and variables it reads as
-    they are now; the compile is reused whenever the traced program is the same (see
-    docs/dissect.md: a hook that indexes with a jnp array compiles once for a whole sweep)."""
+    A loop of calls whose hooks differ only in Python numbers (a layer, a position, a head) or
+    in the arrays they read compiles once: those are the compiled forward's arguments, and the
+    hooks' Python runs again at each call on the activations' shapes (docs/dissect.md)."""
     inputs = self._hook_inputs(text, source, 'run_with_hooks')
     both = [*(hooks or {}).items(), *(fwd_hooks or [])]
     return self._forward(inputs, (), both, return_type, loss_per_token, stop_at_layer)[0]
@@ -584,6 +590,7 @@ class Model:
     """(what `return_type` asks for, or the residual stream at `stop_at_layer`; {name: value} in
     forward order, as TransformerLens lists its cache)."""
     names = hooks_lib.select(self.cfg, names)
+    hooks = [*self._persistent_hooks(), *(hooks or [])] or None  # add_hook's, then the call's
     if stop_at_layer is None:
       logits, seen = hooks_lib.run_jit(self.cfg, self.weights, inputs, names=names, hooks=hooks)
       tokens = inputs.get('decoder_inputs', inputs['inputs'])

@@ -87,6 +87,13 @@ class ActivationCache(Mapping):
     self.cache_dict = {name: np.asarray(value) for name, value in activations.items()}
     self.model, self.has_batch_dim = model, has_batch_dim
 
+  def traced_copy(self, values: Mapping[str, Any]) -> ActivationCache:
+    """This cache over other arrays of the same names: the tracers a hook reads it through while
+    run_with_hooks traces the hook with its inputs as arguments (model.jaxpr_cache.lift)."""
+    copy = object.__new__(type(self))
+    copy.cache_dict, copy.model, copy.has_batch_dim = dict(values), self.model, self.has_batch_dim
+    return copy
+
   def __getitem__(self, key: str | tuple) -> np.ndarray:
     if isinstance(key, str):
       return self.cache_dict[key]

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints (safetensors) to sparrow workdirs or in-memory models, and back.
 
 Architectures: GPT-2; BERT (BertModel, BertForMaskedLM, BertForSequenceClassification); Llama
-(2, 3, 3.1, 3.2), Qwen2, Qwen3 and Mistral causal LMs. `hf_config` maps config.json, `hf_weights`
+(2, 3, 3.1, 3.2), Qwen2, Qwen3 and Mistral causal LMs; GPT-NeoX (Pythia), GPT-Neo (TinyStories),
+Gemma 2 and Gemma 3 (text). `hf_config` maps config.json, `hf_weights`
 the tensors; this module reads folders and writes workdirs. Nothing is ever unpickled.
 
 Dissecting a downloaded small model:

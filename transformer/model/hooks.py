@@ -73,6 +73,7 @@ from a cache of patterns and scores (`attention_entropy`, also importable from h
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import weakref
@@ -85,7 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.config import ModelConfig
-from transformer.model import models
+from transformer.model import jaxpr_cache, models
 from transformer.model.attention import MultiHeadAttention
 from transformer.model.entropy import (  # noqa: F401  (public here too)
   attention_entropy,
@@ -238,6 +239,24 @@ def _replacement(name: str, value: Array, out: Any) -> Array:
   return out if out.dtype == value.dtype else out.astype(value.dtype)
 
 
+# What a hook written for torch tensors raises on the JAX array it is handed: a torch method
+# (.clone, .unsqueeze, ...), an in-place assignment, or a value written into NumPy or turned into
+# a Python number while the forward is traced (NumPy reports that one as a ValueError).
+_TORCH_HABITS = (AttributeError, TypeError, ValueError)
+
+
+def _habit_message(name: str, error: BaseException) -> str:
+  first = str(error).strip().splitlines()[0] if str(error).strip() else ''
+  return (
+    f'the hook on {name} failed: {type(error).__name__}: {first[:300]}. A hook gets a JAX array '
+    'being traced: it has no torch methods (.clone() is not needed, .unsqueeze(i) is '
+    'x[..., None] or jnp.expand_dims, .detach()/.cpu() go), it cannot be assigned in place '
+    '(x[idx] = v becomes x = x.at[idx].set(v), then return x), and its numbers do not exist '
+    'yet (to record them, call jax.debug.callback(fn, x) or ask run_with_cache for the name). '
+    'docs/dissect.md lists the torch idioms and their JAX forms.'
+  )
+
+
 @dataclasses.dataclass
 class _State:
   """What one forward pass keeps while the interceptor walks it."""
@@ -252,8 +271,15 @@ class _State:
     that returns None leaves the activation as it was (TransformerLens's convention)."""
     for fn in self.hooks.get(name, ()):
       if self.given is not None:
-        self.given.append((name, weakref.ref(value)))
-      out = fn(value, HookName(name))
+        self.given.append(
+          (name, weakref.ref(value), jax.ShapeDtypeStruct(value.shape, value.dtype))
+        )
+      try:
+        out = fn(value, HookName(name))
+      except _TORCH_HABITS as e:
+        if str(e).startswith('the hook on '):  # a hook inside a hook: already said
+          raise
+        raise ValueError(_habit_message(name, e)) from e
       if out is not None:
         value = _replacement(name, value, out)
     if name in self.keep:
@@ -354,17 +380,71 @@ def _jitted(cfg: ModelConfig, names: tuple[str, ...]) -> Callable:
 
 
 def run_jit(cfg, params, inputs, *, names=(), hooks=None) -> tuple[Array, dict[str, Array]]:
-  """`run` under jax.jit. Without hooks it compiles once per (config, names). With hooks it
-  traces the forward at every call, so each hook runs again and sees what it reads now (a
-  global, a variable it closes over), and compiles once per distinct traced program: the same
-  hook on other arrays (a jnp index, a cached activation) reuses the compile."""
+  """`run` under jax.jit. Without hooks it compiles once per (config, names). With hooks, the
+  first call traces and compiles; a later call whose hooks differ only in the Python numbers,
+  arrays and caches they hold or name (`jaxpr_cache.lift`) runs that compile with them as
+  arguments, and replays the hooks' Python on the activations' shapes (a print prints). Hooks
+  that need a number static trace at every call, and compile once per traced program."""
   inputs = {k: v for k, v in inputs.items() if v is not None}
   picked = select(cfg, names)
   resolved = resolve_hooks(cfg, hooks)
   if not resolved:
     return _jitted(cfg, picked)(params, inputs)
+  plan = jaxpr_cache.lift(resolved)
+  if plan is not None and (cfg, picked, plan[0]) not in _TRACE_EVERY_CALL:
+    key, values, rebuild, keep = plan
+    entry = _LIFTED.get((cfg, picked, key))
+    if entry is None:  # the first call of these hooks: its rebuild serves every later one
+      entry = _LIFTED[cfg, picked, key] = _lifted(cfg, picked, rebuild, keep)
+      if len(_LIFTED) > _LIFTED_KEPT:
+        _LIFTED.popitem(last=False)
+    forward, given, _, shapes = entry
+    try:
+      out = forward(params, inputs, values)
+    except Exception:  # noqa: BLE001 - hooks that need a number static: traced below
+      del _LIFTED[cfg, picked, key]
+      _TRACE_EVERY_CALL.add((cfg, picked, key))
+    else:
+      if given:  # traced now: the hooks ran; the shapes they were handed are kept for replays
+        jaxpr_cache.check_nothing_kept(given)
+        shapes.clear()
+        shapes.update((name, shape) for name, _, shape in given)
+        given.clear()
+      else:  # the compile ran without tracing: the hooks' Python runs on their activations' shapes
+        _replay(resolved, shapes)
+      return out
   given = []
   return traced(lambda p, x: _run(cfg, p, x, picked, resolved, given), params, inputs, given)
+
+
+# Compiled forwards of hooks whose numbers are arguments, by (config, names, hooks' key), and the
+# keys whose hooks need their numbers static (jaxpr_cache.lift).
+_LIFTED: collections.OrderedDict = collections.OrderedDict()
+_LIFTED_KEPT = 32
+_TRACE_EVERY_CALL: set = set()
+
+
+def _lifted(cfg: ModelConfig, names: tuple[str, ...], rebuild: Callable, keep: list) -> tuple:
+  """(the jitted forward with hooks whose numbers, arrays and caches are its argument `values`,
+  the list its trace fills for the kept-tracer check, `keep`: the objects the hooks' key names by
+  identity, held so that no other object takes their ids, and the hooked activations' shapes):
+  a loop over layers, positions or heads reuses the one compile."""
+  given: list = []
+
+  def forward(params, inputs, values):
+    return _run(cfg, params, inputs, names, rebuild(values), given)
+
+  return jax.jit(forward), given, keep, {}
+
+
+def _replay(hooks: Mapping[str, tuple[HookFn, ...]], shapes: Mapping[str, Any]) -> None:
+  """Runs the hooks' Python again, as a traced forward would (a print, a check), on abstract
+  values of their activations' shapes, in forward order; nothing is computed."""
+  given: list = []
+  state = _State(frozenset(), hooks, given)
+  for name, shape in shapes.items():
+    jax.eval_shape(functools.partial(state.see, name), shape)
+  jaxpr_cache.check_nothing_kept(given)
 
 
 def run_xla(cfg, params, inputs, names) -> tuple[np.ndarray, dict[str, np.ndarray]]:
