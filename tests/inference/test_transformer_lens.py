@@ -336,6 +336,11 @@ def test_persistent_hooks_and_hooks_in_run_with_cache(models, tokens):
   with m.hooks(fwd_hooks=[(name, zero)]):
     np.testing.assert_allclose(m(tokens), hooked, atol=1e-6)
   np.testing.assert_allclose(m(tokens), plain, atol=1e-6)
+  m.blocks[1].attn.hook_z.add_hook(zero)  # TransformerLens's hook point handle
+  np.testing.assert_allclose(m(tokens), hooked, atol=1e-6)
+  m.reset_hooks()
+  with pytest.raises(ValueError, match='hook_nothing'):
+    m.blocks[0].hook_nothing.add_hook(zero)
   logits, cache = m.run_with_cache(tokens, names=[name], fwd_hooks=[(name, zero)])
   np.testing.assert_allclose(logits, hooked, atol=1e-6)
   assert np.all(cache[name][:, :, 2] == 0)  # the cache holds what the hook returned
@@ -371,3 +376,6 @@ def test_utils_and_to_string(models, tokens, capsys):
   assert utils.to_numpy(torch.ones(2)).tolist() == [1.0, 1.0] and utils.get_device() is not None
   with pytest.raises(ValueError, match='no tokenizer'):
     m.to_string(tokens[0])
+  m.set_use_attn_result(True)  # hook_result is there whenever asked for
+  _, cache = m.run_with_cache(tokens, names=['blocks.0.attn.hook_result'])
+  assert cache['blocks.0.attn.hook_result'].shape == (3, T, HEADS, 84)

@@ -24,11 +24,32 @@ def _np(x: Any) -> np.ndarray:
   return np.asarray(x, np.float32)
 
 
-class AttentionWeights:
-  """One block's attention weights under TransformerLens's names (`model.blocks[l].attn`)."""
+class HookHandle:
+  """`model.blocks[l].attn.hook_z` as TransformerLens's hook point: `.add_hook(fn)` puts a
+  persistent hook on that name (`model.reset_hooks()` removes it)."""
 
-  def __init__(self, cfg, params: dict):
-    self._cfg, self._p = cfg, params
+  def __init__(self, model: Any, name: str):
+    self._model, self.name = model, name
+
+  def add_hook(self, fn: Callable, dir: str = 'fwd') -> None:
+    self._model.add_hook(self.name, fn, dir)
+
+
+class _Points:
+  """Hook points by attribute: `.hook_<name>` is the HookHandle of `<prefix>.hook_<name>`."""
+
+  def __getattr__(self, name: str) -> HookHandle:
+    if not name.startswith('hook_') or self._model is None:
+      raise AttributeError(name)
+    return HookHandle(self._model, f'{self._prefix}.{name}')
+
+
+class AttentionWeights(_Points):
+  """One block's attention weights under TransformerLens's names (`model.blocks[l].attn`), and
+  its hook points (`.hook_z.add_hook(fn)`)."""
+
+  def __init__(self, cfg, params: dict, model: Any = None, prefix: str = ''):
+    self._cfg, self._p, self._model, self._prefix = cfg, params, model, prefix
 
   def _qkv(self, name: str, what: str) -> np.ndarray:
     p = self._p[name]
@@ -78,11 +99,13 @@ class MLPWeights:
   b_out = property(lambda self: self._get('wo', 'bias'))
 
 
-class BlockWeights:
-  """`model.blocks[l]`: `.attn` and `.mlp`, TransformerLens's per-block weights."""
+class BlockWeights(_Points):
+  """`model.blocks[l]`: `.attn` and `.mlp`, TransformerLens's per-block weights, and the block's
+  hook points (`.hook_resid_pre.add_hook(fn)`)."""
 
-  def __init__(self, cfg, params: dict):
-    self.attn = AttentionWeights(cfg, params['self_attention'])
+  def __init__(self, cfg, params: dict, model: Any = None, layer: int = 0):
+    self._model, self._prefix = model, f'blocks.{layer}'
+    self.attn = AttentionWeights(cfg, params['self_attention'], model, f'blocks.{layer}.attn')
     self.mlp = MLPWeights(cfg, params.get('mlp', {}))
 
 
@@ -141,7 +164,7 @@ class Lens:
 
   @property
   def blocks(self) -> list[BlockWeights]:
-    return [BlockWeights(self.cfg, p) for p in self._layers()]
+    return [BlockWeights(self.cfg, p, self, i) for i, p in enumerate(self._layers())]
 
   def _stacked(self, part: str, name: str) -> np.ndarray:
     return np.stack([getattr(getattr(b, part), name) for b in self.blocks])
@@ -214,6 +237,13 @@ class Lens:
     if not hasattr(self, '_hooks_on'):
       self._hooks_on = []
     return self._hooks_on
+
+  def set_use_attn_result(self, use_attn_result: bool) -> None:
+    """TransformerLens's switch for `hook_result`. sparrow computes each layer's per-head results
+    whenever a cache or a hook asks for that layer's `attn.hook_result`, so there is nothing to
+    turn on; the call only checks its argument."""
+    if not isinstance(use_attn_result, bool):
+      raise ValueError(f'set_use_attn_result takes True or False; got {use_attn_result!r}')
 
   # Text ----------------------------------------------------------------------------------------
   def to_string(self, tokens: Any) -> str | list[str]:
