@@ -13,6 +13,29 @@ os.environ['HF_HUB_OFFLINE'] = '1'
 VOCAB = 83
 
 
+def save_randomised(builders: dict, root, seed: int) -> dict:
+  """{name: (torch model, saved directory)}: each builder's model, seeded in turn and randomised
+  (`randomise`, scale 0.3), saved as safetensors under `root`/name."""
+  out = {}
+  for i, (name, build) in enumerate(builders.items()):
+    torch.manual_seed(i)
+    model = randomise(build(), seed=seed + i, scale=0.3)
+    directory = str(root / name)
+    model.save_pretrained(directory, safe_serialization=True)
+    out[name] = (model, directory)
+  return out
+
+
+def padded_batch(seed: int, lengths: tuple[int, ...], vocab: int):
+  """Right-padded rows of the given lengths (ids in [1, vocab)) and their mask [B, T]."""
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  mask = (np.arange(max(lengths))[None] < np.array(lengths)[:, None]).astype(np.int32)
+  ids = rng.integers(1, vocab, size=mask.shape) * mask
+  return ids.astype(np.int32), mask
+
+
 def randomise(model, seed, scale: float = 0.2):
   """1-D parameters away from their init: biases to noise, norm weights to 1 + noise (std
   `scale`), so that every bias and norm weight matters in a comparison."""

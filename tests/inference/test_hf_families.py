@@ -138,23 +138,13 @@ FAMILIES = {
 @pytest.fixture(scope='module')
 def hf_models(tmp_path_factory):
   """{name: (torch model, saved directory)}."""
-  root = tmp_path_factory.mktemp('hf_families')
-  out = {}
-  for i, (name, (_, build, _)) in enumerate(FAMILIES.items()):
-    torch.manual_seed(i)
-    model = torch_models.randomise(build(), seed=20 + i, scale=0.3)
-    directory = str(root / name)
-    model.save_pretrained(directory, safe_serialization=True)
-    out[name] = (model, directory)
-  return out
+  builders = {name: build for name, (_, build, _) in FAMILIES.items()}
+  return torch_models.save_randomised(builders, tmp_path_factory.mktemp('hf_families'), seed=20)
 
 
 def _batch(seed: int):
   """Right-padded rows of lengths 13, 8, 4 and their mask."""
-  rng = np.random.default_rng(seed)
-  mask = (np.arange(LENGTH)[None] < np.array([[13], [8], [4]])).astype(np.int32)  # [B, T]
-  ids = rng.integers(1, VOCAB, size=mask.shape) * mask
-  return ids.astype(np.int32), mask
+  return torch_models.padded_batch(seed, (LENGTH, 8, 4), VOCAB)
 
 
 def _relative_error(a, b) -> float:
@@ -210,19 +200,26 @@ def test_export_round_trips_bit_for_bit(hf_models, name):
     np.testing.assert_array_equal(value, original[key], err_msg=key)
 
 
-def test_pythia_files_of_the_hub_load(hf_models, tmp_path):
-  """The Hub's Pythia files (rotary_pct and rotary_emb_base) and both names of the head: embed_out
-  (the Hub's files) and lm_head (transformers 5)."""
-  model, directory = hf_models['pythia']
-  copy = str(tmp_path / 'hub')
+def _edited_copy(directory: str, copy: str, edit) -> str:
+  """A copy of a model folder whose config.json is edit(config)."""
   shutil.copytree(directory, copy)
   path = os.path.join(copy, 'config.json')
   with open(path) as f:
     config = json.load(f)
-  config.pop('rope_parameters')
-  config.update(rotary_pct=0.25, rotary_emb_base=1000)
   with open(path, 'w') as f:
-    json.dump(config, f)
+    json.dump(edit(config), f)
+  return copy
+
+
+def test_pythia_files_of_the_hub_load(hf_models, tmp_path):
+  """The Hub's Pythia files (rotary_pct and rotary_emb_base) and both names of the head: embed_out
+  (the Hub's files) and lm_head (transformers 5)."""
+  model, directory = hf_models['pythia']
+  hub = lambda c: (
+    {k: v for k, v in c.items() if k != 'rope_parameters'}
+    | dict(rotary_pct=0.25, rotary_emb_base=1000)
+  )
+  copy = _edited_copy(directory, str(tmp_path / 'hub'), hub)
   weights = os.path.join(copy, 'model.safetensors')
   tensors = safetensors.numpy.load_file(weights)
   saved = 'lm_head.weight' if 'lm_head.weight' in tensors else 'embed_out.weight'
@@ -246,13 +243,7 @@ def test_pythia_files_of_the_hub_load(hf_models, tmp_path):
 )
 def test_what_sparrow_cannot_build_is_one_error(hf_models, tmp_path, change, message):
   _, directory = hf_models['pythia']
-  copy = str(tmp_path / 'bad')
-  shutil.copytree(directory, copy)
-  path = os.path.join(copy, 'config.json')
-  with open(path) as f:
-    config = json.load(f)
-  with open(path, 'w') as f:
-    json.dump(config | change, f)
+  copy = _edited_copy(directory, str(tmp_path / 'bad'), lambda config: config | change)
   with pytest.raises(ValueError, match=message):
     hf.convert_in_memory(copy)
 

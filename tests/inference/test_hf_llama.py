@@ -88,23 +88,12 @@ BUILDERS = {
 @pytest.fixture(scope='module')
 def hf_models(tmp_path_factory):
   """{name: (torch model, saved directory)} for every Llama-family variant."""
-  root = tmp_path_factory.mktemp('hf_llama')
-  out = {}
-  for i, (name, build) in enumerate(BUILDERS.items()):
-    torch.manual_seed(i)
-    model = torch_models.randomise(build(), seed=10 + i, scale=0.3)
-    directory = str(root / name)
-    model.save_pretrained(directory, safe_serialization=True)
-    out[name] = (model, directory)
-  return out
+  return torch_models.save_randomised(BUILDERS, tmp_path_factory.mktemp('hf_llama'), seed=10)
 
 
 def _batch(seed: int):
   """Right-padded rows of lengths 12, 9, 5 and their mask."""
-  rng = np.random.default_rng(seed)
-  mask = (np.arange(LENGTH)[None] < np.array([[12], [9], [5]])).astype(np.int32)  # [B, T]
-  ids = rng.integers(1, VOCAB, size=mask.shape) * mask
-  return ids.astype(np.int32), mask
+  return torch_models.padded_batch(seed, (LENGTH, 9, 5), VOCAB)
 
 
 def _hf_logits(model, ids, mask) -> np.ndarray:

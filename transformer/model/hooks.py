@@ -403,6 +403,8 @@ def run_jit(cfg, params, inputs, *, names=(), hooks=None) -> tuple[Array, dict[s
       out = forward(params, inputs, values)
     except Exception:  # noqa: BLE001 - hooks that need a number static: traced below
       del _LIFTED[cfg, picked, key]
+      if len(_TRACE_EVERY_CALL) > 256:  # a bound, as for the compiles
+        _TRACE_EVERY_CALL.clear()
       _TRACE_EVERY_CALL.add((cfg, picked, key))
     else:
       if given:  # traced now: the hooks ran; the shapes they were handed are kept for replays
