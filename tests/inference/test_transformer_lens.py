@@ -326,12 +326,17 @@ def test_persistent_hooks_and_hooks_in_run_with_cache(models, tokens):
   hooked = m.run_with_hooks(tokens, fwd_hooks=[(name, zero)])
   assert not np.allclose(hooked, plain, atol=1e-4)  # the head matters
   m.add_hook(name, zero)
-  try:
-    np.testing.assert_allclose(m(tokens), hooked, atol=1e-6)  # on every later forward
-    _, cache = m.run_with_cache(tokens, names=[name])
-    assert np.all(cache[name][:, :, 2] == 0)
-  finally:
-    m.reset_hooks()
+  np.testing.assert_allclose(m(tokens), hooked, atol=1e-6)  # on every later forward...
+  _, cache = m.run_with_cache(tokens, names=[name])
+  assert np.all(cache[name][:, :, 2] == 0)
+  m.run_with_hooks(tokens)
+  np.testing.assert_allclose(m(tokens), hooked, atol=1e-6)  # ...until reset_hooks, as TL's bridge
+  m.reset_hooks()
+  np.testing.assert_allclose(m(tokens), plain, atol=1e-6)
+  m.add_hook(name, zero, is_permanent=True)
+  m.reset_hooks()
+  np.testing.assert_allclose(m(tokens), hooked, atol=1e-6)  # a permanent one stays
+  m.reset_hooks(including_permanent=True)
   np.testing.assert_allclose(m(tokens), plain, atol=1e-6)
   with m.hooks(fwd_hooks=[(name, zero)]):
     np.testing.assert_allclose(m(tokens), hooked, atol=1e-6)
@@ -370,7 +375,8 @@ def test_utils_and_to_string(models, tokens, capsys):
   from transformer.inference import utils
 
   m, _ = models
-  assert utils.get_act_name('in', 0) == tl_get_act_name('in', 0)
+  assert utils.get_act_name('in', 0) == 'blocks.0.hook_resid_pre'  # the bridge's hook_in alias
+  assert utils.get_act_name('in', 0, 'mlp') == tl_get_act_name('in', 0, 'mlp')
   np.testing.assert_array_equal(utils.get_corner(np.arange(60).reshape(3, 4, 5), 2),
                                 [[[0, 1], [5, 6]], [[20, 21], [25, 26]]])  # fmt: skip
   assert utils.to_numpy(torch.ones(2)).tolist() == [1.0, 1.0] and utils.get_device() is not None

@@ -482,6 +482,7 @@ class Model(lens.Lens):
     loss_per_token: bool = False,
     stop_at_layer: int | None = None,
     fwd_hooks: list | None = None,
+    reset_hooks_end: bool = True,
   ) -> tuple[Any, cache_lib.ActivationCache]:
     """(logits, cache) of one forward pass, keeping only the activations that `names` (or
     TransformerLens's `names_filter`) asks for: a list of names such as
@@ -493,12 +494,14 @@ class Model(lens.Lens):
     EncoderDecoder: the decoder side gets `text` and the encoder `source`. `return_type`,
     `loss_per_token` and `stop_at_layer` are `forward`'s; `remove_batch_dim` drops the batch
     axis of a one-row cache. `fwd_hooks` run as in `run_with_hooks`, and the cache holds what
-    they returned.
+    they returned, for this call only; hooks put on with `add_hook` stay until `reset_hooks`, as
+    TransformerLens 4.3's bridge keeps them (`reset_hooks_end` is accepted for its signature).
     """
     if names is not None and names_filter is not None:
       raise ValueError('give names or names_filter (the same thing), not both')
     names = names_filter if names is None else names
     inputs = self._hook_inputs(text, source, 'run_with_cache')
+    del reset_hooks_end  # fwd_hooks never outlive the call
     out, seen = self._forward(inputs, names, fwd_hooks, return_type, loss_per_token, stop_at_layer)
     cache = cache_lib.ActivationCache(seen, self)
     return out, cache.remove_batch_dim() if remove_batch_dim else cache
@@ -513,6 +516,7 @@ class Model(lens.Lens):
     return_type: str | None = 'logits',
     loss_per_token: bool = False,
     stop_at_layer: int | None = None,
+    reset_hooks_end: bool = True,
   ) -> Any:
     """Logits with hooks applied: TransformerLens's `fwd_hooks=[(name or predicate on names,
     fn), ...]`, or `hooks={name: fn}`. Each fn is called as fn(activation, hook), `hook.name`
@@ -525,6 +529,7 @@ class Model(lens.Lens):
     hooks' Python runs again at each call on the activations' shapes (docs/dissect.md)."""
     inputs = self._hook_inputs(text, source, 'run_with_hooks')
     both = [*(hooks or {}).items(), *(fwd_hooks or [])]
+    del reset_hooks_end  # fwd_hooks never outlive the call; add_hook's stay, as in TL 4.3
     return self._forward(inputs, (), both, return_type, loss_per_token, stop_at_layer)[0]
 
   # TransformerLens's forward and tokens ----------------------------------------------------
@@ -590,7 +595,8 @@ class Model(lens.Lens):
     """(what `return_type` asks for, or the residual stream at `stop_at_layer`; {name: value} in
     forward order, as TransformerLens lists its cache)."""
     names = hooks_lib.select(self.cfg, names)
-    hooks = [*self._persistent_hooks(), *(hooks or [])] or None  # add_hook's, then the call's
+    on = [(name, fn) for name, fn, _ in self._persistent_hooks()]
+    hooks = [*on, *(hooks or [])] or None  # add_hook's, then the call's
     if stop_at_layer is None:
       logits, seen = hooks_lib.run_jit(self.cfg, self.weights, inputs, names=names, hooks=hooks)
       tokens = inputs.get('decoder_inputs', inputs['inputs'])

@@ -47,6 +47,8 @@ def get_act_name(name: str, layer: int | None = None, layer_type: str | None = N
   match = re.fullmatch(r'([a-z_]+?)(\d+)([a-z]\w*)?', name)
   if match is not None:  # 'k6', 'scale4ln1'
     name, layer, layer_type = match.group(1), int(match.group(2)), match.group(3)
+  if name == 'in' and layer is not None and layer_type is None:
+    name = 'resid_pre'  # TransformerLens 4's bridge: blocks.L.hook_in, its alias of resid_pre
   name = _NAMES.get(name, name)
   if name in _ATTN:
     layer_type = 'attn'

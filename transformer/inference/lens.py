@@ -208,22 +208,27 @@ class Lens:
   unembed = property(lambda self: _Table(W_U=self.W_U, b_U=self.b_U))
 
   # Persistent hooks ----------------------------------------------------------------------------
-  def add_hook(self, name: str | Callable[[str], bool], fn: Callable, dir: str = 'fwd') -> None:
-    """A hook that stays on every later forward (`__call__`, run_with_cache, run_with_hooks)
-    until `reset_hooks`: TransformerLens's `model.add_hook(name, fn)`."""
+  def add_hook(
+    self, name: str | Callable[[str], bool], fn: Callable, dir: str = 'fwd', is_permanent=False
+  ) -> None:
+    """TransformerLens's `model.add_hook(name, fn)`: the hook stays on every later forward
+    (`__call__`, run_with_cache, run_with_hooks) until `reset_hooks` (which keeps the
+    `is_permanent` ones unless told otherwise), as TransformerLens 4.3's bridge keeps it."""
     if dir != 'fwd':
       raise ValueError(f"dir={dir!r}: sparrow's hooks run on the forward pass only; use 'fwd'")
     hooks_lib.resolve_hooks(self.cfg, [(name, fn)])  # a bad name fails here, not later
-    self._persistent_hooks().append((name, fn))
+    self._persistent_hooks().append((name, fn, bool(is_permanent)))
 
-  def reset_hooks(self, including_permanent: bool = True) -> None:
-    """Removes every hook `add_hook` put on."""
-    del including_permanent  # sparrow has one kind
-    self._persistent_hooks().clear()
+  def reset_hooks(self, including_permanent: bool = False) -> None:
+    """Removes the hooks `add_hook` put on (the permanent ones too with including_permanent)."""
+    self._persistent_hooks()[:] = [
+      h for h in self._persistent_hooks() if h[2] and not including_permanent
+    ]
 
   @contextlib.contextmanager
   def hooks(self, fwd_hooks: list | None = None, reset_hooks_end: bool = True) -> Iterator[Any]:
-    """`with model.hooks(fwd_hooks=[(name, fn)]):` the hooks are on inside the block only."""
+    """`with model.hooks(fwd_hooks=[(name, fn)]):` the hooks are on inside the block; at its end
+    the hooks added since are removed (with reset_hooks_end)."""
     before = list(self._persistent_hooks())
     for name, fn in fwd_hooks or []:
       self.add_hook(name, fn)
@@ -234,6 +239,7 @@ class Lens:
         self._persistent_hooks()[:] = before
 
   def _persistent_hooks(self) -> list:
+    """(name, fn, permanent) of each hook add_hook put on, in order."""
     if not hasattr(self, '_hooks_on'):
       self._hooks_on = []
     return self._hooks_on

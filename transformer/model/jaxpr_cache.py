@@ -10,6 +10,7 @@ import collections
 import functools
 import gc
 import types
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -70,9 +71,10 @@ def check_nothing_kept(given: list) -> None:
 # Hooks whose numbers are arguments -----------------------------------------------------------
 # A loop of run_with_hooks calls whose hooks differ only in Python numbers (a layer, a position,
 # a head: `partial(patch, pos=p)`, or a lambda closing over a loop variable) would trace and
-# compile once per number. `lift` takes such numbers, and the arrays and caches a hook is given,
-# out of its hooks as arguments, and keys the compiled forward on what is left: the hooks' code,
-# their other arguments and the globals they name (by identity). The next call with other numbers
+# compile once per number. `lift` takes such numbers, and the JAX arrays and activation caches a
+# hook is given, out of its hooks as arguments, and keys the compiled forward on what is left: the
+# hooks' code, their other arguments and the globals they name (by identity; a NumPy array by its
+# contents too, since a callback may write scores into it). The next call with other numbers
 # runs the same compile without tracing again. A hook that needs a number to be a Python int
 # (a slice bound, a shape, an `if`) fails to trace that way, and that key then goes through
 # `traced` at every call, as before.
@@ -94,9 +96,12 @@ def _value(v: Any, lifted: list, keep: list) -> tuple:
   if _is_number(v):
     lifted.append(jax.numpy.asarray(v))
     return ('number', type(v))
-  if isinstance(v, np.ndarray | jax.Array):
+  if isinstance(v, jax.Array):  # immutable: passed in
     lifted.append(v)
     return ('array', v.shape, str(v.dtype))
+  if isinstance(v, np.ndarray):  # may be written in place (by a callback): kept, keyed by content
+    keep.append(v)
+    return ('ndarray', id(v), v.shape, str(v.dtype), zlib.crc32(np.ascontiguousarray(v).data))
   if _is_cache(v):
     lifted.append(dict(v.cache_dict))
     return ('cache', tuple((n, a.shape, str(a.dtype)) for n, a in v.cache_dict.items()))
@@ -148,7 +153,7 @@ def _rebuilt(fn: Callable, values: Iterator) -> Callable:
 
 
 def _take(v: Any, values: Iterator) -> Any:
-  if _is_number(v) or isinstance(v, np.ndarray | jax.Array):
+  if _is_number(v) or isinstance(v, jax.Array):
     return next(values)
   if _is_cache(v):
     return v.traced_copy(next(values))
