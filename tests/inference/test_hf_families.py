@@ -15,6 +15,8 @@ if sys.version_info >= (3, 12) and importlib.util.find_spec('torch') is None:  #
   )
 
 os.environ['HF_HUB_OFFLINE'] = '1'
+# torch_models (tests/) and the package, when run as a script from the clone's root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import json
 import shutil
@@ -301,3 +303,41 @@ def test_transformer_lens_hooks_match(hf_models, name):
       fwd_hooks=[(hook, lambda x, hook: seen.setdefault('theirs', x.clone()))],
     )
   _close(np.asarray(seen['ours']), seen['theirs'], f'{hook} through a hook')
+
+
+if __name__ == '__main__':
+  # Prints docs/models.md's table: python tests/inference/test_hf_families.py
+  import pathlib
+  import tempfile
+
+  from transformer_lens.model_bridge import TransformerBridge
+
+  import transformer
+
+  builders = {name: build for name, (_, build, _) in FAMILIES.items()}
+  folders = torch_models.save_randomised(builders, pathlib.Path(tempfile.mkdtemp()), seed=20)
+  print('| build | max relative logit error | bridge hooks compared | their max error |')
+  for name, (model, directory) in folders.items():
+    _, cfg, params, _ = hf.convert_in_memory(directory)
+    ids, mask = _batch(0)
+    with torch.no_grad():
+      theirs = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    ours = np.asarray(models.build(cfg).apply({'params': params}, jnp.asarray(ids), segments=mask))
+    error = _relative_error(ours[mask.astype(bool)], theirs[mask.astype(bool)])
+    m, bridge = transformer.load(directory), TransformerBridge.boot_transformers(directory)
+    bridge.enable_compatibility_mode(disable_warnings=True, no_processing=True)
+    tokens = np.random.default_rng(0).integers(1, VOCAB, size=(2, LENGTH)).astype(np.int32)
+    _, cache = m.run_with_cache(tokens)
+    with torch.no_grad():
+      _, tl_cache = bridge.run_with_cache(torch.tensor(tokens, dtype=torch.long))
+    worst = 0.0
+    for hook in [n for n in cache if n in tl_cache.cache_dict]:
+      a, b = np.asarray(cache[hook]), tl_cache[hook].numpy()
+      b = b.swapaxes(1, 2) if '.q_norm.' in hook or '.k_norm.' in hook else b
+      if name == 'gpt_neo' and hook.endswith('hook_attn_scores'):  # the bridge's probabilities
+        a = np.exp(a - a.max(-1, keepdims=True))
+        a = a / a.sum(-1, keepdims=True)
+      f = np.isfinite(b)
+      worst = max(worst, float(np.abs(a[f] - b[f]).max() / max(np.abs(b[f]).max(), 1.0)))
+    shared = sum(n in tl_cache.cache_dict for n in cache)
+    print(f'| {name} | {error:.1e} | {shared} | {worst:.1e} |')
