@@ -89,3 +89,61 @@ def out_proj(model, layer: int):
   """The attention output projection of block `layer` (its input: the heads' outputs)."""
   block = blocks(model)[layer]
   return block.attn.c_proj if hasattr(block, 'attn') else block.self_attn.o_proj
+
+
+def assert_greedy_matches_hf(model, cfg, params, vocab: int, tokens: int = 20) -> None:
+  """`tokens` greedy tokens on sparrow's KV cache, from two right-padded prompts (lengths 3 and
+  7) in one call, equal Hugging Face's `generate` of each prompt alone."""
+  import numpy as np
+
+  from transformer.model import decode, models
+
+  rng = np.random.default_rng(3)
+  prompts = np.zeros((2, 7), np.int64)  # ours: both in one call, right-padded (one compile)
+  for row, length in enumerate((3, 7)):
+    prompts[row, :length] = rng.integers(1, vocab, size=length)
+  ours = decode.generate(models.build(cfg), params, prompts, max_new_tokens=tokens, eos_id=-1)
+  for row, length in enumerate((3, 7)):  # theirs: one prompt at a time
+    with torch.no_grad():
+      theirs = model.generate(
+        torch.as_tensor(prompts[row : row + 1, :length]),
+        attention_mask=torch.ones(1, length, dtype=torch.long),
+        do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, eos_token_id=None,
+        pad_token_id=0,
+      )[0, length:].numpy()  # fmt: skip
+    assert len(theirs) == tokens
+    np.testing.assert_array_equal(np.asarray(ours)[row], theirs)
+
+
+def save_word_gpt2(directory: str, words: list[str], seed: int, **config):
+  """A random GPT-2 (`config`: GPT2Config's sizes; perturbed by `randomise`) and a word-level
+  tokenizer over `words` (words[0] the bos = eos, words[1] the unknown; splits off punctuation)
+  saved to `directory`, as the ported demos load them. Returns the torch model."""
+  import json
+
+  import tokenizers
+
+  config = transformers.GPT2Config(vocab_size=len(words), bos_token_id=0, eos_token_id=0, **config)
+  torch.manual_seed(seed)
+  model = randomise(transformers.GPT2LMHeadModel(config), seed=seed + 4)
+  model.save_pretrained(directory, safe_serialization=True)
+  vocab = {w: i for i, w in enumerate(words)}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=words[1]))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()  # splits off punctuation
+  tok.decoder = tokenizers.decoders.WordPiece(prefix='##')  # joins words with spaces
+  tok.save(os.path.join(directory, 'tokenizer.json'))
+  with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
+    json.dump({'bos_token': words[0], 'eos_token': words[0]}, f)
+  return model
+
+
+def page_section_code(page: str, section: str) -> str:
+  """The Python blocks of one `## ` section of a docs page, joined in order."""
+  import re
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, 'docs', page)) as f:
+    text = f.read()
+  text = text[text.index(section) :]
+  text = text[: text.find('\n## ', 1)] if '\n## ' in text[1:] else text
+  return '\n'.join(re.findall(r'^```python\n(.*?)^```', text, re.S | re.M))

@@ -4,9 +4,7 @@ TransformerLens's bridge on the same folder (weights processed by both, Transfor
 defaults): the logit differences, the attribution, and the patching maps of its loops."""
 
 import importlib.util
-import json
 import os
-import re
 import sys
 
 import pytest
@@ -20,13 +18,10 @@ if sys.version_info >= (3, 12) and importlib.util.find_spec('torch') is None:
 os.environ['HF_HUB_OFFLINE'] = '1'
 
 import numpy as np
-import tokenizers
 import torch
-import transformers
-from torch_models import randomise
+import torch_models
 from transformer_lens.model_bridge import TransformerBridge
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECTION = "## Porting TransformerLens's Exploratory Analysis Demo"
 TEXT = (
   'After When John and Mary Tom James Dan Sid Martin Amy went to the store shops park , gave a '
@@ -35,39 +30,15 @@ TEXT = (
 WORDS = ['<|endoftext|>', '[UNK]'] + sorted(set(TEXT.split())) + [f'w{i}' for i in range(30)]
 
 
-def _folder(directory: str) -> None:
-  config = transformers.GPT2Config(
-    vocab_size=len(WORDS), n_positions=64, n_embd=32, n_layer=2, n_head=4,
-    initializer_range=0.3, bos_token_id=0, eos_token_id=0,
-  )  # fmt: skip
-  torch.manual_seed(1)
-  randomise(transformers.GPT2LMHeadModel(config), seed=5).save_pretrained(
-    directory, safe_serialization=True
-  )
-  tok = tokenizers.Tokenizer(
-    tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token='[UNK]')
-  )
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-  tok.decoder = tokenizers.decoders.WordPiece(prefix='##')
-  tok.save(os.path.join(directory, 'tokenizer.json'))
-  with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
-    json.dump({'bos_token': '<|endoftext|>', 'eos_token': '<|endoftext|>'}, f)
-
-
-def _section_code() -> str:
-  with open(os.path.join(ROOT, 'docs', 'dissect.md')) as f:
-    page = f.read()
-  section = page[page.index(SECTION) :]
-  section = section[: section.find('\n## ', 1)] if '\n## ' in section[1:] else section
-  return '\n'.join(re.findall(r'^```python\n(.*?)^```', section, re.S | re.M))
-
-
 @pytest.fixture(scope='module')
 def demo(tmp_path_factory):
   """(the namespace after the page's blocks ran, TransformerLens's bridge on the same folder)."""
   directory = str(tmp_path_factory.mktemp('exploratory') / 'gpt2')
-  _folder(directory)
-  code = _section_code()
+  torch_models.save_word_gpt2(
+    directory, WORDS, seed=1, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+    initializer_range=0.3,
+  )  # fmt: skip
+  code = torch_models.page_section_code('dissect.md', SECTION)
   assert "transformer.load('downloads/gpt2', process_weights=True)" in code
   namespace = {}
   exec(compile(code.replace('downloads/gpt2', directory), 'dissect.md', 'exec'), namespace)

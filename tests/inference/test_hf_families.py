@@ -31,7 +31,7 @@ import transformers
 
 from transformer.config import ModelConfig
 from transformer.inference import hf
-from transformer.model import decode, models
+from transformer.model import models
 
 VOCAB = 97
 LENGTH = 13
@@ -173,19 +173,7 @@ def test_greedy_generation_matches_hugging_face(hf_models, name):
   """20 greedy tokens on the KV cache = HF's generate, from prompts of two lengths."""
   model, directory = hf_models[name]
   _, cfg, params, _ = hf.convert_in_memory(directory)
-  rng = np.random.default_rng(3)
-  prompts = np.zeros((2, 7), np.int64)
-  for row, length in enumerate((3, 7)):
-    prompts[row, :length] = rng.integers(1, VOCAB, size=length)
-  ours = decode.generate(models.build(cfg), params, prompts, max_new_tokens=20, eos_id=-1)
-  for row, length in enumerate((3, 7)):
-    with torch.no_grad():
-      theirs = model.generate(
-        torch.as_tensor(prompts[row : row + 1, :length]),
-        attention_mask=torch.ones(1, length, dtype=torch.long),
-        do_sample=False, max_new_tokens=20, min_new_tokens=20, eos_token_id=None, pad_token_id=0,
-      )[0, length:].numpy()  # fmt: skip
-    np.testing.assert_array_equal(np.asarray(ours)[row], theirs)
+  torch_models.assert_greedy_matches_hf(model, cfg, params, VOCAB)
 
 
 @pytest.mark.parametrize('name', list(FAMILIES))

@@ -30,7 +30,7 @@ import transformers
 
 from transformer.config import ModelConfig
 from transformer.inference import hf
-from transformer.model import decode, models
+from transformer.model import models
 
 VOCAB = 101  # not a multiple of 8
 LENGTH = 12
@@ -158,24 +158,7 @@ def test_greedy_generation_matches_hugging_face(hf_models, name):
   """20 greedy tokens with the KV cache (Mistral's window is passed mid-prompt) = HF's generate."""
   model, directory = hf_models[name]
   _, cfg, params, _ = hf.convert_in_memory(directory)
-  rng = np.random.default_rng(3)
-  prompts = np.zeros((2, 7), np.int64)  # ours: both in one call, right-padded (one compile)
-  for row, length in enumerate((3, 7)):
-    prompts[row, :length] = rng.integers(1, VOCAB, size=length)
-  ours = decode.generate(models.build(cfg), params, prompts, max_new_tokens=20, eos_id=-1)
-  for row, length in enumerate((3, 7)):  # theirs: one prompt at a time
-    with torch.no_grad():
-      theirs = model.generate(
-        torch.as_tensor(prompts[row : row + 1, :length]),
-        attention_mask=torch.ones(1, length, dtype=torch.long),
-        do_sample=False,
-        max_new_tokens=20,
-        min_new_tokens=20,
-        eos_token_id=None,
-        pad_token_id=0,
-      )[0, length:].numpy()
-    assert len(theirs) == 20
-    np.testing.assert_array_equal(np.asarray(ours)[row], theirs)
+  torch_models.assert_greedy_matches_hf(model, cfg, params, VOCAB)
 
 
 @pytest.mark.parametrize('name', list(BUILDERS))

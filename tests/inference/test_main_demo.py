@@ -7,9 +7,7 @@ against the `transformers` model and against what patching must give.
 """
 
 import importlib.util
-import json
 import os
-import re
 import sys
 
 import pytest
@@ -23,14 +21,11 @@ if sys.version_info >= (3, 12) and importlib.util.find_spec('torch') is None:
 os.environ['HF_HUB_OFFLINE'] = '1'
 
 import numpy as np
-import tokenizers
 import torch
-import transformers
-from torch_models import randomise
+import torch_models
 
 from transformer.model import hooks as hooks_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECTION = "## Porting TransformerLens's Main Demo"
 TEXT = (
   'When Mary and John went to the store , gave a drink . The quick brown fox jumped over lazy dog'
@@ -38,39 +33,15 @@ TEXT = (
 WORDS = ['<|endoftext|>', '[UNK]'] + sorted(set(TEXT.split())) + [f'w{i}' for i in range(40)]
 
 
-def _folder(directory: str) -> transformers.GPT2LMHeadModel:
-  """Saves a random GPT-2 and its tokenizer (bos = eos = <|endoftext|>, id 0) to `directory`."""
-  config = transformers.GPT2Config(
-    vocab_size=len(WORDS), n_positions=128, n_embd=48, n_layer=2, n_head=12,
-    initializer_range=0.2, bos_token_id=0, eos_token_id=0,
-  )  # fmt: skip
-  torch.manual_seed(0)
-  model = randomise(transformers.GPT2LMHeadModel(config), seed=4)
-  model.save_pretrained(directory, safe_serialization=True)
-  vocab = {w: i for i, w in enumerate(WORDS)}
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token='[UNK]'))
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()  # splits off punctuation
-  tok.decoder = tokenizers.decoders.WordPiece(prefix='##')  # joins words with spaces
-  tok.save(os.path.join(directory, 'tokenizer.json'))
-  with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
-    json.dump({'bos_token': '<|endoftext|>', 'eos_token': '<|endoftext|>'}, f)
-  return model
-
-
-def _section_code() -> str:
-  with open(os.path.join(ROOT, 'docs', 'dissect.md')) as f:
-    page = f.read()
-  section = page[page.index(SECTION) :]
-  section = section[: section.find('\n## ', 1)] if '\n## ' in section[1:] else section
-  return '\n'.join(re.findall(r'^```python\n(.*?)^```', section, re.S | re.M))
-
-
 @pytest.fixture(scope='module')
 def demo(tmp_path_factory):
   """(the namespace after the page's cells ran, the transformers model)."""
   directory = str(tmp_path_factory.mktemp('demo') / 'gpt2')
-  model = _folder(directory)
-  code = _section_code()
+  model = torch_models.save_word_gpt2(
+    directory, WORDS, seed=0, n_positions=128, n_embd=48, n_layer=2, n_head=12,
+    initializer_range=0.2,
+  )  # fmt: skip
+  code = torch_models.page_section_code('dissect.md', SECTION)
   assert "transformer.load('downloads/gpt2')" in code
   namespace = {}
   exec(compile(code.replace('downloads/gpt2', directory), 'dissect.md', 'exec'), namespace)
