@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, NoReturn
 
@@ -78,7 +79,8 @@ class _DropOrbaxLeftovers:
   The error was already raised (as CorruptCheckpointError or CheckpointError). Without this,
   the garbage collector prints "Exception ignored in: <coroutine ...>" tracebacks for its
   coroutines later in the run, and tensorstore reads and writes that finish after orbax closed
-  its event loop print "Event loop is closed".
+  its event loop print "Event loop is closed" (through this hook, or through sys.excepthook from
+  tensorstore's own thread: `_DropLateEcho`).
   """
 
   failures = 0  # counted by Checkpointer._read and Checkpointer._raise_save_error
@@ -86,14 +88,32 @@ class _DropOrbaxLeftovers:
   def __init__(self, previous):
     self.previous = previous
 
+  @classmethod
+  def late(cls, error: BaseException | None) -> bool:
+    """A tensorstore callback that found orbax's event loop closed, after a failure."""
+    closed = isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'
+    return bool(closed and cls.failures)
+
   def __call__(self, unraisable) -> None:
     code = getattr(unraisable.object, 'cr_code', None)
     if code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename:
       return
-    late = isinstance(unraisable.exc_value, RuntimeError) and unraisable.object is None
-    if late and self.failures and str(unraisable.exc_value) == 'Event loop is closed':
+    if unraisable.object is None and self.late(unraisable.exc_value):
       return
     self.previous(unraisable)
+
+
+class _DropLateEcho:
+  """A sys.excepthook that drops `_DropOrbaxLeftovers.late` echoes printed off the main thread."""
+
+  def __init__(self, previous):
+    self.previous = previous
+
+  def __call__(self, kind, error, traceback) -> None:
+    main = threading.current_thread() is threading.main_thread()
+    if not main and _DropOrbaxLeftovers.late(error):
+      return
+    self.previous(kind, error, traceback)
 
 
 def _quiet_orbax() -> None:
@@ -102,6 +122,8 @@ def _quiet_orbax() -> None:
     absl_logger.addFilter(_DropOrbaxInfo())
   if not isinstance(sys.unraisablehook, _DropOrbaxLeftovers):
     sys.unraisablehook = _DropOrbaxLeftovers(sys.unraisablehook)
+  if not isinstance(sys.excepthook, _DropLateEcho):
+    sys.excepthook = _DropLateEcho(sys.excepthook)
 
 
 class Checkpointer:
