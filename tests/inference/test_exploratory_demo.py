@@ -1,7 +1,7 @@
 """docs/dissect.md's port of TransformerLens's Exploratory Analysis Demo runs as written, on a
 random GPT-2 folder with a word-level tokenizer that holds the demo's words, and its numbers equal
-TransformerLens's bridge on the same folder (weights processed by both, TransformerLens's
-defaults): the logit differences, the attribution, and the patching maps of its loops."""
+TransformerLens's bridge on the same folder (weights processed by both as the demo asks,
+refactored attention factors included): the logit differences, the attribution, and the patching maps of its loops."""
 
 import importlib.util
 import os
@@ -39,11 +39,11 @@ def demo(tmp_path_factory):
     initializer_range=0.3,
   )  # fmt: skip
   code = torch_models.page_section_code('dissect.md', SECTION)
-  assert "transformer.load('downloads/gpt2', process_weights=True)" in code
+  assert "'downloads/gpt2', process_weights=True, refactor_factored_attn_matrices=True" in code
   namespace = {}
   exec(compile(code.replace('downloads/gpt2', directory), 'dissect.md', 'exec'), namespace)
   bridge = TransformerBridge.boot_transformers(directory, device='cpu')
-  bridge.enable_compatibility_mode(disable_warnings=True)
+  bridge.enable_compatibility_mode(disable_warnings=True, refactor_factored_attn_matrices=True)
   return namespace, bridge
 
 

@@ -293,6 +293,48 @@ def test_processed_weights_match_transformer_lens(folder, tokens):
     _close(ours, theirs, f'{method} {kwargs}')
 
 
+def test_refactored_attention_factors_match_transformer_lens(folder, tokens, caches):
+  """refactor_factored_attn_matrices on top of the default processing, against the bridge's: the
+  logits stay those of the processed model, W_O is a rotation per head, b_V is zero, and hook_q,
+  hook_k, hook_v and hook_z (which the refactoring changes) equal TransformerLens's up to each
+  singular pair's sign, which LAPACK builds choose differently; here the largest entry of each
+  W_Q column (with b_Q as its last row) and each W_V column is positive. Refactoring alone keeps
+  the unprocessed logits; RoPE is refused."""
+  m = transformer.load(folder, process_weights=True, refactor_factored_attn_matrices=True)
+  plain = transformer.load(folder, process_weights=True)
+  bridge = _bridge(folder, refactor_factored_attn_matrices=True)
+  logits, cache = m.run_with_cache(tokens)
+  plain_logits, plain_cache = plain.run_with_cache(tokens)
+  np.testing.assert_allclose(logits, plain_logits, atol=1e-4)
+  with torch.no_grad():
+    tl_logits, tl_cache = bridge.run_with_cache(torch.tensor(tokens, dtype=torch.long))
+  _close(logits, tl_logits, 'logits')
+  for layer in range(LAYERS):
+    for pair in (('hook_q', 'hook_k'), ('hook_v', 'hook_z')):
+      name = f'blocks.{layer}.attn.{pair[0]}'  # [B, T, N, H]: a pair's sign per head and column
+      signs = np.sign(np.einsum('btnh,btnh->nh', cache[name], tl_cache[name].numpy()))
+      for hook in pair:
+        name = f'blocks.{layer}.attn.{hook}'
+        _close(cache[name] * signs, tl_cache[name], name)
+        assert np.abs(cache[name] - plain_cache[name]).max() > 1e-2, name  # it did change them
+    key = f'blocks.{layer}.attn.hook_pattern'
+    _close(cache[key], tl_cache[key], key)
+  w_o = np.asarray(m.W_O, np.float64)  # [L, N, H, D]
+  gram = w_o @ w_o.swapaxes(-1, -2)  # [L, N, H, H]
+  np.testing.assert_allclose(gram, np.broadcast_to(np.eye(gram.shape[-1]), gram.shape), atol=1e-5)
+  assert np.abs(np.asarray(m.b_V)).max() == 0
+  w_q = np.concatenate([np.asarray(m.W_Q), np.asarray(m.b_Q)[:, :, None]], axis=2)  # [L, N, D+1, H]
+  for factor in (w_q, np.asarray(m.W_V)):
+    largest = np.take_along_axis(factor, np.abs(factor).argmax(2)[:, :, None], axis=2)
+    assert (largest > 0).all()
+  alone = transformer.load(folder, refactor_factored_attn_matrices=True)
+  np.testing.assert_allclose(alone(tokens), caches[0], atol=1e-4)  # the unprocessed logits
+  rope_cfg = m.cfg.replace(position='rope', num_heads=2)  # an even head size; refused before use
+  rope = m.__class__(rope_cfg, m.params, None, None, 0, '')
+  with pytest.raises(ValueError, match="position='rope'"):
+    rope.process_weights(refactor_factored_attn_matrices=True)
+
+
 _WEIGHTS = ['W_Q', 'W_K', 'W_V', 'W_O', 'b_Q', 'b_K', 'b_V', 'b_O', 'W_in', 'b_in', 'W_out',
             'b_out', 'W_E', 'W_pos', 'W_U', 'b_U']  # fmt: skip
 

@@ -40,12 +40,14 @@ def load(
   *,
   param_dtype: str = 'float32',
   process_weights: bool = False,
+  refactor_factored_attn_matrices: bool = False,
 ) -> Model:
   """The model, parameters, config and tokenizer of `workdir` (its latest checkpoint by default),
   or of a Hugging Face model folder (config.json + safetensors), converted in memory.
 
   `param_dtype` (Hugging Face folders): float32 | bfloat16 | float16 | keep (the file's dtype).
-  `process_weights`: TransformerLens's processing with its defaults (`Model.process_weights`).
+  `process_weights`: TransformerLens's processing with its defaults (`Model.process_weights`);
+  `refactor_factored_attn_matrices` adds its refactoring of each head's QK and OV factors.
 
   Raises:
     FileNotFoundError: no such workdir, no config.json in it, or no checkpoint.
@@ -58,7 +60,7 @@ def load(
     params = jax.tree_util.tree_map(jnp.asarray, params)
     tokenizer = _hf_tokenizer(directory, os.path.join(directory, 'config.json'))
     model = Model(cfg, params, config, tokenizer, 0, workdir)
-    return model.process_weights() if process_weights else model
+    return _processed(model, process_weights, refactor_factored_attn_matrices)
   from transformer.training.workdir import load_run  # the loop's siblings; keep `import` light
 
   run, state, step = load_run(workdir, step, with_data=False)
@@ -68,7 +70,18 @@ def load(
     tokenizer = _hf_tokenizer(tokenizer_dir, os.path.join(workdir, hf.HF_CONFIG))
   stats = getattr(state, 'batch_stats', None)  # a batchnorm model's running statistics
   model = Model(run.model_cfg, state.params, run.config, tokenizer, step, workdir, stats)
-  return model.process_weights() if process_weights else model
+  return _processed(model, process_weights, refactor_factored_attn_matrices)
+
+
+def _processed(model: Model, process: bool, refactor: bool) -> Model:
+  """`load`'s processing: TransformerLens's four defaults when `process`, the refactoring when
+  `refactor` (alone, if only it is asked for)."""
+  if not (process or refactor):
+    return model
+  steps = ('fold_ln', 'center_writing_weights', 'center_unembed', 'fold_value_biases')
+  return model.process_weights(
+    **dict.fromkeys(steps, process), refactor_factored_attn_matrices=refactor
+  )
 
 
 def _hf_tokenizer(directory: str, hf_config_path: str):
@@ -129,13 +142,16 @@ class Model(lens.Lens):
     center_writing_weights: bool = True,
     center_unembed: bool = True,
     fold_value_biases: bool = True,
+    refactor_factored_attn_matrices: bool = False,
   ) -> Model:
     """This model with TransformerLens's weight processing (`inference/weights.py`): the same
     log-probabilities, the logits moved by one constant per position, the norms folded into the
-    next matrices and the residual stream centred. Pre-LN LayerNorm models with biases (GPT-2)."""
+    next matrices and the residual stream centred; optionally each head's QK and OV products
+    refactored into even, orthogonal factors. Pre-LN LayerNorm models with biases (GPT-2)."""
     cfg, params = weights_lib.process_weights(
       self.cfg, self.params, fold_ln=fold_ln, center_writing_weights=center_writing_weights,
       center_unembed=center_unembed, fold_value_biases=fold_value_biases,
+      refactor_factored_attn_matrices=refactor_factored_attn_matrices,
     )  # fmt: skip
     params = jax.tree_util.tree_map(jnp.asarray, params)
     return Model(cfg, params, self.config, self.tokenizer, self.step, self.workdir)
