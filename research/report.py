@@ -251,7 +251,10 @@ def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str,
   pre, found = _judged(meta, results)
   status = verdicts.overall(found)
   skipped = {r['variant']: r.get('error') for r in results if r.get('status') == 'skipped'}
-  not_run = sum(v.status == verdicts.NOT_RUN for v in found)
+  filtered = sum(
+    v.status == verdicts.NOT_RUN and v.text.startswith(verdicts.NOT_COMPARED) for v in found
+  )
+  not_run = sum(v.status == verdicts.NOT_RUN for v in found) - filtered
   unsure = sum(v.status == verdicts.INCONCLUSIVE for v in found)
   held = [v.rule.get('text') or v.rule['kind'] for v in found if v.status == verdicts.REPRODUCED]
   built = sum(v.status == verdicts.BY_CONSTRUCTION for v in found)
@@ -267,6 +270,11 @@ def _verdict_lines(meta: Mapping, results: Sequence[Mapping]) -> tuple[str, str,
     notes.append(f'{unsure} of {len(found)} rules inconclusive at this budget')
   if not_run and status != verdicts.NOT_RUN:
     notes.append(f'{not_run} of {len(found)} rules could not run here: no verdict on them')
+  if filtered and status != verdicts.NOT_RUN:  # the data exist: a `where` condition left them out
+    notes.append(
+      f"{filtered} of {len(found)} rules not compared: an arm they name fails the rule's "
+      'condition at every seed, so no verdict on them'
+    )
   note = '; '.join(notes)
   line = f'**Verdict: {status}.**' + (f' {note} (see below).' if note else '')
   lines = [f'**Claim.** {meta.get("claim") or "(not stated)"}', '', line, '', *_null_lines(meta)]

@@ -53,6 +53,8 @@ from research.rules import check_rule
 REPRODUCED = 'reproduced'
 NOT_REPRODUCED = 'not reproduced at this scale'
 NOT_RUN = 'not run'
+# How a NOT_RUN verdict begins when the rule's `where` left out an arm it names (the data exist).
+NOT_COMPARED = 'not compared'
 INCONCLUSIVE = 'inconclusive at this budget'
 BY_CONSTRUCTION = 'holds by construction'  # it holds on a null too: it could not have failed
 VACUOUS = 'vacuous'  # every rule that held holds by construction
@@ -568,7 +570,7 @@ def _apply_where(rule: Mapping, table: Table) -> tuple[dict, Table, Verdict | No
     return dict(rule), table, Verdict(NOT_RUN, text, dict(rule))
   out = [v for v in named if v in failing]
   if out:
-    text = f'not compared: {", ".join(out)} fails the condition {condition}'
+    text = f'{NOT_COMPARED}: {", ".join(out)} fails the condition {condition}'
     return dict(rule), table, Verdict(NOT_RUN, text, dict(rule))
   kept = dict(rule)
   for key in ('variants', 'among'):

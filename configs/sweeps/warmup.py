@@ -23,6 +23,10 @@ def get_sweep(scale: int = 1) -> dict:
       dict(kind='less', metric='eval.loss', a=b, b=a, where=_LEARNED_EARLY,
            text=f'at {lr}, warmup ends better'),
     ]  # fmt: skip
+  rules.append(
+    dict(kind='greater', metric='eval.loss', a='lr5e-3_no_warmup', b='lr5e-3_warmup',
+         text='at lr5e-3, post-LN without warmup fails to learn: it ends above the warmed-up arm'),
+  )  # fmt: skip
   return dict(
     name='warmup',
     claim='Post-LN without warmup (a large constant learning rate) spikes or diverges; with a '
@@ -37,9 +41,10 @@ def get_sweep(scale: int = 1) -> dict:
     '`train.spikes` counts the steps whose loss exceeds 1.5x the median of the 50 before '
     '(training/faults.SpikeDetector, no rollback). Non-finite steps are skipped '
     '(train.nonfinite=skip); a run that keeps failing counts as diverged (infinite loss). The '
-    'rules compare the two arms at each learning rate where both learned at first '
-    '(`where=train.learned_early`); where one never learns there is no spike to count, and the '
-    'rule does not run.',
+    'spike and end-loss rules compare the two arms at each learning rate where both learned at '
+    'first (`where=train.learned_early`); where one never learns there is no spike to count, '
+    'and that rule is not compared. The last rule compares the end losses at 5e-3 without '
+    "that condition: an arm that fails to learn at all is the claim's strongest evidence.",
     base='configs/default.py',
     overrides={
       'optim.schedule': 'constant',

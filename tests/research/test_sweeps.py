@@ -405,6 +405,28 @@ def test_a_claim_that_fails_one_rule_still_names_the_rules_that_held():
   assert (status, note) == (verdicts.REPRODUCED, '')
 
 
+def test_a_rule_that_its_condition_filters_out_is_not_called_one_that_could_not_run():
+  """A `where` that leaves out an arm (the data exist) and a variant that was never recorded get
+  their own notes: 'not compared' and 'could not run here'."""
+  results = [
+    {'variant': v, 'seed': 0, 'status': 'ok', 'metrics': {'loss': x, 'learned': ok}}
+    for v, x, ok in (('warm', 0.5, 1), ('cold', 2.9, 0))
+  ]
+  learned = {'metric': 'learned', 'value': 1}
+  rules = [
+    dict(kind='less', metric='loss', a='warm', b='cold', where=learned, text='filtered'),
+    dict(kind='greater', metric='loss', a='cold', b='warm', text='cold fails to learn'),
+    dict(kind='less', metric='loss', a='warm', b='absent', text='never run'),
+  ]
+  status, note, lines = report._verdict_lines({'claim': 'c', 'rules': rules}, results)
+  assert status == verdicts.REPRODUCED
+  assert note == (
+    '1 of 3 rules could not run here: no verdict on them; 1 of 3 rules not compared: an arm '
+    "they name fails the rule's condition at every seed, so no verdict on them"
+  )
+  assert any(line.startswith('1. **not run**') and 'not compared: cold' in line for line in lines)
+
+
 def test_the_report_shows_each_rules_null_and_calls_a_sweep_vacuous_without_a_counted_rule():
   results = [
     {'variant': v, 'seed': 0, 'status': 'ok', 'metrics': {'acc': x}}
