@@ -79,8 +79,9 @@ def get_sweep(scale: int = 1) -> dict:
         reason='a model that learned nothing never learns early (train.learned_early 0), has no '
         f"spike and, predicting uniformly over the task's token ids, ends at ln V = "
         f'{uniform:.3f} nats (computed from the task; an untrained model does no better, '
-        'tests/research/test_nulls.py) in both arms; every rule compares only arms that learned '
-        'early, so on this null no rule runs: none can hold by construction',
+        'tests/research/test_nulls.py) in both arms; the spike and end-loss rules compare only '
+        'arms that learned early, so on this null they do not run, and the last rule sees the '
+        'same loss in both arms at 5e-3 (a gap of 0), so it fails on it',
         values={
           f'{lr}_{arm}': {'train.learned_early': 0.0, 'train.spikes': 0.0, 'eval.loss': uniform}
           for lr in _LRS
