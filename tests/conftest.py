@@ -12,12 +12,13 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in os.environ.get('PYTHONPATH', '').split(os.pathsep):
   os.environ['PYTHONPATH'] = os.pathsep.join(p for p in (_ROOT, os.environ.get('PYTHONPATH')) if p)
 
-# XLA:CPU compiles about twice as fast without LLVM's backend optimisations, and the suite is
-# mostly compile time on tiny models. Results stay within every test's tolerance; benchmarks
-# (experiments/bench_*.py) never run under this flag.
-_FAST_COMPILE = '--xla_backend_optimization_level=0'
-if _FAST_COMPILE not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _FAST_COMPILE).strip()
+# XLA:CPU compiles tiny models much faster under tests/xla_flags.py's flags, and the suite is
+# mostly compile time on tiny models (every worker and subprocess inherits them).
+from xla_flags import fast_compile  # noqa: E402 - no JAX
+
+for _flag in fast_compile().split():
+  if _flag not in os.environ.get('XLA_FLAGS', '').split():
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' ' + _flag).strip()
 
 # Huge pages for XLA:CPU's per-step scratch buffers (experiments/cli.py, `huge_page_tunables`,
 # which every command line does for itself): glibc reads the setting when a process starts, so it

@@ -9,10 +9,11 @@ import json
 import os
 import sys
 
+import xla_flags
+
 MODE = sys.argv[1]
-os.environ['XLA_FLAGS'] = (  # optimisation level 0 halves XLA:CPU compile times
-  f'--xla_force_host_platform_device_count={4 if MODE == "host" else 8} '
-  '--xla_backend_optimization_level=0'
+os.environ['XLA_FLAGS'] = (  # the suite's fast-compile flags (tests/xla_flags.py)
+  f'--xla_force_host_platform_device_count={4 if MODE == "host" else 8} {xla_flags.fast_compile()}'
 )
 os.environ['JAX_PLATFORMS'] = 'cpu'
 

@@ -9,10 +9,10 @@ import json
 import os
 import sys
 
-# Optimisation level 0 halves XLA:CPU compile times; every run here shares it.
-os.environ['XLA_FLAGS'] = (
-  '--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0'
-)
+import xla_flags
+
+# The suite's fast-compile flags (tests/xla_flags.py); every run here shares them.
+os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count=8 {xla_flags.fast_compile()}'
 os.environ['JAX_PLATFORMS'] = 'cpu'
 
 import jax  # noqa: E402

@@ -1,7 +1,8 @@
 """docs/dissect.md's port of TransformerLens's Exploratory Analysis Demo runs as written, on a
 random GPT-2 folder with a word-level tokenizer that holds the demo's words, and its numbers equal
 TransformerLens's bridge on the same folder (weights processed by both as the demo asks,
-refactored attention factors included): the logit differences, the attribution, and the patching maps of its loops."""
+refactored attention factors included): the logit differences, the attribution, and the
+patching maps of its loops."""
 
 import importlib.util
 import os

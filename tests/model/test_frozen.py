@@ -4,9 +4,10 @@ For every preset in `configs/` and every option the model tests exercise, `tests
 holds the sorted parameter paths and shapes, the hook points in the order a forward pass calls
 them, a checksum of each initial parameter, and the logits on fixed tokens: evaluation, training
 (dropout on) and a cached decoding step, from the initial parameters with every weight perturbed.
-A change that moves any of them fails here. On the jax and the CPU that wrote them the logits
-must agree bit for bit; another jax (another XLA), or a CPU with other vector instructions (XLA:CPU
-compiles for the host it runs on), may round differently, so there they agree to 1e-5.
+A change that moves any of them fails here. On the jax, the XLA flags (tests/xla_flags.py) and
+the CPU that wrote them the logits must agree bit for bit; another jax (another XLA), other flags,
+or a CPU with other vector instructions (XLA:CPU compiles for the host it runs on), may round
+differently, so there they agree to 1e-5.
 
   python tests/model/test_frozen.py --write   # rewrite the fixtures (only when a change is meant)
 """
@@ -20,8 +21,11 @@ import sys
 import time
 import zlib
 
-if __name__ == '__main__':  # the suite's XLA flags (tests/conftest.py), so that the bits match
-  os.environ['XLA_FLAGS'] = '--xla_backend_optimization_level=0'
+if __name__ == '__main__':  # the suite's XLA flags (tests/xla_flags.py), so that the bits match
+  sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+  import xla_flags
+
+  os.environ['XLA_FLAGS'] = xla_flags.fast_compile()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

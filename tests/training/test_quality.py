@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+import xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +49,7 @@ def train(config: str, steps: int, workdir, seed: int = 0, flags=()) -> tuple[di
   command += [f'--config.train.{k}={steps}' for k in ('steps', 'eval_every', 'log_every')]
   command += [f'--config.train.checkpoint_every={steps}', *flags]
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env['XLA_FLAGS'] = env.get('XLA_FLAGS', '').replace('--xla_backend_optimization_level=0', '')
+  env['XLA_FLAGS'] = xla_flags.without_fast_compile(env.get('XLA_FLAGS', ''))
   proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
