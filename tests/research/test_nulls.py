@@ -46,8 +46,8 @@ def test_an_untrained_model_does_no_better_than_the_uniform_null(tmp_path, base,
 
 def test_a_sweeps_task_losses_apply_its_overrides():
   plain = spec.task_losses('configs/gpt_tiny.py')
-  joined = spec.task_losses('configs/gpt_tiny.py', {'data': {'grammar_join': 24}})
-  assert joined == nulls.task_losses(_with(gpt_tiny.get_config(), grammar_join=24))
+  joined = spec.task_losses('configs/gpt_tiny.py', {'data': {'grammar_join': 4}})
+  assert joined == nulls.task_losses(_with(gpt_tiny.get_config(), grammar_join=4))
   assert joined != plain  # other documents, so another tokenizer sample
   with pytest.raises(ValueError, match="'data.nope', which is not a key"):
     spec.task_losses('configs/gpt_tiny.py', {'data.nope': 1})
