@@ -421,7 +421,10 @@ def test_utils_and_to_string(models, tokens, capsys):
   assert utils.get_act_name('in', 0, 'mlp') == tl_get_act_name('in', 0, 'mlp')
   np.testing.assert_array_equal(utils.get_corner(np.arange(60).reshape(3, 4, 5), 2),
                                 [[[0, 1], [5, 6]], [[20, 21], [25, 26]]])  # fmt: skip
-  assert utils.to_numpy(torch.ones(2)).tolist() == [1.0, 1.0] and utils.get_device() is not None
+  assert utils.to_numpy(torch.ones(2)).tolist() == [1.0, 1.0]
+  scores = torch.zeros(2, device=utils.get_device())  # a port's own torch tensors: on the host
+  scores[0] = m(tokens)[0, -1].max().item()
+  assert scores[0].item() == pytest.approx(float(m(tokens)[0, -1].max()))
   with pytest.raises(ValueError, match='no tokenizer'):
     m.to_string(tokens[0])
   m.set_use_attn_result(True)  # hook_result is there whenever asked for

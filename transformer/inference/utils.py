@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
 
 from transformer.inference.cache import get_act_name  # noqa: F401  (TransformerLens's name)
@@ -18,9 +17,12 @@ def to_numpy(x: Any) -> np.ndarray:
   return np.asarray(x)
 
 
-def get_device() -> jax.Device:
-  """The device computations run on (a JAX device: TransformerLens returns a torch one)."""
-  return jax.devices()[0]
+def get_device() -> str:
+  """'cpu': where the values that sparrow hands back live (NumPy arrays in host memory), so that a
+  ported notebook's own torch tensors (`torch.zeros(..., device=device)`, `.to(device)`) mix
+  with them, as TransformerLens's torch device does with its tensors. The model itself runs on
+  `jax.devices()[0]`, whatever this says."""
+  return 'cpu'
 
 
 def get_corner(x: Any, n: int = 3) -> np.ndarray:
