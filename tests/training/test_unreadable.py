@@ -4,12 +4,14 @@ A permission, an I/O error, a newer writer, another topology or an unknown error
 checkpoint where it is and is one error; a checksum, a truncated or absent file is damage.
 """
 
+import ctypes
 import errno
 import json
 import logging
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -229,3 +231,33 @@ def test_a_run_resumes_through_an_io_error_that_passes(tmp_path, tiny_config, mo
   assert [h['step'] for h in history] == [5, 6] and calls[0] == 4
   assert 'resumed from step 4' in capsys.readouterr().out
   assert _listing(tmp_path) == ['2', '4', '6']  # nothing moved aside
+
+
+def test_late_echoes_that_tensorstore_prints_from_its_thread_are_dropped_after_a_failure(
+  monkeypatch, capsys
+):
+  """tensorstore reports a callback that found the loop closed with PyErr_Print from its own
+  thread, which goes to sys.excepthook: after a failure that echo is dropped; the same error
+  before any failure, another error, or one raised on the main thread is still printed."""
+  monkeypatch.setattr(sys, 'excepthook', sys.__excepthook__)
+  checkpoint._quiet_orbax()
+  assert isinstance(sys.excepthook, checkpoint._DropLateEcho)
+
+  def print_from_a_thread(message: str) -> None:
+    def run():  # PyRun_SimpleString reports the error with PyErr_Print, as tensorstore does
+      ctypes.pythonapi.PyRun_SimpleString(f'raise RuntimeError({message!r})'.encode())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+
+  monkeypatch.setattr(checkpoint._DropOrbaxLeftovers, 'failures', 0)
+  print_from_a_thread('Event loop is closed')
+  assert 'RuntimeError: Event loop is closed' in capsys.readouterr().err
+  monkeypatch.setattr(checkpoint._DropOrbaxLeftovers, 'failures', 1)
+  print_from_a_thread('Event loop is closed')
+  assert capsys.readouterr().err == ''
+  print_from_a_thread('another error')
+  assert 'RuntimeError: another error' in capsys.readouterr().err
+  sys.excepthook(RuntimeError, RuntimeError('Event loop is closed'), None)
+  assert 'RuntimeError: Event loop is closed' in capsys.readouterr().err
