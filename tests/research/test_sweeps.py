@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from research import report, spec, sweeps, verdicts
@@ -317,6 +318,34 @@ def test_one_seed_relative_margin_boundary():
   table = {'a': {'loss': [1.95]}, 'b': {'loss': [2.0]}}
   verdict = verdicts.evaluate(dict(kind='less', metric='loss', a='a', b='b'), table)
   assert verdict.numbers['margin'] == pytest.approx(0.04) and verdict.status == R
+
+
+def test_variance_greater_is_an_f_test_that_equal_spreads_pass_5_percent_of_the_time():
+  """Its null is a generator: two variants of equal spread at 3 seeds each. Over 2000 draws the
+  rule holds in 5% of them (the F-test's level), where comparing the two sample stds held in half;
+  a spread 20 times larger (400 in variance) holds nearly always, and 3 times (9) is inconclusive
+  as often as not."""
+  rng = np.random.default_rng(0)
+
+  def rate(scale: float, status: str) -> float:
+    hits = 0
+    for _ in range(2000):
+      table = {
+        'a': {'m': list(scale * rng.standard_normal(3))},
+        'b': {'m': list(rng.standard_normal(3))},
+      }
+      hits += _status(dict(kind='variance_greater', metric='m', a='a', b='b'), table) == status
+    return hits / 2000
+
+  assert 0.035 <= rate(1.0, R) <= 0.065  # 5% within 3 binomial std of 2000 draws
+  draws = rng.standard_normal((2000, 2, 3))
+  assert 0.45 <= np.mean(draws[:, 0].std(-1) > draws[:, 1].std(-1)) <= 0.55  # the old rule's
+  assert rate(20.0, R) >= 0.95
+  assert rate(3.0, I) >= 0.4
+  table = {'a': {'m': [1.0, 3.0, 2.0]}, 'b': {'m': [2.5, 2.6, 2.4]}}
+  verdict = verdicts.evaluate(dict(kind='variance_greater', metric='m', a='a', b='b'), table)
+  assert verdict.numbers['needed'] == pytest.approx(19.0)  # F(0.95; 2, 2) = 0.95 / 0.05
+  assert 'variance ratio 100 (95% interval 2.564-3900)' in verdict.text  # 100/39, 100*39
 
 
 def test_variance_ordering_monotone_and_thresholds():
