@@ -15,9 +15,11 @@ def get_sweep(scale: int = 1) -> dict:
   width = 64 if scale == 1 else 256
   examples = 2000 * (1 if scale == 1 else 4)  # still a few thousand: the claim is about small data
   epochs = steps * 64 // examples
+  # Against the claim's own threshold, 0.3: against no dropout, any rate (0.3 too) fits the
+  # training set worse, which is not the claim.
   rules = [
-    dict(kind='greater', metric='trainset.loss', a=f'd{p}', b='d0.0', margin_std=2,
-         text=f'a rate of {p} underfits')
+    dict(kind='greater', metric='trainset.loss', a=f'd{p}', b='d0.3', margin_std=2,
+         text=f'a rate of {p} fits the training set worse than 0.3')
     for p in (0.5, 0.7)
   ]  # fmt: skip
   overrides = {
@@ -40,7 +42,7 @@ def get_sweep(scale: int = 1) -> dict:
   return dict(
     name='dropout',
     claim='On a small dataset, a dropout rate above 0.3 underfits: at 0.5 and 0.7 the model fits '
-    'the training set worse than with no dropout.',
+    'the training set worse than at 0.3.',
     description=f'EncoderDecoder 2+2 layers, d_model {width}, numbers task with only {examples} '
     f'training examples ({epochs} epochs of batch 64 in {steps} steps). P_drop = '
     f'{", ".join(map(str, _RATES))} on the embeddings and residual branches. `trainset.loss` is '
