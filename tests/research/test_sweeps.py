@@ -408,6 +408,30 @@ def test_power_law_fit_ratio_best_close_and_no_worse():
   assert _status(no_worse, scores) == N and _status({**no_worse, 'a': 'h4', 'b': 'h1'}, scores) == R
 
 
+def test_no_worse_with_seeds_asks_the_interval_to_clear_the_tolerance():
+  """With 3 seeds a side, no_worse is a non-inferiority test on Welch's 95% interval: arms whose
+  spread is much larger than the tolerance are inconclusive (equal arms hold in under 5% of 500
+  draws), a clearly better A holds, a clearly worse one fails."""
+  rule = dict(kind='no_worse', metric='eval.loss', a='a', b='b', tolerance=0.02)
+  noisy = {'a': {'eval.loss': [2.1, 2.3, 2.5]}, 'b': {'eval.loss': [2.2, 2.4, 2.6]}}
+  assert _status(rule, noisy) == I  # a's mean is lower, but by less than the noise
+  precise = {'a': {'eval.loss': [2.30, 2.31, 2.29]}, 'b': {'eval.loss': [2.40, 2.41, 2.39]}}
+  assert _status(rule, precise) == R
+  assert _status({**rule, 'a': 'b', 'b': 'a'}, precise) == N
+  verdict = verdicts.evaluate(rule, precise)
+  low, high = verdicts.welch_interval([2.30, 2.31, 2.29], [2.40, 2.41, 2.39])
+  half = 2.776 * 0.01 * math.sqrt(2 / 3)  # t(0.975; 4 df, Welch's for equal spreads) x the se
+  assert (low, high) == pytest.approx((-0.1 - half, -0.1 + half), abs=1e-3)
+  assert '95% interval' in verdict.text and verdict.numbers['high'] == pytest.approx(high)
+  rng = np.random.default_rng(1)
+  held = [
+    _status(rule, {'a': {'eval.loss': list(2 + 0.1 * rng.standard_normal(3))},
+                   'b': {'eval.loss': list(2 + 0.1 * rng.standard_normal(3))}}) == R
+    for _ in range(500)
+  ]  # fmt: skip
+  assert np.mean(held) < 0.05  # equal arms, spread 0.1: the tolerance 0.02 is never shown
+
+
 def test_overall_status_and_rule_checks():
   assert verdicts.overall([]) == X
   make = lambda s: verdicts.Verdict(s, '', {})
