@@ -213,10 +213,11 @@ def _no_worse(rule: Mapping, table: Table) -> Verdict:
   low, high = interval
   worst, best = (high, low) if lower else (-low, -high)  # how much worse A is, at most / least
   status = REPRODUCED if worst <= tol else (NOT_REPRODUCED if best > tol else INCONCLUSIVE)
-  word = {REPRODUCED: 'no worse', NOT_REPRODUCED: 'worse', INCONCLUSIVE: 'not shown no worse'}
+  word = {REPRODUCED: 'is no worse', NOT_REPRODUCED: 'is worse',
+          INCONCLUSIVE: 'may be worse by more than it or not'}  # fmt: skip
   text = (
     f'{head}): {a} - {b} = {fmt(ma - mb)}, 95% interval {fmt(low)} to {fmt(high)} over seeds '
-    f'(Welch), against a tolerance of {tol:g}: {a} is {word[status]}'
+    f'(Welch), against a tolerance of {tol:g}: {a} {word[status]}'
   )
   return Verdict(status, text, dict(rule), {**numbers, 'low': low, 'high': high})
 
