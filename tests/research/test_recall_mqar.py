@@ -1,5 +1,5 @@
-"""Tests of configs/sweeps/recall_mqar.py: its variants, groups and nulls, and that no rule of it
-can hold on a null (each could have failed)."""
+"""Tests of configs/sweeps/recall_mqar.py: its variants, groups and nulls, and which of its rules
+could have failed (all but the two against a window that reaches no pair)."""
 
 import os
 
@@ -48,7 +48,7 @@ def test_the_nulls_are_one_over_the_values_and_about_one_over_the_pairs(sweep):
     assert nulls['no pairs'][group]['recall.accuracy'] == 1 / 512
 
 
-def test_every_rule_can_hold_and_fails_on_both_nulls(sweep):
+def test_every_rule_can_hold_and_fails_on_the_nulls_but_the_window_ones(sweep):
   # Arms as the claim says, at two seeds: full attention exact, the rest lower, and linear
   # attention better with each larger state.
   state = {'p8_linear_h8': 0.2, 'p8_linear': 0.3, 'p8_linear_h32': 0.5, 'p8_linear_h64': 0.7}
@@ -57,8 +57,11 @@ def test_every_rule_can_hold_and_fails_on_both_nulls(sweep):
   _, found = verdicts.judge(list(sweep.rules), table, sweep.preconditions, sweep.nulls)
   assert len(found) == 6  # window and blocks at 4 and 8 pairs, linear at 8, the state ordering
   for verdict in found:
-    assert verdict.status == verdicts.REPRODUCED, verdict.text
-    assert verdict.null.count(': fails') == 2, verdict.null  # 'no pairs' and 'elimination'
+    assert verdict.null.count(': fails') >= 2, verdict.null  # 'no pairs' and 'elimination'
+    if 'local window' in verdict.rule['text']:  # the window reaches no pair: it cannot fail
+      assert verdict.status == verdicts.BY_CONSTRUCTION and 'out of reach: holds' in verdict.null
+    else:
+      assert verdict.status == verdicts.REPRODUCED, verdict.text
 
 
 def test_the_gpu_scale_adds_zoologys_range():
