@@ -50,9 +50,10 @@ def get_sweep(scale: int = 1) -> dict:
                 'times each on average')
       for n in (10, 30, 50)],
     dict(kind='largest_step', metric='eval.loss', variants=sizes, expect_at='size32',
-         at_least_share=0.5,
+         at_least_share=0.67,
          text='at a fixed budget of unique data, the first doubling of width gains the most, '
-              'over half of the whole change along the four widths'),
+              "a larger share of the whole change along the four widths than model_scaling's "
+              'power law with no data limit gives (0.66, the `power law` null)'),
   ]  # fmt: skip
   return dict(
     name='data_repetition',
@@ -92,6 +93,14 @@ def get_sweep(scale: int = 1) -> dict:
         reason='a model that learns only how often each token occurs scores '
         "the grammar's unigram loss, 4.43 nats, whatever its variant (an analytic value)",
         values={v: {'eval.loss': 4.43} for v in variants},
+      ),
+      dict(
+        name='power law',
+        reason='models with no data limit: a loss E + c N^-a, with the steepest '
+        "exponent of model_scaling's fits (a = 0.712) and N the non-embedding parameters, about "
+        'd_model^2, so each doubling of width gains 2^(-2a) = 0.373 times the one before and the '
+        'first takes 1 / (1 + 0.373 + 0.139) = 0.66 of the change (E and c do not matter)',
+        values={f'size{16 * 2**k}': {'eval.loss': 1.5 + 2 ** (-2 * 0.712 * k)} for k in range(4)},
       ),
     ],  # fmt: skip
     rules=rules,  # fmt: skip
