@@ -9,6 +9,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 # A null's value: the runs' own mean (a metric measured before any training), or with ': METRIC'
 # that of another metric of the same variant (e.g. uniform attention scores what chance is).
 AS_RECORDED = 'as recorded'
@@ -27,9 +29,12 @@ def check_nulls(
     name = null.get('name') if isinstance(null, Mapping) else None
     if not isinstance(name, str) or not name or name in names:
       raise ValueError(f'null {null!r} needs a name (a string) unlike the other nulls')
+    names.append(name)
+    if 'generator' in null:
+      _check_generator(name, null, variants, metrics)
+      continue
     if sorted(null) != ['name', 'reason', 'values'] or not str(null['reason']).strip():
       raise ValueError(f"null {name!r} needs exactly 'name', 'reason' (in words) and 'values'")
-    names.append(name)
     for variant, row in null['values'].items():
       if variants is not None and variant not in variants:
         raise ValueError(f'null {name!r} names variant {variant!r}; the variants are: '
@@ -53,6 +58,52 @@ def check_nulls(
       )
 
 
+def decreasing_curves(
+  table: Mapping[str, Mapping[str, Sequence]], rng: Any, metric: str, variants: Sequence[str]
+) -> dict[str, dict[str, float]]:
+  """One draw of a curve that only falls, in the range the runs span: the variants' values of
+  `metric` are uniform draws between the lowest and highest recorded means, sorted from high to
+  low in the order `variants` gives (a straight line in log N and a sigmoid are among them);
+  the variants' other metrics as recorded."""
+  means = [float(np.mean(table[v][metric])) for v in variants if (table.get(v) or {}).get(metric)]
+  if len(means) < len(variants):
+    return {}
+  drawn = np.sort(rng.uniform(min(means), max(means), len(variants)))[::-1]
+  recorded = {  # every other metric (the parameter count a fit is spaced by) as it was recorded
+    v: {m: float(np.mean(xs)) for m, xs in table[v].items() if m != metric and xs} for v in variants
+  }
+  return {v: {**recorded[v], metric: float(x)} for v, x in zip(variants, drawn, strict=True)}
+
+
+# name -> draw(table, rng, **args): {variant: {metric: value}}, one table of the null per draw.
+GENERATORS = {'decreasing_curves': decreasing_curves}
+FALSE_POSITIVE_RATE = 0.05  # a rule that holds on more draws of a generator does not count
+
+
+def _check_generator(name: str, null: Mapping, variants, metrics) -> None:
+  if (
+    sorted(null) != ['args', 'draws', 'generator', 'name', 'reason']
+    or not str(null['reason']).strip()
+  ):
+    raise ValueError(
+      f"null {name!r} needs exactly 'name', 'reason', 'generator', 'args' and 'draws'"
+    )
+  if null['generator'] not in GENERATORS:
+    raise ValueError(
+      f'null {name!r}: generator {null["generator"]!r} is not one of {", ".join(GENERATORS)}'
+    )
+  if not isinstance(null['draws'], int) or null['draws'] < 100:
+    raise ValueError(f'null {name!r}: draws={null["draws"]!r} must be an int >= 100')
+  args = null['args']
+  for variant in args.get('variants') or ():
+    if variants is not None and variant not in variants:
+      raise ValueError(f'null {name!r} names variant {variant!r}; the variants are: '
+                       f'{", ".join(variants)}')  # fmt: skip
+  if metrics is not None and args.get('metric') not in metrics:
+    raise ValueError(f'null {name!r} names metric {args.get("metric")!r}; the compared metrics '
+                     f'are: {", ".join(metrics)}')  # fmt: skip
+
+
 def _recorded(metric: str, value: Any) -> str | None:
   """The metric whose recorded mean an AS_RECORDED value stands for, else None."""
   if value == AS_RECORDED:
@@ -63,7 +114,10 @@ def _recorded(metric: str, value: Any) -> str | None:
 
 
 def resolve_null(null: Mapping[str, Any], table: Mapping[str, Mapping[str, Sequence]]) -> dict:
-  """The null with each AS_RECORDED value replaced by the runs' mean (dropped when none ran)."""
+  """The null with each AS_RECORDED value replaced by the runs' mean (dropped when none ran); a
+  generator's null as it is (it draws from the table when a rule is judged on it)."""
+  if 'generator' in null:
+    return dict(null)
   values = {}
   for variant, row in null['values'].items():
     for metric, value in row.items():

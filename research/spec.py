@@ -53,7 +53,10 @@ class Sweep:
       an untrained model, the task's best strategy without the skill under test, or an analytic
       value and why) and `values` ({variant: {metric: number, or 'as recorded' for one measured
       before any training}}); `research.nulls` checks them. Every rule is evaluated on them
-      too; one that also holds on a null holds by construction and is not counted. A rule's
+      too; one that also holds on a null holds by construction and is not counted. A null may
+      instead be a generator (`generator`: a name in `research.nulls.GENERATORS`, its `args`
+      and `draws`): the rule is judged on each draw, and one that holds on more than 5% of
+      them does not count either. A rule's
       `chance` names one of them.
     groups: name -> {'best_of': [variants], 'metric': m}: a variant chosen after the runs, the
       member with the best mean of m (e.g. an arm's best learning rate); rules, preconditions,

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from research import logistic
+from research import nulls as nulls_lib
 from research.nulls import resolve_null
 from research.rules import check_rule
 
@@ -717,16 +718,39 @@ def against_nulls(verdict: Verdict, table: Table, nulls: Sequence[Mapping[str, A
   BY_CONSTRUCTION when it holds on a null too."""
   if not nulls:
     return dataclasses.replace(verdict, null='the sweep declares no null')
-  found = [(n['name'], on_null(verdict.rule, table, n)) for n in nulls]
-  found = [(name, v) for name, v in found if v is not None]
-  if not found:
-    return dataclasses.replace(verdict, null='no null records the values it compares')
   words = {REPRODUCED: 'holds', NOT_REPRODUCED: 'fails'}
-  null = '; '.join(f'{name}: {words.get(v.status, v.status)}, {v.text}' for name, v in found)
-  status = verdict.status
-  if status == REPRODUCED and any(v.status == REPRODUCED for _, v in found):
-    status = BY_CONSTRUCTION
-  return dataclasses.replace(verdict, status=status, null=null)
+  parts, built = [], False
+  for n in nulls:
+    if 'generator' in n:
+      rate = false_positive_rate(verdict.rule, table, n)
+      if rate is not None:
+        counts = rate <= nulls_lib.FALSE_POSITIVE_RATE
+        then = '(at most 5%: it counts)' if counts else '(more than 5%: it would hold anyway)'
+        parts.append(f'{n["name"]}: holds in {rate:.1%} of {n["draws"]} draws {then}')
+        built = built or not counts
+      continue
+    v = on_null(verdict.rule, table, n)
+    if v is not None:
+      parts.append(f'{n["name"]}: {words.get(v.status, v.status)}, {v.text}')
+      built = built or v.status == REPRODUCED
+  if not parts:
+    return dataclasses.replace(verdict, null='no null records the values it compares')
+  status = BY_CONSTRUCTION if verdict.status == REPRODUCED and built else verdict.status
+  return dataclasses.replace(verdict, status=status, null='; '.join(parts))
+
+
+def false_positive_rate(rule: Mapping[str, Any], table: Table, null: Mapping[str, Any]):
+  """The share of a generator null's draws (`research.nulls.GENERATORS`, seeded) on which the
+  rule holds, or None when its draws do not give every value the rule compares."""
+  draw = nulls_lib.GENERATORS[null['generator']]
+  rng = np.random.default_rng(0)
+  held = []
+  for _ in range(null['draws']):
+    v = on_null(rule, table, {'values': draw(table, rng, **null['args'])})
+    if v is None:
+      return None
+    held.append(v.status == REPRODUCED)
+  return float(np.mean(held))
 
 
 def judge(
@@ -742,7 +766,7 @@ def judge(
   first, so that rules may compare them."""
   table = best_of(table, groups or {})[0]
   nulls = [resolve_null(n, table) for n in nulls]
-  named = {n['name']: n['values'] for n in nulls}
+  named = {n['name']: n['values'] for n in nulls if 'values' in n}
   pre = {p['name']: evaluate(p, table, named) for p in preconditions}
   found = []
   for rule in rules:

@@ -66,6 +66,16 @@ def get_sweep(scale: int = 1) -> dict:
           for w in _WIDTHS
         },
       ),
+      dict(
+        name='random decreasing',
+        reason='curves that only fall, with no law behind them: at the recorded parameter '
+        'counts, losses drawn uniformly between the lowest and highest recorded means and '
+        'sorted (a straight line in log N is among them); a fit rule that holds on more than 5% '
+        'of 200 draws does not count',
+        generator='decreasing_curves',
+        args={'metric': 'eval.loss', 'variants': [f'd{w * scale}' for w in _WIDTHS]},
+        draws=200,
+      ),
     ],  # fmt: skip
     measure='loss_above_floor',
     measure_args={'floor': _FLOOR},

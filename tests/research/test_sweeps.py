@@ -432,6 +432,35 @@ def test_no_worse_with_seeds_asks_the_interval_to_clear_the_tolerance():
   assert np.mean(held) < 0.05  # equal arms, spread 0.1: the tolerance 0.02 is never shown
 
 
+def test_a_generator_null_gives_a_rules_false_positive_rate_and_a_loose_rule_does_not_count():
+  """A null that draws random decreasing curves at the recorded sizes: a power-law fit with
+  r2 >= 0.9 holds on a real power law and on many of the draws too (so it holds by
+  construction); a rule asking for the law's own slope holds on few draws and counts."""
+  from research import nulls
+
+  sizes = [f'd{w}' for w in (8, 16, 32, 64, 128, 256, 512)]
+  table = {v: {'params': [float(w * w)], 'loss': [1.5 + 2 * (w * w) ** -0.5]}
+           for v, w in zip(sizes, (8, 16, 32, 64, 128, 256, 512), strict=True)}  # fmt: skip
+  null = dict(
+    name='random decreasing',
+    reason='curves that only fall',
+    draws=200,
+    generator='decreasing_curves',
+    args={'metric': 'loss', 'variants': sizes},
+  )
+  nulls.check_nulls([null], [], sizes, ['loss', 'params'])
+  loose = dict(kind='fit_power_law', x='params', y='loss', slope_sign=-1, floor=1.5, min_r2=0.9)
+  strict = {**loose, 'slope_between': (-0.52, -0.48), 'min_r2': 0.999}
+  _, (held, counted) = verdicts.judge([loose, strict], table, nulls=[null])
+  assert held.status == verdicts.BY_CONSTRUCTION and 'of 200 draws (more than 5%' in held.null
+  assert counted.status == R and 'of 200 draws (at most 5%: it counts)' in counted.null
+  assert verdicts.false_positive_rate(strict, table, null) <= 0.05
+  for bad, message in [({'generator': 'nope'}, 'is not one of decreasing_curves'),
+                       ({'draws': 10}, 'must be an int >= 100')]:  # fmt: skip
+    with pytest.raises(ValueError, match=message):
+      nulls.check_nulls([{**null, **bad}], [], sizes, ['loss', 'params'])
+
+
 def test_overall_status_and_rule_checks():
   assert verdicts.overall([]) == X
   make = lambda s: verdicts.Verdict(s, '', {})
