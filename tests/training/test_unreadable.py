@@ -231,14 +231,16 @@ def test_a_run_resumes_through_an_io_error_that_passes(tmp_path, tiny_config, mo
   assert [h['step'] for h in history] == [5, 6] and calls[0] == 4
   assert 'resumed from step 4' in capsys.readouterr().out
   assert _listing(tmp_path) == ['2', '4', '6']  # nothing moved aside
+  assert checkpoint._DropOrbaxLeftovers.reading == 0  # echoes after the reads are printed again
 
 
 def test_late_echoes_that_tensorstore_prints_from_its_thread_are_dropped_after_a_failure(
   monkeypatch, capsys
 ):
   """tensorstore reports a callback that found the loop closed with PyErr_Print from its own
-  thread, which goes to sys.excepthook: after a failure that echo is dropped; the same error
-  before any failure, another error, or one raised on the main thread is still printed."""
+  thread, which goes to sys.excepthook: during a read (a failing one echoes before it raises) or
+  after a failure that echo is dropped; the same error outside both, another error, or one
+  raised on the main thread is still printed."""
   monkeypatch.setattr(sys, 'excepthook', sys.__excepthook__)
   checkpoint._quiet_orbax()
   assert isinstance(sys.excepthook, checkpoint._DropLateEcho)
@@ -252,8 +254,13 @@ def test_late_echoes_that_tensorstore_prints_from_its_thread_are_dropped_after_a
     thread.join()
 
   monkeypatch.setattr(checkpoint._DropOrbaxLeftovers, 'failures', 0)
+  monkeypatch.setattr(checkpoint._DropOrbaxLeftovers, 'reading', 0)
   print_from_a_thread('Event loop is closed')
   assert 'RuntimeError: Event loop is closed' in capsys.readouterr().err
+  monkeypatch.setattr(checkpoint._DropOrbaxLeftovers, 'reading', 1)
+  print_from_a_thread('Event loop is closed')
+  assert capsys.readouterr().err == ''
+  monkeypatch.setattr(checkpoint._DropOrbaxLeftovers, 'reading', 0)
   monkeypatch.setattr(checkpoint._DropOrbaxLeftovers, 'failures', 1)
   print_from_a_thread('Event loop is closed')
   assert capsys.readouterr().err == ''

@@ -84,15 +84,16 @@ class _DropOrbaxLeftovers:
   """
 
   failures = 0  # counted by Checkpointer._read and Checkpointer._raise_save_error
+  reading = 0  # orbax restores under way: a read that fails echoes before it raises
 
   def __init__(self, previous):
     self.previous = previous
 
   @classmethod
   def late(cls, error: BaseException | None) -> bool:
-    """A tensorstore callback that found orbax's event loop closed, after a failure."""
+    """A tensorstore callback that found orbax's event loop closed: in a read or after a failure."""
     closed = isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'
-    return bool(closed and cls.failures)
+    return bool(closed and (cls.failures or cls.reading))
 
   def __call__(self, unraisable) -> None:
     code = getattr(unraisable.object, 'cr_code', None)
@@ -379,6 +380,7 @@ class Checkpointer:
     """
     waits = list(unreadable.RETRY_SECONDS)
     while True:
+      _DropOrbaxLeftovers.reading += 1
       try:
         return self._manager.restore(step, args=args)
       except MemoryError:
@@ -402,6 +404,8 @@ class Checkpointer:
         if damaged:
           raise _Unreadable(f'orbax cannot read it ({text})') from e
         raise UnreadableCheckpointError(text) from None
+      finally:
+        _DropOrbaxLeftovers.reading -= 1
 
   def _read_record(self, step: int) -> dict:
     """The checkpoint's integrity record, checked against its own checksum; else _Unreadable."""
