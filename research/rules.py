@@ -9,18 +9,20 @@ from typing import Any
 
 # kind -> (required keys, optional keys). Common optional keys: 'text' (the claim in words).
 KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-  # mean(a) < mean(b) by > margin_std pooled stds (>= 2 seeds each) or rel_margin * |mean(b)|.
-  'less': (('metric', 'a', 'b'), ('metric_a', 'metric_b', 'margin_std', 'rel_margin')),
-  'greater': (('metric', 'a', 'b'), ('metric_a', 'metric_b', 'margin_std', 'rel_margin')),
+  # mean(a) < mean(b): with >= 2 seeds each, the 95% interval of the effect mean(b) - mean(a)
+  # (Welch's) lies above rel_margin * |mean(b)| (the least effect that counts, default 0); with
+  # one seed, the gap exceeds rel_margin * |b| (default 2%).
+  'less': (('metric', 'a', 'b'), ('metric_a', 'metric_b', 'rel_margin')),
+  'greater': (('metric', 'a', 'b'), ('metric_a', 'metric_b', 'rel_margin')),
   # a is no worse than b, up to `tolerance` (absolute); the direction comes from the metric.
   'no_worse': (('metric', 'a', 'b'), ('metric_a', 'metric_b', 'tolerance', 'lower_is_better')),
   # |mean(a) - mean(b)| <= tolerance (absolute) or rel_tolerance * max(|a|, |b|).
   'close': (('metric', 'a', 'b'), ('metric_a', 'metric_b', 'tolerance', 'rel_tolerance')),
   # the means over `variants` (one metric), in the listed order, rise (or fall) step by step.
-  # With >= 2 seeds a step counts when it exceeds margin_std pooled stds (default 2).
-  'ordering': (('metric', 'variants'), ('direction', 'tolerance', 'margin_std')),
+  # With >= 2 seeds each step's 95% interval (Welch's) must lie on the rising side of 0.
+  'ordering': (('metric', 'variants'), ('direction', 'tolerance')),
   # within one variant, the metrics in the listed order rise (or fall) step by step.
-  'monotone': (('variant', 'metrics'), ('direction', 'tolerance', 'margin_std')),
+  'monotone': (('variant', 'metrics'), ('direction', 'tolerance')),
   # the std over seeds of a exceeds factor x that of b (needs >= 2 seeds).
   'variance_greater': (('metric', 'a', 'b'), ('factor',)),
   # least-squares fit log y = log c + slope * log x, across variants (x, y metrics) or within one
@@ -58,7 +60,13 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   'at_least': (('metric', 'variants', 'value'), ('every_seed',)),
   'at_most': (('metric', 'variants', 'value'), ('every_seed',)),
 }
-COMMON = ('kind', 'text', 'where', 'chance', 'chance_tolerance', 'requires', 'name')
+# exact: why the compared values do not vary with the seed (a compiled program's memory, a
+# parameter count), so that one seed may give a counted verdict (`verdicts.MIN_SEEDS`).
+COMPILED_MEMORY = (
+  "XLA's compiled temporary memory of one program: the seed changes the parameters' values, "
+  'not the program, so every seed compiles to the same bytes'
+)
+COMMON = ('kind', 'text', 'where', 'chance', 'chance_tolerance', 'requires', 'name', 'exact')
 
 
 def check_rule(rule: Mapping[str, Any], variants: Sequence[str] | None = None) -> None:
@@ -133,7 +141,12 @@ def check_rule(rule: Mapping[str, Any], variants: Sequence[str] | None = None) -
       'nothing scores, not 1/vocabulary); runs judged by older rules: python -m '
       'experiments.report --workdir=DIR --rejudge'
     )
-  for key in ('chance_tolerance', 'margin_std'):
+  exact = rule.get('exact')
+  if exact is not None and (not isinstance(exact, str) or not exact.strip()):
+    raise ValueError(
+      f'exact={exact!r} must say why the values do not vary with the seed (a sentence)'
+    )
+  for key in ('chance_tolerance',):
     value = rule.get(key)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
       raise ValueError(f'{key}={value!r} must be a number')

@@ -1,8 +1,8 @@
 """Verdicts of the sweeps' claims, computed from the recorded numbers by rules stated as data.
 
 A sweep file states each rule as a dict, for example
-`dict(kind='less', metric='eval.loss', a='scaled', b='unscaled', margin_std=2)`: "the final eval
-loss of `scaled` is below that of `unscaled` by more than 2 standard deviations over seeds".
+`dict(kind='less', metric='eval.loss', a='scaled', b='unscaled')`: "the final eval loss of
+`scaled` is below that of `unscaled`: the 95% interval over seeds of the difference lies above 0".
 `evaluate(rule, table)` applies it to `table[variant][metric] -> [one value per seed]` and returns
 a `Verdict`; nothing here is ever written by hand. The kinds and their keys are in
 `research.rules.KINDS`.
@@ -12,8 +12,11 @@ take part (dropped from its lists; a rule whose `a`, `b` or `variant` fails it d
 
 A verdict can also be INCONCLUSIVE ("inconclusive at this budget"), never counted as reproduced
 or not:
-- a gap rule (`less`, `greater`, `ordering`, `monotone`) with >= 2 seeds per variant whose gap
-  lies within the seeds' noise (`margin_std` pooled stds): neither shown nor refuted;
+- any rule (`judge`) whose compared values have fewer than MIN_SEEDS (3) seeds, unless the rule
+  says with `exact` why its values do not vary with the seed: one seed can mislead;
+- a gap rule (`less`, `greater`, `no_worse`, `ordering`, `monotone`) with >= 2 seeds per variant
+  whose effect's 95% interval over seeds (Welch's) lies across the least effect that counts (0
+  unless the rule gives one): neither shown nor refuted;
 - a `sigmoid_width` rule whose interval of the width over seeds lies across its threshold, or
   whose rise a logistic fits no better than it fits shuffled values (no rise beyond the noise);
 - a rule with `chance=NULL` whose every compared value is indistinguishable from that null's
@@ -58,6 +61,7 @@ NOT_RUN = 'not run'
 NOT_COMPARED = 'not compared'
 INCONCLUSIVE = 'inconclusive at this budget'
 BY_CONSTRUCTION = 'holds by construction'  # it holds on a null too: it could not have failed
+MIN_SEEDS = 3  # a rule counts (either way) only with this many seeds of every value it compares
 VACUOUS = 'vacuous'  # every rule that held holds by construction
 
 Table = Mapping[str, Mapping[str, Sequence[float]]]  # variant -> metric -> per-seed values
@@ -161,6 +165,11 @@ def _pair(rule: Mapping) -> tuple[tuple[str, str], tuple[str, str]]:
 
 
 def _less_or_greater(rule: Mapping, table: Table) -> Verdict:
+  """a below (less) or above (greater) b. The effect is b - a (less) or a - b (greater); the
+  least effect that counts is `rel_margin` of |mean(b)|. With two or more seeds on each side, its
+  95% interval (Welch's) must lie above that: wholly below it is not reproduced (the effect is
+  absent, reversed or smaller than claimed), across it inconclusive. With one seed, the gap
+  against the margin (default 2% of b); `judge` counts that only for an `exact` rule."""
   (a, metric_a), (b, metric_b) = _pair(rule)
   va, vb = _values(table, a, metric_a), _values(table, b, metric_b)
   (ma, sa), (mb, sb) = mean_std(va), mean_std(vb)
@@ -173,24 +182,31 @@ def _less_or_greater(rule: Mapping, table: Table) -> Verdict:
     text = f'{lhs} {word} {rhs} (an infinite value is a run that diverged or could not run)'
     return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
   gap = sign * (mb - ma) + 0.0  # + 0.0: no "-0" in the report
-  noise = math.inf  # one seed: no std, so no band of noise
-  if len(va) >= 2 and len(vb) >= 2:
-    k = float(rule.get('margin_std', 2.0))
-    margin = noise = k * math.sqrt((sa**2 + sb**2) / 2)
-    how = f'{k:g} pooled std over seeds'
-    if 'rel_margin' in rule and float(rule['rel_margin']) * abs(mb) > margin:  # the larger one
-      margin = float(rule['rel_margin']) * abs(mb)
-      how = f'{float(rule["rel_margin"]):.0%} of {b}, above {k:g} pooled std over seeds'
-  else:
+  interval = welch_interval(vb, va) if sign > 0 else welch_interval(va, vb)
+  if interval is None:
     rel = float(rule.get('rel_margin', 0.02))
     margin = rel * abs(mb)
-    how = f'{rel:.0%} of {b} (one seed: no std)'
-  numbers.update(gap=gap, margin=margin)
-  ok = gap > margin
-  text = f'{lhs} {word} {rhs}: gap {fmt(gap)} {">" if ok else "<="} margin {fmt(margin)} ({how})'
-  if not ok and abs(gap) <= noise < math.inf:  # neither way beyond the seeds' noise
-    return Verdict(INCONCLUSIVE, f"{text}, within the seeds' noise", dict(rule), numbers)
-  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+    numbers.update(gap=gap, margin=margin)
+    ok = gap > margin
+    text = (
+      f'{lhs} {word} {rhs}: gap {fmt(gap)} {">" if ok else "<="} margin {fmt(margin)} '
+      f'({rel:.0%} of {b}; one seed: no interval)'
+    )
+    return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+  rel = float(rule.get('rel_margin', 0.0))
+  least = rel * abs(mb)
+  low, high = interval
+  numbers.update(gap=gap, margin=least, low=low, high=high)
+  status = REPRODUCED if low > least else (NOT_REPRODUCED if high <= least else INCONCLUSIVE)
+  effect = f'{b} - {a}' if sign > 0 else f'{a} - {b}'
+  against = f'{rel:.0%} of {b} = {fmt(least)}' if rel else '0'
+  outcome = {REPRODUCED: 'above it', NOT_REPRODUCED: 'not above it',
+             INCONCLUSIVE: "across it: within the seeds' noise"}  # fmt: skip
+  text = (
+    f'{lhs} {word} {rhs}: effect {effect} = {fmt(gap)}, 95% interval {fmt(low)} to {fmt(high)} '
+    f'over seeds (Welch), against a least effect of {against}: {outcome[status]}'
+  )
+  return Verdict(status, text, dict(rule), numbers)
 
 
 def _no_worse(rule: Mapping, table: Table) -> Verdict:
@@ -261,14 +277,13 @@ def _steps(rule: Mapping, labels: list[str], values: list[list[float]]) -> Verdi
   """Whether the means of `values` rise (or fall) step by step.
 
   With one seed somewhere, a step may fall back by up to `tolerance`. With >= 2 seeds everywhere
-  each step is judged against the seeds' noise (`margin_std` pooled stds, default 2): a step
-  against the direction beyond it fails the rule; a step within it makes the rule inconclusive.
+  each step has its 95% interval over seeds (Welch's): one wholly against the direction fails the
+  rule; one across 0 makes it inconclusive.
   """
   rising = rule.get('direction', 'increasing') == 'increasing'
   stats = [mean_std(v) for v in values]
   means = [m for m, _ in stats]
   seeded = all(len(v) >= 2 for v in values)
-  k = float(rule.get('margin_std', 2.0))
   bad, flat = [], []
   for i in range(len(means) - 1):
     step = means[i + 1] - means[i] if rising else means[i] - means[i + 1]
@@ -277,11 +292,12 @@ def _steps(rule: Mapping, labels: list[str], values: list[list[float]]) -> Verdi
       if not step > -float(rule.get('tolerance', 0.0)):
         bad.append(pair)
       continue
-    margin = k * math.sqrt((stats[i][1] ** 2 + stats[i + 1][1] ** 2) / 2)
-    if step < -margin:
+    later, earlier = (values[i + 1], values[i]) if rising else (values[i], values[i + 1])
+    low, high = welch_interval(later, earlier)
+    if high < 0:
       bad.append(pair)
-    elif step <= margin:
-      flat.append(pair)
+    elif low <= 0:
+      flat.append((*pair, low, high))
   shown = ', '.join(f'{label} {fmt(m, sd)}' for label, (m, sd) in zip(labels, stats))
   text = f'{rule.get("direction", "increasing")}: {shown}'
   numbers = dict(zip(labels, means))
@@ -289,8 +305,10 @@ def _steps(rule: Mapping, labels: list[str], values: list[list[float]]) -> Verdi
     text += f'; breaks between {bad[0][0]} and {bad[0][1]}'
     return Verdict(NOT_REPRODUCED, text, dict(rule), numbers)
   if flat:
+    first, second, low, high = flat[0]
     text += (
-      f"; {flat[0][0]} to {flat[0][1]} is within the seeds' noise ({k:g} pooled std over seeds)"
+      f"; {first} to {second} is within the seeds' noise (its 95% interval over seeds, "
+      f'{fmt(low)} to {fmt(high)}, spans 0)'
     )
     return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
   return Verdict(REPRODUCED, text, dict(rule), numbers)
@@ -781,8 +799,31 @@ def judge(
         f'{verdict.text}'
       )
       verdict = dataclasses.replace(verdict, status=INCONCLUSIVE, text=text)
-    found.append(against_nulls(verdict, table, nulls))
+    found.append(_too_few_seeds(against_nulls(verdict, table, nulls), table))
   return list(pre.values()), found
+
+
+def _too_few_seeds(verdict: Verdict, table: Table) -> Verdict:
+  """INCONCLUSIVE, its outcome in words, for a verdict either way on fewer than MIN_SEEDS seeds
+  of a value it compares: one seed can mislead. A rule with `exact` (values that do not vary with
+  the seed) counts on one seed, unless its seeds differ after all."""
+  if verdict.status not in (REPRODUCED, NOT_REPRODUCED):
+    return verdict
+  rule = verdict.rule
+  if rule.get('where') is not None:
+    rule, table, _ = _apply_where(rule, table)
+  values = [_values(table, v, m) or [] for v, m in _compared(rule, table)]
+  values = [v for v in values if v]
+  seeds = min((len(v) for v in values), default=0)
+  if seeds >= MIN_SEEDS:
+    return verdict
+  if rule.get('exact') and all(len(set(v)) == 1 for v in values):
+    return verdict
+  why = f'{seeds} seed{"s" if seeds != 1 else ""}: a verdict needs {MIN_SEEDS}'
+  if rule.get('exact'):
+    why += ' (the rule is marked exact, but its seeds differ)'
+  text = f'{why}; had it counted: {verdict.status}, {verdict.text}'
+  return dataclasses.replace(verdict, status=INCONCLUSIVE, text=text)
 
 
 def overall(verdicts: Sequence[Verdict]) -> str:

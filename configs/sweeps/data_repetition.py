@@ -43,7 +43,7 @@ def get_sweep(scale: int = 1) -> dict:
     dict(kind='ordering', metric='eval.loss', variants=fractions, direction='increasing',
          requires=[trains],
          text='the eval loss rises with the share of repeated examples, step by step'),
-    *[dict(kind='greater', metric='eval.loss', a=f'rep{n}', b=f'even{n}', margin_std=2.0,
+    *[dict(kind='greater', metric='eval.loss', a=f'rep{n}', b=f'even{n}',
            requires=[trains],
            text=f'piled-on repetition hurts beyond the unique data it displaces: rep{n} ends '
                 f'worse than even{n}, which saw the same unique examples {1 / (1 - n / 100):.2g} '

@@ -48,7 +48,7 @@ def get_sweep(scale: int = 1) -> dict:
     ]  # fmt: skip
     rules.append(
       dict(kind='greater', metric='ood.nll', metric_a='ood.nll@5', metric_b='ood.nll@4', a=p,
-           b=p, margin_std=2.0, text=f'{p}: the teacher-forced loss of the reference rises from '
+           b=p, text=f'{p}: the teacher-forced loss of the reference rises from '
            '4 to 5 digits', **needs)
     )  # fmt: skip
   fits = lambda v: dict(
@@ -63,11 +63,11 @@ def get_sweep(scale: int = 1) -> dict:
     dict(kind='ratio_between', metric_b='ood.loss_seen', low=2.0, high=1e6,
          text='grammar: its loss on held-out transitions is at least twice that on seen ones',
          **pair, **needs),
-    dict(kind='greater', metric_b='ood.chain_nll_held_out', margin_std=2.0,
+    dict(kind='greater', metric_b='ood.chain_nll_held_out',
          text="grammar: its loss on held-out transitions is above the chain's own on them",
          **pair, **needs),
     dict(kind='less', metric='ood.held_out_prob', metric_b='ood.chain_held_out_prob',
-         a='grammar', b='grammar', margin_std=2.0,
+         a='grammar', b='grammar',
          text='grammar: it gives a held-out next word less probability than the chain does',
          **needs),
   ]  # fmt: skip
@@ -98,14 +98,14 @@ def get_sweep(scale: int = 1) -> dict:
     dict(kind='at_least', metric='ood.exact@5', variants=[_GAP], value=0.5, every_seed=True,
          text=f'{_GAP}: exact match >= 0.5 on 5-digit numbers, the length between those it '
          'trained on, at every seed', **needs),
-    dict(kind='greater', metric='ood.exact@5', a=_GAP, b='rope', margin_std=2.0,
+    dict(kind='greater', metric='ood.exact@5', a=_GAP, b='rope',
          text=f'{_GAP} spells 5-digit numbers better than rope, trained on 1-4 digits only',
          **needs),
   ]  # fmt: skip
   needs = {'requires': ['grammar_classes fits the seen transitions']}
   pair = dict(a='grammar_classes', b='grammar_classes', metric='ood.loss_held_out')
   rules += [
-    dict(kind='less', metric_b='ood.unigram_nll_held_out', margin_std=2.0,
+    dict(kind='less', metric_b='ood.unigram_nll_held_out',
          text='grammar_classes: its loss on held-out transitions is below that of the best '
          'model that ignores the previous word (it uses the word it never saw them after)',
          **pair, **needs),

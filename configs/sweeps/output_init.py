@@ -45,10 +45,10 @@ def get_sweep(scale: int = 1) -> dict:
            tolerance=0.02, requires=[f'{depth}_scaled trains'],
            text=f'{depth}: the scaled init ends no worse than the plain one'),
       dict(kind='less', metric='eval.loss', a=f'{depth}_scaled', b=f'{depth}_large',
-           margin_std=2.0, requires=[f'{depth}_scaled trains'],
+           requires=[f'{depth}_scaled trains'],
            text=f'{depth}: the scaled init ends better than the large one'),
       dict(kind='less', metric='train.loss_rise', a=f'{depth}_scaled', b=f'{depth}_large',
-           margin_std=2.0, requires=[f'{depth}_scaled trains'],
+           requires=[f'{depth}_scaled trains'],
            text=f'{depth}: the scaled init spikes less than the large one (the largest rise '
            'of the training loss above its running minimum)'),
     ]  # fmt: skip
@@ -67,12 +67,12 @@ def get_sweep(scale: int = 1) -> dict:
            'at every seed')
     )  # fmt: skip
     rules += [
-      dict(kind='less', metric='eval.loss', a=a, b=b, margin_std=2.0, requires=[learns],
+      dict(kind='less', metric='eval.loss', a=a, b=b, requires=[learns],
            text=f'{lr}: the scaled init ends better than the plain one'),
-      dict(kind='less', metric='train.loss_rise', a=a, b=b, margin_std=2.0, requires=[learns],
+      dict(kind='less', metric='train.loss_rise', a=a, b=b, requires=[learns],
            text=f'{lr}: the scaled init spikes less than the plain one (the largest rise '
            'of the training loss above its running minimum)'),
-      dict(kind='less', metric='train.nonfinite_skipped', a=a, b=b, margin_std=2.0,
+      dict(kind='less', metric='train.nonfinite_skipped', a=a, b=b,
            requires=[learns],
            text=f'{lr}: the scaled init skips fewer non-finite steps than the plain one'),
     ]  # fmt: skip

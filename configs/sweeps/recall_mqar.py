@@ -140,7 +140,7 @@ def _nulls(groups, scale: int) -> list[dict]:
 def _rules(scale: int) -> tuple[list[dict], list[dict]]:
   """(preconditions, rules), each on the arms' best learning rates, chance = elimination."""
   chance = dict(chance='elimination', chance_tolerance=0.01)
-  gap = dict(kind='greater', metric='recall.accuracy', margin_std=2.0, rel_margin=0.1, **chance)
+  gap = dict(kind='greater', metric='recall.accuracy', rel_margin=0.1, **chance)
   preconditions, rules = [], []
   for n in _pairs(scale):
     name = f'full attention learns p{n}'

@@ -35,12 +35,12 @@ def get_sweep(scale: int = 1) -> dict:
     every_seed=True, text=f'{v}: ends below 3.0 nats at every seed',
   )  # fmt: skip
   rules = [
-    dict(kind='less', metric='eval.loss', a=f'res{n}L', b=f'nores{n}L', margin_std=2.0,
+    dict(kind='less', metric='eval.loss', a=f'res{n}L', b=f'nores{n}L',
          requires=['res12L trains'], text=f'{n} layers: residual connections end better than none')
     for n in _DEPTHS[1:]
   ]  # fmt: skip
   rules += [
-    dict(kind='greater', metric='eval.loss', a='nores12L', b='nores2L', margin_std=2.0,
+    dict(kind='greater', metric='eval.loss', a='nores12L', b='nores2L',
          requires=['res12L trains'], text='without residual connections, 12 layers end worse '
          'than 2'),
     dict(kind='at_least', metric='eval.loss', variants=['nores12L'], value=4.0,
@@ -52,7 +52,7 @@ def get_sweep(scale: int = 1) -> dict:
          text='with residual connections, 12 layers end no worse than 2 (within 0.05 nats)'),
   ]  # fmt: skip
   rules += [
-    dict(kind='less', metric='eval.loss', a=f'ln_b{b}', b=f'bn_b{b}', margin_std=2.0,
+    dict(kind='less', metric='eval.loss', a=f'ln_b{b}', b=f'bn_b{b}',
          requires=[f'ln_b{b} trains'],
          text=f'batch {b}: LayerNorm ends better than BatchNorm')
     for b in _BATCHES[:2]

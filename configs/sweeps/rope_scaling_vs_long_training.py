@@ -28,9 +28,9 @@ def get_sweep(scale: int = 1) -> dict:
   rules = [
     dict(kind='best', metric='loss@4x', expect=scaled,
          text='at 4L the best model is one trained at L and scaled'),
-    dict(kind='less', metric='loss@4x', a='short95_ft_yarn', b='long', margin_std=2,
+    dict(kind='less', metric='loss@4x', a='short95_ft_yarn', b='long',
          text='trained at L, YaRN + fine-tune clearly beats training at 4L'),
-    dict(kind='less', metric='loss@4x', a='short95_ft_linear', b='long', margin_std=2,
+    dict(kind='less', metric='loss@4x', a='short95_ft_linear', b='long',
          text='trained at L, linear (PI) + fine-tune clearly beats training at 4L'),
   ]  # fmt: skip
   return dict(

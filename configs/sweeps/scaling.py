@@ -12,9 +12,9 @@ def get_sweep(scale: int = 1) -> dict:
   steps = 400 * scale
   uniform = task_losses('configs/default.py')['uniform']  # the overrides leave the task as it is
   rules = [
-    dict(kind='less', metric='eval.loss', a='scaled', b='unscaled', margin_std=2,
+    dict(kind='less', metric='eval.loss', a='scaled', b='unscaled',
          text='ends worse without the scale'),
-    dict(kind='greater', metric='train.oscillation', a='unscaled', b='scaled', margin_std=2,
+    dict(kind='greater', metric='train.oscillation', a='unscaled', b='scaled',
          text='less stable without the scale: the loss oscillates more within each run'),
     dict(kind='variance_greater', metric='eval.loss', a='unscaled', b='scaled',
          text='less stable without the scale: a larger spread of the final loss over seeds'),

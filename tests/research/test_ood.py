@@ -198,7 +198,7 @@ def test_grammar_held_out_refuses_a_run_without_a_holdout(tmp_path, tiny_config)
 # The sweep's positive controls ------------------------------------------------------------------
 def test_the_control_rules_can_hold_and_fail_on_every_null():
   sweep = spec.load_sweep('configs/sweeps/ood_generalization.py')
-  # Arms that generalise as the controls ask, at two seeds: rope_skip5 spells 5 digits, and the
+  # Arms that generalise as the controls ask, at three seeds: rope_skip5 spells 5 digits, and the
   # class grammar gives held-out words 80% of the chain's probability, near its loss.
   arms = {
     'rope': {'ood.exact@4': 1.0, 'ood.exact@5': 0.0, 'ood.exact@6': 0.0},
@@ -210,7 +210,7 @@ def test_the_control_rules_can_hold_and_fail_on_every_null():
       'ood.unigram_held_out_prob': 0.0055,
     },
   }  # fmt: skip
-  table = {v: {m: [x * 0.99, x * 1.01] for m, x in row.items()} for v, row in arms.items()}
+  table = {v: {m: [x * 0.99, x, x * 1.01] for m, x in row.items()} for v, row in arms.items()}
   controls = [r for r in sweep.rules if r['text'].startswith(('rope_skip5', 'grammar_classes'))]
   assert len(controls) == 5
   pre, found = verdicts.judge(controls, table, sweep.preconditions, sweep.nulls)
@@ -222,8 +222,8 @@ def test_the_control_rules_can_hold_and_fail_on_every_null():
     if text.startswith('grammar_classes'):
       assert null.count(': fails') == 2, null
   # An arm that gives held-out words less than their frequency (a memoriser's way) fails them.
-  table['grammar_classes']['ood.held_out_prob'] = [0.006, 0.0061]
-  table['grammar_classes']['ood.loss_held_out'] = [6.0, 6.1]
+  table['grammar_classes']['ood.held_out_prob'] = [0.006, 0.0061, 0.0062]
+  table['grammar_classes']['ood.loss_held_out'] = [6.0, 6.1, 6.2]
   _, found = verdicts.judge(controls[2:], table, sweep.preconditions, sweep.nulls)
   assert all(v.status == verdicts.NOT_REPRODUCED for v in found), [
     (v.status, v.text) for v in found

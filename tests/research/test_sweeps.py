@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from research import report, spec, sweeps, verdicts
 from research import results as results_lib
@@ -127,11 +128,12 @@ def test_report_has_plots_table_and_the_verdict_of_the_rule(finished):
   assert '| scaled | 1 | 16 | 32 | 2 | 8 | 0 | 0 | 2 |' in text
   # The verdict is the rule applied to the recorded numbers.
   a, b = (r['metrics']['eval.loss'] for r in results)
-  expected = verdicts.REPRODUCED if a < b else verdicts.NOT_REPRODUCED
-  assert f'**Verdict: {expected}.**' in text
+  had = verdicts.REPRODUCED if a < b else verdicts.NOT_REPRODUCED
+  assert f'**Verdict: {verdicts.INCONCLUSIVE}.**' in text  # one seed: no verdict either way
+  assert f'1 seed: a verdict needs 3; had it counted: {had}, ' in text
   assert f'Code: commit `{sha}` (every run).' in text
   assert f'scaled eval.loss = {verdicts.fmt(a)} < unscaled eval.loss = {verdicts.fmt(b)}' in text
-  assert report.summary(workdir)['status'] == expected
+  assert report.summary(workdir)['status'] == verdicts.INCONCLUSIVE
 
 
 def test_rerun_skips_finished_runs(finished):
@@ -295,29 +297,73 @@ R, N, X = verdicts.REPRODUCED, verdicts.NOT_REPRODUCED, verdicts.NOT_RUN
 I = verdicts.INCONCLUSIVE  # noqa: E741
 
 
-def test_less_and_greater_use_std_over_seeds_or_a_relative_margin():
+def test_less_and_greater_judge_the_effects_interval_over_seeds_or_a_relative_margin():
   table = {'a': {'loss': [1.0, 1.1, 0.9]}, 'b': {'loss': [2.0, 2.1, 1.9]}}
-  less = dict(kind='less', metric='loss', a='a', b='b', margin_std=2)
+  less = dict(kind='less', metric='loss', a='a', b='b')
   assert _status(less, table) == R
   assert _status({**less, 'kind': 'greater'}, table) == N
   noisy = {'a': {'loss': [1.0, 3.0, 0.5]}, 'b': {'loss': [2.0, 2.1, 1.9]}}
-  assert _status(less, noisy) == I  # the means differ, but not by 2 std: within the noise
+  assert _status(less, noisy) == I  # the means differ, but the interval spans 0
   reversed_ = {'a': {'loss': [3.0, 3.1, 2.9]}, 'b': {'loss': [2.0, 2.1, 1.9]}}
   assert _status(less, reversed_) == N  # the other way round, beyond the noise
+  # The least effect that counts: 1 +- 0.29 (Welch, df 4) clears 0.5 but not 0.9.
+  assert _status({**less, 'rel_margin': 0.25}, table) == R
+  assert _status({**less, 'rel_margin': 0.45}, table) == I
+  assert _status({**less, 'rel_margin': 0.7}, table) == N  # shown smaller than claimed
   one_seed = {'a': {'loss': [1.95]}, 'b': {'loss': [2.0]}}  # gap 0.05
   assert _status(less, one_seed) == R  # > 2% of 2.0 = 0.04, the default one-seed margin
   assert _status({**less, 'rel_margin': 0.05}, one_seed) == N  # < 5% of 2.0 = 0.1
   diverged = {'a': {'loss': [1.0]}, 'b': {'loss': [math.inf]}}
   assert _status(less, diverged) == R
-  text = verdicts.evaluate(less, table).text
-  assert 'a loss = 1 ± 0.1 < b loss = 2 ± 0.1' in text and 'margin 0.2 (2 pooled std' in text
+  verdict = verdicts.evaluate(less, table)
+  assert 'a loss = 1 ± 0.1 < b loss = 2 ± 0.1: effect b - a = 1, 95% interval' in verdict.text
+  low, high = verdict.numbers['low'], verdict.numbers['high']
+  half = stats.t.ppf(0.975, 4) * math.sqrt(2 * 0.01 / 3)  # equal spreads: Welch's df is 4
+  assert (low, high) == (pytest.approx(1 - half), pytest.approx(1 + half))
   assert _status(less, {'a': {'loss': [1.0]}}) == X
+
+
+def test_equal_arms_at_three_seeds_pass_less_at_its_one_sided_level():
+  """Equal arms at 3 seeds: the interval's lower end clears 0 in about 2.5% of 2000 draws (a
+  one-sided test at 2.5%); the band of 2 pooled stds it replaces held in 3.5% of 200,000."""
+  rng = np.random.default_rng(1)
+  rule = dict(kind='less', metric='m', a='a', b='b')
+  held = [
+    _status(
+      rule, {'a': {'m': list(rng.standard_normal(3))}, 'b': {'m': list(rng.standard_normal(3))}}
+    )
+    == R
+    for _ in range(2000)
+  ]
+  assert 0.015 <= np.mean(held) <= 0.035
 
 
 def test_one_seed_relative_margin_boundary():
   table = {'a': {'loss': [1.95]}, 'b': {'loss': [2.0]}}
   verdict = verdicts.evaluate(dict(kind='less', metric='loss', a='a', b='b'), table)
   assert verdict.numbers['margin'] == pytest.approx(0.04) and verdict.status == R
+
+
+def test_a_verdict_on_fewer_than_three_seeds_is_inconclusive_unless_the_rule_is_exact():
+  rule = dict(kind='less', metric='mib', a='full', b='none', text='remat saves memory')
+  one = {'full': {'mib': [10.0]}, 'none': {'mib': [20.0]}}
+  (verdict,) = verdicts.judge([rule], one)[1]
+  assert verdict.status == I and verdict.text.startswith('1 seed: a verdict needs 3; had it ')
+  assert 'had it counted: reproduced' in verdict.text
+  (verdict,) = verdicts.judge([{**rule, 'b': 'full', 'a': 'none'}], one)[1]
+  assert verdict.status == I and 'had it counted: not reproduced' in verdict.text  # either way
+  exact = {**rule, 'exact': rules_lib.COMPILED_MEMORY}
+  assert verdicts.judge([exact], one)[1][0].status == R
+  two = {'full': {'mib': [10.0, 10.0]}, 'none': {'mib': [20.0, 20.0]}}
+  assert verdicts.judge([rule], two)[1][0].text.startswith('2 seeds: a verdict needs 3')
+  assert verdicts.judge([exact], two)[1][0].status == R
+  varies = {'full': {'mib': [10.0, 11.0]}, 'none': {'mib': [20.0, 20.0]}}
+  (verdict,) = verdicts.judge([exact], varies)[1]
+  assert verdict.status == I and 'marked exact, but its seeds differ' in verdict.text
+  three = {'full': {'mib': [10.0, 10.5, 9.5]}, 'none': {'mib': [20.0, 20.5, 19.5]}}
+  assert verdicts.judge([rule], three)[1][0].status == R
+  with pytest.raises(ValueError, match='exact=True must say why'):
+    rules_lib.check_rule({**rule, 'exact': True})
 
 
 def test_variance_greater_is_an_f_test_that_equal_spreads_pass_5_percent_of_the_time():
@@ -439,8 +485,10 @@ def test_a_generator_null_gives_a_rules_false_positive_rate_and_a_loose_rule_doe
   from research import nulls
 
   sizes = [f'd{w}' for w in (8, 16, 32, 64, 128, 256, 512)]
-  table = {v: {'params': [float(w * w)], 'loss': [1.5 + 2 * (w * w) ** -0.5]}
-           for v, w in zip(sizes, (8, 16, 32, 64, 128, 256, 512), strict=True)}  # fmt: skip
+  table = {
+    v: {'params': [float(w * w)] * 3, 'loss': [1.5 + 2 * (w * w) ** -0.5] * 3}
+    for v, w in zip(sizes, (8, 16, 32, 64, 128, 256, 512), strict=True)
+  }  # 3 seeds; fmt: skip
   null = dict(
     name='random decreasing',
     reason='curves that only fall',
@@ -474,11 +522,18 @@ def test_overall_status_and_rule_checks():
     rules_lib.check_rule({'kind': 'less', 'metric': 'm', 'a': 'x', 'b': 'y', 'margin': 1})
 
 
+def _three_seeds(rows):
+  """Recorded results of each (variant, metrics) at seeds 0-2, every number 1% apart."""
+  return [
+    {'variant': v, 'seed': k, 'status': 'ok', 'metrics': {m: x * (1 + 0.01 * (k - 1))
+                                                          for m, x in metrics.items()}}
+    for v, metrics in rows
+    for k in range(3)
+  ]  # fmt: skip
+
+
 def test_a_claim_that_fails_one_rule_still_names_the_rules_that_held():
-  results = [
-    {'variant': v, 'seed': 0, 'status': 'ok', 'metrics': {'eval.loss': x}}
-    for v, x in (('a', 1.0), ('b', 2.0))
-  ]
+  results = _three_seeds([('a', {'eval.loss': 1.0}), ('b', {'eval.loss': 2.0})])
   rules = [
     dict(kind='less', metric='eval.loss', a='a', b='b', text='a ends better'),
     dict(kind='less', metric='eval.loss', a='b', b='a', text='b ends better'),
@@ -494,10 +549,9 @@ def test_a_claim_that_fails_one_rule_still_names_the_rules_that_held():
 def test_a_rule_that_its_condition_filters_out_is_not_called_one_that_could_not_run():
   """A `where` that leaves out an arm (the data exist) and a variant that was never recorded get
   their own notes: 'not compared' and 'could not run here'."""
-  results = [
-    {'variant': v, 'seed': 0, 'status': 'ok', 'metrics': {'loss': x, 'learned': ok}}
-    for v, x, ok in (('warm', 0.5, 1), ('cold', 2.9, 0))
-  ]
+  results = _three_seeds([('warm', {'loss': 0.5}), ('cold', {'loss': 2.9})])
+  for r in results:
+    r['metrics']['learned'] = int(r['variant'] == 'warm')
   learned = {'metric': 'learned', 'value': 1}
   rules = [
     dict(kind='less', metric='loss', a='warm', b='cold', where=learned, text='filtered'),
@@ -514,10 +568,7 @@ def test_a_rule_that_its_condition_filters_out_is_not_called_one_that_could_not_
 
 
 def test_the_report_shows_each_rules_null_and_calls_a_sweep_vacuous_without_a_counted_rule():
-  results = [
-    {'variant': v, 'seed': 0, 'status': 'ok', 'metrics': {'acc': x}}
-    for v, x in (('full', 1.0), ('window', 0.04))
-  ]
+  results = _three_seeds([('full', {'acc': 1.0}), ('window', {'acc': 0.04})])
   rules = [
     dict(kind='at_most', metric='acc', variants=['window'], value=0.1, text='window at chance'),
     dict(kind='greater', metric='acc', a='full', b='window', text='full recalls more'),
@@ -642,10 +693,7 @@ def test_groups_load_with_the_sweep_and_the_report_names_each_ones_pick(tmp_path
     spec.load_sweep(_sweep_file(tmp_path, text.replace("['scaled', 'unscaled']", "['big']")))
   with pytest.raises(ValueError, match="names variant 'worst'"):  # a rule names no group
     spec.load_sweep(_sweep_file(tmp_path, text.replace("a='best'", "a='worst'")))
-  results = [
-    {'variant': v, 'seed': 0, 'status': 'ok', 'metrics': {'eval.loss': x}}
-    for v, x in (('scaled', 2.0), ('unscaled', 3.0))
-  ]
+  results = _three_seeds([('scaled', {'eval.loss': 2.0}), ('unscaled', {'eval.loss': 3.0})])
   meta = {'claim': 'c', 'rules': list(sweep.rules), 'groups': sweep.groups}
   status, _, lines = report._verdict_lines(meta, results)
   assert '- **best** = scaled: best eval.loss of scaled, unscaled' in lines
