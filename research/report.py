@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from research import estimates, verdicts
 from research import results as results_lib
-from research import verdicts
 from transformer import util
 
 # kind -> (required keys, optional keys) of a sweep's extra `plots`.
@@ -62,7 +62,7 @@ def _save(fig, workdir: str, name: str) -> str:
 def _mean_std(values: Sequence[float] | None) -> tuple[float, float]:
   if not values:
     return math.nan, math.nan
-  return verdicts.mean_std([v for v in values if v is not None] or [math.nan])
+  return estimates.mean_std([v for v in values if v is not None] or [math.nan])
 
 
 # Plots -----------------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ def plot_extra(workdir: str, index: int, plot: Mapping, table: Mapping, order: l
       ax.annotate(v, (x, y), fontsize=7, xytext=(3, 3), textcoords='offset points')
     positive = [(x, y) for _, x, y in points if x > 0 and y > 0]
     if plot.get('fit') and len(positive) >= 2:
-      fit = verdicts.fit_power_law(*zip(*positive))
+      fit = estimates.fit_power_law(*zip(*positive))
       xs = np.geomspace(min(p[0] for p in positive), max(p[0] for p in positive), 50)
       ax.plot(xs, fit['c'] * xs ** fit['slope'], 'k--', lw=0.8,
               label=f'fit: {fit["c"]:.3g} x^{fit["slope"]:.3f} (r2 {fit["r2"]:.3f})')  # fmt: skip

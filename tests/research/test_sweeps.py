@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from research import report, spec, sweeps, verdicts
+from research import estimates, report, spec, sweeps, verdicts
 from research import results as results_lib
 from research import rules as rules_lib
 
@@ -465,7 +465,7 @@ def test_no_worse_with_seeds_asks_the_interval_to_clear_the_tolerance():
   assert _status(rule, precise) == R
   assert _status({**rule, 'a': 'b', 'b': 'a'}, precise) == N
   verdict = verdicts.evaluate(rule, precise)
-  low, high = verdicts.welch_interval([2.30, 2.31, 2.29], [2.40, 2.41, 2.39])
+  low, high = estimates.welch_interval([2.30, 2.31, 2.29], [2.40, 2.41, 2.39])
   half = 2.776 * 0.01 * math.sqrt(2 / 3)  # t(0.975; 4 df, Welch's for equal spreads) x the se
   assert (low, high) == pytest.approx((-0.1 - half, -0.1 + half), abs=1e-3)
   assert '95% interval' in verdict.text and verdict.numbers['high'] == pytest.approx(high)
