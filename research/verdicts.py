@@ -190,6 +190,9 @@ def _less_or_greater(rule: Mapping, table: Table) -> Verdict:
   least = rel * abs(mb)
   low, high = interval
   numbers.update(gap=gap, margin=least, low=low, high=high)
+  if sa == sb == 0 and gap == 0 and not rule.get('exact'):  # e.g. no spike at any seed of either
+    text = f'{lhs} {word} {rhs}: every seed of both has this one value, so no spread to judge by'
+    return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
   status = REPRODUCED if low > least else (NOT_REPRODUCED if high <= least else INCONCLUSIVE)
   effect = f'{b} - {a}' if sign > 0 else f'{a} - {b}'
   against = f'{rel:.0%} of {b} = {fmt(least)}' if rel else '0'

@@ -321,6 +321,11 @@ def test_less_and_greater_judge_the_effects_interval_over_seeds_or_a_relative_ma
   half = stats.t.ppf(0.975, 4) * math.sqrt(2 * 0.01 / 3)  # equal spreads: Welch's df is 4
   assert (low, high) == (pytest.approx(1 - half), pytest.approx(1 + half))
   assert _status(less, {'a': {'loss': [1.0]}}) == X
+  # A count that is 0 at every seed of both arms (no spike anywhere): no spread, no verdict; for
+  # an exact measurement the tie is a measured absence of the effect.
+  none = {'a': {'spikes': [0, 0, 0]}, 'b': {'spikes': [0, 0, 0]}}
+  spikes = dict(kind='greater', metric='spikes', a='a', b='b')
+  assert _status(spikes, none) == I and _status({**spikes, 'exact': 'counted'}, none) == N
 
 
 def test_equal_arms_at_three_seeds_pass_less_at_its_one_sided_level():
