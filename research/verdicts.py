@@ -194,7 +194,8 @@ def _less_or_greater(rule: Mapping, table: Table) -> Verdict:
     text = f'{lhs} {word} {rhs}: every seed of both has this one value, so no spread to judge by'
     return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
   status = REPRODUCED if low > least else (NOT_REPRODUCED if high <= least else INCONCLUSIVE)
-  effect = f'{b} - {a}' if sign > 0 else f'{a} - {b}'
+  named = (f'{a} {metric_a}', f'{b} {metric_b}') if a == b else (a, b)  # one variant, 2 metrics
+  effect = f'{named[1]} - {named[0]}' if sign > 0 else f'{named[0]} - {named[1]}'
   against = f'{rel:.0%} of {b} = {fmt(least)}' if rel else '0'
   outcome = {REPRODUCED: 'above it', NOT_REPRODUCED: 'not above it',
              INCONCLUSIVE: "across it: within the seeds' noise"}  # fmt: skip
