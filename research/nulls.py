@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 
 # A null's value: the runs' own mean (a metric measured before any training), or with ': METRIC'
-# that of another metric of the same variant (e.g. uniform attention scores what chance is).
+# that of another metric of the same variant (e.g. uniform attention scores what chance is), or
+# with ': VARIANT METRIC' that of another variant (a positive control: what a rule finds in a model
+# that has the skill the claim says the others lack).
 AS_RECORDED = 'as recorded'
 
 
@@ -43,12 +45,16 @@ def check_nulls(
         if metrics is not None and metric not in metrics:
           raise ValueError(f'null {name!r} names metric {metric!r}; the compared metrics are: '
                            f'{", ".join(metrics)}')  # fmt: skip
-        if _recorded(metric, value) is None and (
-          isinstance(value, bool) or not isinstance(value, int | float)
-        ):
+        source = _recorded(variant, metric, value)
+        if source is None and (isinstance(value, bool) or not isinstance(value, int | float)):
           raise ValueError(
-            f'null {name!r}: {variant} {metric}={value!r} must be a number, {AS_RECORDED!r} or '
-            f"'{AS_RECORDED}: METRIC'"
+            f'null {name!r}: {variant} {metric}={value!r} must be a number, {AS_RECORDED!r}, '
+            f"'{AS_RECORDED}: METRIC' or '{AS_RECORDED}: VARIANT METRIC'"
+          )
+        if source is not None and variants is not None and source[0] not in variants:
+          raise ValueError(
+            f'null {name!r}: {variant} {metric}={value!r} names variant {source[0]!r}; the '
+            f'variants are: {", ".join(variants)}'
           )
   for rule in rules:
     if rule.get('chance') is not None and rule['chance'] not in names:
@@ -104,12 +110,14 @@ def _check_generator(name: str, null: Mapping, variants, metrics) -> None:
                      f'are: {", ".join(metrics)}')  # fmt: skip
 
 
-def _recorded(metric: str, value: Any) -> str | None:
-  """The metric whose recorded mean an AS_RECORDED value stands for, else None."""
+def _recorded(variant: str, metric: str, value: Any) -> tuple[str, str] | None:
+  """The (variant, metric) whose recorded mean an AS_RECORDED value stands for, else None."""
   if value == AS_RECORDED:
-    return metric
+    return variant, metric
   if isinstance(value, str) and value.startswith(f'{AS_RECORDED}: '):
-    return value[len(AS_RECORDED) + 2 :].strip() or None
+    words = value[len(AS_RECORDED) + 2 :].split()
+    if len(words) in (1, 2):
+      return (variant, *words) if len(words) == 1 else (words[0], words[1])
   return None
 
 
@@ -121,9 +129,9 @@ def resolve_null(null: Mapping[str, Any], table: Mapping[str, Mapping[str, Seque
   values = {}
   for variant, row in null['values'].items():
     for metric, value in row.items():
-      source = _recorded(metric, value)
+      source = _recorded(variant, metric, value)
       if source is not None:
-        recorded = [v for v in (table.get(variant) or {}).get(source) or [] if v is not None]
+        recorded = [v for v in (table.get(source[0]) or {}).get(source[1]) or [] if v is not None]
         recorded = [float(v) for v in recorded if not math.isnan(v)]  # NaN: not recorded
         value = sum(recorded) / len(recorded) if recorded else None
       if value is not None:

@@ -417,8 +417,17 @@ def test_a_null_as_recorded_takes_the_runs_own_values_measured_before_training()
   chance = {'scaled': {'chance': [0.2, 0.3]}}
   assert nulls.resolve_null(uniform, chance)['values'] == {'scaled': {'growth': 0.25}}
   nulls.check_nulls([uniform])
-  with pytest.raises(ValueError, match="must be a number, 'as recorded' or 'as recorded: METRIC'"):
+  with pytest.raises(ValueError, match="must be a number, 'as recorded', 'as recorded: METRIC'"):
     nulls.check_nulls([{**at_init, 'values': {'scaled': {'growth': 'recorded'}}}])
+  # A positive control gives every variant its own value: another variant's, as recorded.
+  control = dict(
+    name='control', reason='r', values={'scaled': {'growth': 'as recorded: plain growth'}}
+  )
+  assert nulls.resolve_null(control, table)['values'] == {'scaled': {'growth': pytest.approx(2.15)}}
+  nulls.check_nulls([control], variants=['scaled', 'plain'])
+  with pytest.raises(ValueError, match="names variant 'large'; the variants are: scaled, plain"):
+    bad = {'scaled': {'growth': 'as recorded: large growth'}}
+    nulls.check_nulls([{**control, 'values': bad}], variants=['scaled', 'plain'])
 
 
 def test_a_group_stands_for_its_member_with_the_best_mean():
