@@ -63,6 +63,7 @@ NOT_COMPARED = 'not compared'
 INCONCLUSIVE = 'inconclusive at this budget'
 BY_CONSTRUCTION = 'holds by construction'  # it holds on a null too: it could not have failed
 MIN_SEEDS = 3  # a rule counts (either way) only with this many seeds of every value it compares
+WIDE_SEEDS = 5  # ... and a gap that holds with an interval wider than itself only with this many
 VACUOUS = 'vacuous'  # every rule that held holds by construction
 
 Table = Mapping[str, Mapping[str, Sequence[float]]]  # variant -> metric -> per-seed values
@@ -756,22 +757,26 @@ def judge(
 
 def _too_few_seeds(verdict: Verdict, table: Table) -> Verdict:
   """INCONCLUSIVE, its outcome in words, for a verdict either way on fewer than MIN_SEEDS seeds
-  of a value it compares: one seed can mislead. A rule with `exact` (values that do not vary with
-  the seed) counts on one seed, unless its seeds differ after all."""
+  of a value it compares (one seed can mislead; an `exact` rule, whose values do not vary with
+  the seed, counts on one unless its seeds differ after all), and for a `less` or `greater` that
+  holds with a 95% interval wider than its effect on fewer than WIDE_SEEDS."""
   if verdict.status not in (REPRODUCED, NOT_REPRODUCED):
     return verdict
   rule = verdict.rule
   if rule.get('where') is not None:
     rule, table, _ = _apply_where(rule, table)
-  values = [_values(table, v, m) or [] for v, m in _compared(rule, table)]
-  values = [v for v in values if v]
-  seeds = min((len(v) for v in values), default=0)
-  if seeds >= MIN_SEEDS:
-    return verdict
-  if rule.get('exact') and all(len(set(v)) == 1 for v in values):
-    return verdict
+  values = [v for v in (_values(table, v, m) for v, m in _compared(rule, table)) if v]
+  seeds, n = min((len(v) for v in values), default=0), verdict.numbers
   why = f'{seeds} seed{"s" if seeds != 1 else ""}: a verdict needs {MIN_SEEDS}'
-  if rule.get('exact'):
+  if seeds >= MIN_SEEDS:
+    if verdict.status != REPRODUCED or not {'low', 'gap'} <= set(n) or seeds >= WIDE_SEEDS:
+      return verdict
+    if n['high'] - n['low'] <= n['gap']:
+      return verdict
+    why = f'its 95% interval is wider than its effect at {seeds} seeds: it needs {WIDE_SEEDS}'
+  elif rule.get('exact') and all(len(set(v)) == 1 for v in values):
+    return verdict
+  elif rule.get('exact'):
     why += ' (the rule is marked exact, but its seeds differ)'
   text = f'{why}; had it counted: {verdict.status}, {verdict.text}'
   return dataclasses.replace(verdict, status=INCONCLUSIVE, text=text)

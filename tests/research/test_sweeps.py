@@ -371,6 +371,22 @@ def test_a_verdict_on_fewer_than_three_seeds_is_inconclusive_unless_the_rule_is_
     rules_lib.check_rule({**rule, 'exact': True})
 
 
+def test_a_gap_that_holds_with_an_interval_wider_than_itself_needs_five_seeds():
+  rule = dict(kind='less', metric='m', a='a', b='b')
+  wide = {'a': {'m': [1.0, 1.2, 0.8]}, 'b': {'m': [1.6, 2.0, 1.7]}}  # 0.77, interval 0.30-1.23
+  assert _status(rule, wide) == R
+  (verdict,) = verdicts.judge([rule], wide)[1]
+  assert verdict.status == I and verdict.text.startswith(
+    'its 95% interval is wider than its effect at 3 seeds: it needs 5; had it counted: reproduced'
+  )
+  five = {'a': {'m': [1.0, 1.2, 0.8, 1.1, 0.9]}, 'b': {'m': [1.6, 2.0, 1.7, 1.9, 1.8]}}
+  assert verdicts.judge([rule], five)[1][0].status == R  # 0.8, interval 0.57-1.03
+  narrow = {'a': {'m': [1.0, 1.1, 0.9]}, 'b': {'m': [2.0, 2.1, 1.9]}}  # 1, interval 0.71-1.29
+  assert verdicts.judge([rule], narrow)[1][0].status == R
+  against = {'a': {'m': [2.0, 2.2, 1.7]}, 'b': {'m': [1.0, 1.2, 0.8]}}  # fails: counts at 3
+  assert verdicts.judge([rule], against)[1][0].status == N
+
+
 def test_variance_greater_is_an_f_test_that_equal_spreads_pass_5_percent_of_the_time():
   """Its null is a generator: two variants of equal spread at 3 seeds each. Over 2000 draws the
   rule holds in 5% of them (the F-test's level), where comparing the two sample stds held in half;
