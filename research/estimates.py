@@ -34,6 +34,17 @@ def welch_interval(va: Sequence[float], vb: Sequence[float], level: float = 0.95
   return ma - mb - half, ma - mb + half
 
 
+def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+  """The `level` t-interval of the mean of `values` (seeds); one value: (value, value)."""
+  from scipy import stats
+
+  mean, std = mean_std(values)
+  if not std or len(values) < 2:
+    return mean, mean
+  half = float(stats.t.ppf(0.5 + level / 2, len(values) - 1)) * std / math.sqrt(len(values))
+  return mean - half, mean + half
+
+
 def fit_power_law(xs: Sequence[float], ys: Sequence[float], floor: float = 0.0) -> dict[str, float]:
   """Least squares of log(y - floor) = log c + slope * log x; returns slope, c, r2 (of the log
   fit) and floor. Every y must be above the floor."""

@@ -127,30 +127,60 @@ def extrapolation(ctx, factors=(1, 2, 4, 8), examples: int = 32) -> dict[str, fl
 
 
 # Step time and compiled memory (remat) ---------------------------------------------------------
-def step_time_memory(ctx, steps: int = 5) -> dict[str, float]:
+def step_time_memory(ctx, steps: int = 5, against: dict | None = None) -> dict[str, float]:
   """Median time of a training step (after 2 warm-up steps) and XLA's compiled memory for it, on
-  random tokens at the config's batch size and length. No training data, no checkpoint."""
-  run = Run(ctx.config, None, with_data=False)
-  cfg, dcfg = run.model_cfg, ctx.config.data
+  random tokens at the config's batch size and length. No training data, no checkpoint.
+
+  `against` (config overrides, e.g. {'model.remat': 'none'}) also compiles that reference and
+  times the two alternately, reference then this config, `steps` rounds after the warm-ups:
+  'step_ratio' is the median of each round's ratio (this over the reference), so that a machine
+  that slows down or speeds up during the measurement moves both sides of every ratio alike.
+  """
+  own = _compiled_step(ctx.config)
+  out = {**own['memory'], 'step_ms': 0.0, 'tokens_per_sec': 0.0}
+  if against is None:
+    times = _time_steps([own], steps)[0]
+  else:
+    config = ctx.config.copy_and_resolve_references()
+    for key, value in against.items():
+      section, name = key.split('.')
+      config[section][name] = value
+    ref_times, times = _time_steps([_compiled_step(config), own], steps)
+    out['step_ratio'] = float(np.median(np.asarray(times) / np.asarray(ref_times)))
+    out['step_ms_reference'] = 1e3 * float(np.median(ref_times))
+  step = float(np.median(times))
+  out.update(step_ms=1e3 * step, tokens_per_sec=own['tokens'] / step)
+  return out
+
+
+def _compiled_step(config) -> dict:
+  """A config's training step compiled on random tokens, ready to time, with its memory."""
+  run = Run(config, None, with_data=False)
+  cfg, dcfg = run.model_cfg, config.data
   length = dcfg.max_target_length if cfg.family == 'encoder_decoder' else dcfg.max_length
   batch = run.place(synthetic_batch(cfg, dcfg.batch_size, length))
   state, key = run.init_state(), run.replicate(jax.random.PRNGKey(1))
   compiled = run.train_step.lower(state, batch, key).compile()
-  memory = compiled.memory_analysis()
-  times = []
+  analysis, memory = compiled.memory_analysis(), {}
+  if analysis is not None:
+    memory['temp_mib'] = analysis.temp_size_in_bytes / 2**20
+    total = analysis.temp_size_in_bytes + analysis.argument_size_in_bytes
+    memory['total_mib'] = (total + analysis.output_size_in_bytes) / 2**20
+  return dict(fn=compiled, args=[state, batch, key], memory=memory, tokens=dcfg.batch_size * length)
+
+
+def _time_steps(compiled: list[dict], steps: int) -> list[list[float]]:
+  """Seconds of each step of each compiled step, taking turns (one step of each per round) after
+  2 warm-up rounds; each step carries its state on."""
+  times: list[list[float]] = [[] for _ in compiled]
   for i in range(steps + 2):
-    start = time.perf_counter()
-    state, metrics = compiled(state, batch, key)
-    jax.block_until_ready(metrics)
-    if i >= 2:
-      times.append(time.perf_counter() - start)
-  step = float(np.median(times))
-  out = {'step_ms': 1e3 * step, 'tokens_per_sec': dcfg.batch_size * length / step}
-  if memory is not None:
-    out['temp_mib'] = memory.temp_size_in_bytes / 2**20
-    total = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
-    out['total_mib'] = total / 2**20
-  return out
+    for c, t in zip(compiled, times, strict=True):
+      start = time.perf_counter()
+      c['args'][0], metrics = c['fn'](*c['args'])
+      jax.block_until_ready(metrics)
+      if i >= 2:
+        t.append(time.perf_counter() - start)
+  return times
 
 
 # Cross-attention alignment on the numbers task -------------------------------------------------

@@ -56,9 +56,11 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   # sharpen the width without moving it (largest_step's shares fall as the rise gets more points).
   'sigmoid_width': (('metric', 'variants', 'x', 'shape', 'threshold'), ()),
   # every listed variant's mean is >= (at_least) or <= (at_most) `value`; every_seed=True: its
-  # worst seed is (the minimum for at_least, the maximum for at_most).
-  'at_least': (('metric', 'variants', 'value'), ('every_seed',)),
-  'at_most': (('metric', 'variants', 'value'), ('every_seed',)),
+  # worst seed is (the minimum for at_least, the maximum for at_most); interval=True: the mean's
+  # 95% interval over seeds lies wholly on that side (wholly on the other: fails; across it:
+  # inconclusive).
+  'at_least': (('metric', 'variants', 'value'), ('every_seed', 'interval')),
+  'at_most': (('metric', 'variants', 'value'), ('every_seed', 'interval')),
 }
 # exact: why the compared values do not vary with the seed (a compiled program's memory, a
 # parameter count), so that one seed may give a counted verdict (`verdicts.MIN_SEEDS`).

@@ -49,9 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from research import logistic
+from research import estimates, logistic
 from research import nulls as nulls_lib
-from research.estimates import fit_power_law, fit_power_law_free_floor, mean_std, welch_interval
+from research.estimates import mean_std, t_interval, welch_interval
 from research.nulls import resolve_null
 from research.rules import check_rule
 
@@ -461,13 +461,13 @@ def _fit_power_law(rule: Mapping, table: Table) -> Verdict:
     return Verdict(NOT_RUN, f'needs >= 3 finite positive points to fit; has {len(xs)}', dict(rule))
   floor = rule.get('floor')
   if floor == 'free':
-    fit = fit_power_law_free_floor(xs, ys)
+    fit = estimates.fit_power_law_free_floor(xs, ys)
   else:
     below = [(label, y) for label, y in zip(labels, ys) if y <= float(floor or 0.0)]
     if below:  # log(y - floor) does not exist: no power law above this floor
       text = f'{below[0][0]} has y = {fmt(below[0][1])}, not above the floor {floor:g}'
       return Verdict(NOT_REPRODUCED, text, dict(rule), {'points': dict(zip(labels, zip(xs, ys)))})
-    fit = fit_power_law(xs, ys, float(floor or 0.0))
+    fit = estimates.fit_power_law(xs, ys, float(floor or 0.0))
   checks = []
   if 'slope_sign' in rule:
     checks.append(
@@ -535,6 +535,14 @@ def _best_or_worst(rule: Mapping, table: Table) -> Verdict:
 def _threshold(rule: Mapping, table: Table) -> Verdict:
   metric, value = rule['metric'], float(rule['value'])
   above = rule['kind'] == 'at_least'
+  if rule.get('interval'):  # the mean's 95% interval: (worst, best) ends; the worst must pass
+    order, ok = (1 if above else -1), (lambda x: x >= value if above else x <= value)
+    ends = {v: t_interval(_values(table, v, metric))[::order] for v in rule['variants']}
+    sure, out = all(ok(w) for w, _ in ends.values()), not all(ok(b) for _, b in ends.values())
+    shown = ', '.join(f'{v} {fmt(min(e))} to {fmt(max(e))}' for v, e in ends.items())
+    text = f'95% interval of the mean {metric} {">=" if above else "<="} {value:g}: {shown}'
+    status = NOT_REPRODUCED if out else REPRODUCED if sure else INCONCLUSIVE
+    return Verdict(status, text, dict(rule), {v: sum(e) / 2 for v, e in ends.items()})
   if rule.get('every_seed'):  # the worst seed of each variant
     worst = min if above else max
     means = {v: float(worst(_values(table, v, metric))) for v in rule['variants']}
@@ -762,16 +770,14 @@ def _too_few_seeds(verdict: Verdict, table: Table) -> Verdict:
   holds with a 95% interval wider than its effect on fewer than WIDE_SEEDS."""
   if verdict.status not in (REPRODUCED, NOT_REPRODUCED):
     return verdict
-  rule = verdict.rule
-  if rule.get('where') is not None:
-    rule, table, _ = _apply_where(rule, table)
+  rule, where = verdict.rule, verdict.rule.get('where') is not None
+  rule, table = _apply_where(rule, table)[:2] if where else (rule, table)
   values = [v for v in (_values(table, v, m) for v, m in _compared(rule, table)) if v]
-  seeds, n = min((len(v) for v in values), default=0), verdict.numbers
+  seeds, n = min(map(len, values), default=0), verdict.numbers
   why = f'{seeds} seed{"s" if seeds != 1 else ""}: a verdict needs {MIN_SEEDS}'
   if seeds >= MIN_SEEDS:
-    if verdict.status != REPRODUCED or not {'low', 'gap'} <= set(n) or seeds >= WIDE_SEEDS:
-      return verdict
-    if n['high'] - n['low'] <= n['gap']:
+    wide = {'low', 'gap'} <= set(n) and n['high'] - n['low'] > n['gap']
+    if verdict.status != REPRODUCED or not wide or seeds >= WIDE_SEEDS:
       return verdict
     why = f'its 95% interval is wider than its effect at {seeds} seeds: it needs {WIDE_SEEDS}'
   elif rule.get('exact') and all(len(set(v)) == 1 for v in values):

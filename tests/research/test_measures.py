@@ -1,5 +1,7 @@
 """Sweep measurements: the gold alignment of the numbers task and the synthetic batches."""
 
+import types
+
 import numpy as np
 import pytest
 
@@ -55,3 +57,34 @@ def test_entropy_summary_separates_heads_from_layers():
   one_head = measures.entropy_summary({'enc': np.array([0.05]), 'cross': np.array([0.95])})
   assert one_head['entropy.spread'] == pytest.approx(0.9)
   assert one_head['entropy.layer_spread'] == 0.0
+
+
+def test_step_times_take_turns_so_a_slowdown_moves_both_sides_of_each_ratio(monkeypatch):
+  """_time_steps runs one step of each compiled step per round. A clock that slows down by 2x
+  halfway through the rounds leaves each round's ratio at the true 1.5x."""
+  calls, now = [], [0.0]
+
+  def fake(name, cost):
+    def step(state, *args):
+      calls.append(name)
+      now[0] += cost * (2.0 if len(calls) > 8 else 1.0)  # the machine slows down mid-way
+      return state, {}
+
+    return dict(fn=step, args=[None, None, None])
+
+  monkeypatch.setattr(measures.time, 'perf_counter', lambda: now[0])
+  ref, own = measures._time_steps([fake('ref', 1.0), fake('own', 1.5)], steps=5)
+  assert calls == ['ref', 'own'] * 7  # 2 warm-up rounds, then 5, alternating
+  assert len(ref) == len(own) == 5 and max(own) == 2 * min(own)  # the clock did move
+  assert np.allclose(np.asarray(own) / np.asarray(ref), 1.5)
+
+
+def test_step_time_memory_against_a_reference_records_their_ratio(tiny_config):
+  config = tiny_config('causal_lm')
+  config.model.remat = 'full'
+  ctx = types.SimpleNamespace(config=config)
+  out = measures.step_time_memory(ctx, steps=2, against={'model.remat': 'none'})
+  assert config.model.remat == 'full'  # the reference is a copy
+  assert out['step_ratio'] > 0 and out['step_ms'] > 0 and out['step_ms_reference'] > 0
+  plain = measures.step_time_memory(types.SimpleNamespace(config=config), steps=2)
+  assert 'step_ratio' not in plain and plain['temp_mib'] == out['temp_mib']  # compiled: exact

@@ -719,3 +719,18 @@ def test_groups_load_with_the_sweep_and_the_report_names_each_ones_pick(tmp_path
   status, _, lines = report._verdict_lines(meta, results)
   assert '- **best** = scaled: best eval.loss of scaled, unscaled' in lines
   assert status == verdicts.REPRODUCED
+
+
+def test_a_threshold_on_the_interval_of_the_mean_holds_fails_or_is_inconclusive():
+  # Ratios over 3 seeds: mean 1.25 with a 95% interval of 1.25 +- 4.30 * 0.01 / sqrt(3).
+  table = {'full': {'ratio': [1.24, 1.25, 1.26]}, 'wide': {'ratio': [1.1, 1.25, 1.4]}}
+  floor = dict(kind='at_least', metric='ratio', variants=['full'], value=1.2, interval=True)
+  cap = {**floor, 'kind': 'at_most', 'value': 1.3}
+  assert _status(floor, table) == R and _status(cap, table) == R
+  assert _status({**floor, 'value': 1.3}, table) == N  # the whole interval is below 1.3
+  assert _status({**cap, 'value': 1.2}, table) == N
+  assert _status({**floor, 'variants': ['wide']}, table) == I  # 0.88 to 1.62: across 1.2
+  verdict = verdicts.evaluate(floor, table)
+  assert verdict.numbers == {'full': pytest.approx(1.25)}
+  half = stats.t.ppf(0.975, 2) * 0.01 / math.sqrt(3)
+  assert f'full {verdicts.fmt(1.25 - half)} to {verdicts.fmt(1.25 + half)}' in verdict.text
