@@ -58,6 +58,12 @@ def get_sweep(scale: int = 1) -> dict:
         'otherwise)',
         values={},
       ),
+      dict(
+        name='no extra cost',
+        reason="remat 'none' timed beside itself the same way: the step_ratio of a policy that "
+        'costs nothing, as recorded (the time rules fail on it: they could fail)',
+        values={'full': {'step_ratio': 'as recorded: none step_ratio'}},
+      ),
     ],  # fmt: skip
     rules=rules,
     plots=plots,
