@@ -135,24 +135,20 @@ def step_time_memory(ctx, steps: int = 5, against: dict | None = None) -> dict[s
   times the two in turn, `steps` rounds after the warm-ups:
   'step_ratio' is the median of each round's ratio (this over the reference), so that a machine
   that slows down or speeds up during the measurement moves both sides of every ratio alike.
-  On 2 CPU cores, remat 'none' timed against itself this way gave 0.99-1.10 over 3 seeds when
-  the reference always went first.
   """
-  own = _compiled_step(ctx.config)
-  out = {**own['memory'], 'step_ms': 0.0, 'tokens_per_sec': 0.0}
+  from research.spec import apply_overrides  # spec imports this module
+
+  own, out = _compiled_step(ctx.config), {}
   if against is None:
     times = _time_steps([own], steps)[0]
   else:
     config = ctx.config.copy_and_resolve_references()
-    for key, value in against.items():
-      section, name = key.split('.')
-      config[section][name] = value
+    apply_overrides(config, against, 'step_time_memory(against=...)')
     ref_times, times = _time_steps([_compiled_step(config), own], steps)
     out['step_ratio'] = float(np.median(np.asarray(times) / np.asarray(ref_times)))
     out['step_ms_reference'] = 1e3 * float(np.median(ref_times))
   step = float(np.median(times))
-  out.update(step_ms=1e3 * step, tokens_per_sec=own['tokens'] / step)
-  return out
+  return {**own['memory'], 'step_ms': 1e3 * step, 'tokens_per_sec': own['tokens'] / step, **out}
 
 
 def _compiled_step(config) -> dict:

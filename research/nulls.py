@@ -117,7 +117,7 @@ def _recorded(variant: str, metric: str, value: Any) -> tuple[str, str] | None:
   if isinstance(value, str) and value.startswith(f'{AS_RECORDED}: '):
     words = value[len(AS_RECORDED) + 2 :].split()
     if len(words) in (1, 2):
-      return (variant, *words) if len(words) == 1 else (words[0], words[1])
+      return (variant, words[0]) if len(words) == 1 else (words[0], words[1])
   return None
 
 

@@ -148,10 +148,9 @@ def check_rule(rule: Mapping[str, Any], variants: Sequence[str] | None = None) -
     raise ValueError(
       f'exact={exact!r} must say why the values do not vary with the seed (a sentence)'
     )
-  for key in ('chance_tolerance',):
-    value = rule.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-      raise ValueError(f'{key}={value!r} must be a number')
+  value = rule.get('chance_tolerance')
+  if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+    raise ValueError(f'chance_tolerance={value!r} must be a number')
   if rule.get('chance_tolerance') is not None and 'chance' not in rule:
     raise ValueError('chance_tolerance needs chance (the null whose values are chance)')
   requires = rule.get('requires')
