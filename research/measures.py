@@ -21,6 +21,7 @@ import numpy as np
 from bench.timing import synthetic_batch
 from research import inspection as inspect_lib
 from transformer import data
+from transformer.config.experiment import apply_overrides
 from transformer.data import grammar as grammar_lib
 from transformer.data import number_words as numbers_lib
 from transformer.model import entropy, hooks, models, objectives
@@ -136,8 +137,6 @@ def step_time_memory(ctx, steps: int = 5, against: dict | None = None) -> dict[s
   'step_ratio' is the median of each round's ratio (this over the reference), so that a machine
   that slows down or speeds up during the measurement moves both sides of every ratio alike.
   """
-  from research.spec import apply_overrides  # spec imports this module
-
   own, out = _compiled_step(ctx.config), {}
   if against is None:
     times = _time_steps([own], steps)[0]

@@ -16,7 +16,7 @@ import ml_collections
 
 from research import measures, nulls, report
 from research import rules as rules_lib
-from transformer.config.experiment import Config
+from transformer.config.experiment import Config, apply_overrides
 from transformer.training import optim
 from transformer.training.state import optim_config
 
@@ -265,27 +265,6 @@ def task_losses(base: Any, *overrides: Mapping[str, Any]) -> dict[str, float]:
   for layer in overrides:
     apply_overrides(config, _flatten(layer, 'overrides'), 'a null')
   return nulls.task_losses(config)
-
-
-def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any], where: str):
-  """Sets each dotted key of `overrides` in `config`; a key the config lacks is one ValueError."""
-  for key, value in overrides.items():
-    node, parts = config, key.split('.')
-    for i, part in enumerate(parts):
-      has = isinstance(node, ml_collections.ConfigDict) and part in node
-      if not has:
-        parent = '.'.join(parts[:i]) or 'the config'
-        valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-        raise ValueError(
-          f'{where} overrides {key!r}, which is not a key of the base config: {parent} has no '
-          f'{part!r}' + (f'; valid keys there: {", ".join(valid)}' if valid else '')
-        )
-      if i < len(parts) - 1:
-        node = node[part]
-    try:
-      node[parts[-1]] = tuple(value) if isinstance(value, list) else value
-    except (TypeError, ValueError) as e:
-      raise ValueError(f'{where} sets {key}={value!r}, which the config rejects: {e}') from None
 
 
 def resolve_config(sweep: Sweep, variant: str, seed: int = 0) -> ml_collections.ConfigDict:

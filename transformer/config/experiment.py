@@ -11,6 +11,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
@@ -482,3 +483,24 @@ def _config_value(value: Any, hint: Any) -> Any:
     kind = kinds[0]
     return ml_collections.FieldReference(None, field_type=typing.get_origin(kind) or kind)
   return value
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Mapping[str, Any], where: str):
+  """Sets each dotted key of `overrides` in `config`; a key the config lacks is one ValueError."""
+  for key, value in overrides.items():
+    node, parts = config, key.split('.')
+    for i, part in enumerate(parts):
+      has = isinstance(node, ml_collections.ConfigDict) and part in node
+      if not has:
+        parent = '.'.join(parts[:i]) or 'the config'
+        valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+        raise ValueError(
+          f'{where} overrides {key!r}, which is not a key of the base config: {parent} has no '
+          f'{part!r}' + (f'; valid keys there: {", ".join(valid)}' if valid else '')
+        )
+      if i < len(parts) - 1:
+        node = node[part]
+    try:
+      node[parts[-1]] = tuple(value) if isinstance(value, list) else value
+    except (TypeError, ValueError) as e:
+      raise ValueError(f'{where} sets {key}={value!r}, which the config rejects: {e}') from None
