@@ -49,47 +49,30 @@ from typing import Any
 
 import numpy as np
 
-from research import estimates, logistic
+from research import curves
 from research import nulls as nulls_lib
 from research.estimates import mean_std, t_interval, welch_interval
 from research.nulls import resolve_null
+from research.outcome import (
+  BY_CONSTRUCTION,
+  INCONCLUSIVE,
+  NOT_COMPARED,
+  NOT_REPRODUCED,
+  NOT_RUN,
+  REPRODUCED,
+  VACUOUS,
+  Table,
+  Verdict,
+  describe,
+  fmt,
+  lower_is_better,
+  pair,
+  seed_values,
+)
 from research.rules import check_rule
 
-REPRODUCED = 'reproduced'
-NOT_REPRODUCED = 'not reproduced at this scale'
-NOT_RUN = 'not run'
-# How a NOT_RUN verdict begins when the rule's `where` left out an arm it names (the data exist).
-NOT_COMPARED = 'not compared'
-INCONCLUSIVE = 'inconclusive at this budget'
-BY_CONSTRUCTION = 'holds by construction'  # it holds on a null too: it could not have failed
 MIN_SEEDS = 3  # a rule counts (either way) only with this many seeds of every value it compares
 WIDE_SEEDS = 5  # ... and a gap that holds with an interval wider than itself only with this many
-VACUOUS = 'vacuous'  # every rule that held holds by construction
-
-Table = Mapping[str, Mapping[str, Sequence[float]]]  # variant -> metric -> per-seed values
-
-_LOWER_IS_BETTER_WORDS = ('loss', 'perplexity', 'nll', '_ms', 'ms@', 'mib', 'time', 'rise', 'std')
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-  """The outcome of one rule: `status` (REPRODUCED | NOT_REPRODUCED | INCONCLUSIVE | NOT_RUN)
-  and its numbers."""
-
-  status: str
-  text: str  # the comparison with its numbers, in words
-  rule: dict
-  numbers: dict = dataclasses.field(default_factory=dict)
-  null: str = ''  # the rule on the sweep's nulls, in words (`judge`)
-
-  @property
-  def reproduced(self) -> bool:
-    return self.status == REPRODUCED
-
-
-def lower_is_better(metric: str) -> bool:
-  """Whether smaller values of `metric` are better: losses, perplexities, times, memory."""
-  return any(word in metric.lower() for word in _LOWER_IS_BETTER_WORDS)
 
 
 # Groups: the best of several variants --------------------------------------------------------
@@ -103,36 +86,13 @@ def best_of(table: Table, groups: Mapping[str, Mapping[str, Any]]) -> tuple[dict
     sign = 1.0 if lower_is_better(group['metric']) else -1.0
     scored = []
     for i, member in enumerate(group['best_of']):
-      values = _values(table, member, group['metric'])
+      values = seed_values(table, member, group['metric'])
       if values:
         scored.append((sign * mean_std(values)[0], i, member))
     if scored:
       chosen[name] = min(scored)[2]
       out[name] = table[chosen[name]]
   return out, chosen
-
-
-# Statistics over seeds -------------------------------------------------------------------------
-def _values(table: Table, variant: str, metric: str) -> list[float] | None:
-  """The per-seed values, or None when the variant or metric has none. NaN counts as missing."""
-  values = [v for v in (table.get(variant) or {}).get(metric) or [] if v is not None]
-  values = [float(v) for v in values if not (isinstance(v, float) and math.isnan(v))]
-  return values or None
-
-
-def fmt(value: float, std: float | None = None) -> str:
-  """A number for the report: 4 significant digits, with ± std when there are several seeds."""
-  if value is None or (isinstance(value, float) and math.isnan(value)):
-    return 'n/a'
-  text = 'inf' if math.isinf(value) else f'{value:.4g}'
-  if std is not None and std > 0 and math.isfinite(std):
-    text += f' ± {std:.2g}'
-  return text
-
-
-def _describe(variant: str, metric: str, values: list[float]) -> str:
-  mean, std = mean_std(values)
-  return f'{variant} {metric} = {fmt(mean, std)}'
 
 
 def _missing(rule: Mapping, table: Table) -> Verdict | None:
@@ -145,32 +105,25 @@ def _missing(rule: Mapping, table: Table) -> Verdict | None:
     pairs = [(v, rule['metric']) for v in rule['variants']]
     pairs += [(v, rule['x']) for v in rule['variants'] if 'x' in rule]
   for variant, metric in pairs:
-    if _values(table, variant, metric) is None:
+    if seed_values(table, variant, metric) is None:
       return Verdict(NOT_RUN, f'no recorded {metric} for variant {variant}', dict(rule))
   return None
 
 
 # Rules -----------------------------------------------------------------------------------------
-def _pair(rule: Mapping) -> tuple[tuple[str, str], tuple[str, str]]:
-  return (rule['a'], rule.get('metric_a', rule['metric'])), (
-    rule['b'],
-    rule.get('metric_b', rule['metric']),
-  )
-
-
 def _less_or_greater(rule: Mapping, table: Table) -> Verdict:
   """a below (less) or above (greater) b. The effect is b - a (less) or a - b (greater); the
   least effect that counts is `rel_margin` of |mean(b)|. With two or more seeds on each side, its
   95% interval (Welch's) must lie above that: wholly below it is not reproduced (the effect is
   absent, reversed or smaller than claimed), across it inconclusive. With one seed, the gap
   against the margin (default 2% of b); `judge` counts that only for an `exact` rule."""
-  (a, metric_a), (b, metric_b) = _pair(rule)
-  va, vb = _values(table, a, metric_a), _values(table, b, metric_b)
+  (a, metric_a), (b, metric_b) = pair(rule)
+  va, vb = seed_values(table, a, metric_a), seed_values(table, b, metric_b)
   (ma, sa), (mb, sb) = mean_std(va), mean_std(vb)
   sign = 1.0 if rule['kind'] == 'less' else -1.0
   word = '<' if rule['kind'] == 'less' else '>'
   numbers = {'a': ma, 'b': mb, 'std_a': sa, 'std_b': sb, 'seeds_a': len(va), 'seeds_b': len(vb)}
-  lhs, rhs = _describe(a, metric_a, va), _describe(b, metric_b, vb)
+  lhs, rhs = describe(a, metric_a, va), describe(b, metric_b, vb)
   if math.isinf(ma) or math.isinf(mb):  # a diverged run or an impossible length: no margin
     ok = sign * (mb - ma) > 0
     text = f'{lhs} {word} {rhs} (an infinite value is a run that diverged or could not run)'
@@ -212,13 +165,13 @@ def _no_worse(rule: Mapping, table: Table) -> Verdict:
   non-inferiority test: the 95% interval of mean(A) - mean(B) (Welch's) must lie on the better
   side of the tolerance; wholly on the worse side is not reproduced, across it inconclusive, so
   noise alone never passes it. One seed on either side: the means against the tolerance."""
-  (a, metric_a), (b, metric_b) = _pair(rule)
-  va, vb = _values(table, a, metric_a), _values(table, b, metric_b)
+  (a, metric_a), (b, metric_b) = pair(rule)
+  va, vb = seed_values(table, a, metric_a), seed_values(table, b, metric_b)
   ma, mb = mean_std(va)[0], mean_std(vb)[0]
   lower = rule.get('lower_is_better', lower_is_better(metric_a))
   tol = float(rule.get('tolerance', 0.0))
   better = 'lower' if lower else 'higher'
-  head = f'{_describe(a, metric_a, va)} vs {_describe(b, metric_b, vb)} ({better} is better'
+  head = f'{describe(a, metric_a, va)} vs {describe(b, metric_b, vb)} ({better} is better'
   numbers = {'a': ma, 'b': mb}
   interval = welch_interval(va, vb)
   if interval is None:
@@ -238,8 +191,8 @@ def _no_worse(rule: Mapping, table: Table) -> Verdict:
 
 
 def _close(rule: Mapping, table: Table) -> Verdict:
-  (a, metric_a), (b, metric_b) = _pair(rule)
-  va, vb = _values(table, a, metric_a), _values(table, b, metric_b)
+  (a, metric_a), (b, metric_b) = pair(rule)
+  va, vb = seed_values(table, a, metric_a), seed_values(table, b, metric_b)
   ma, mb = mean_std(va)[0], mean_std(vb)[0]
   tol = float(rule.get('tolerance', 0.0)) + float(rule.get('rel_tolerance', 0.0)) * max(
     abs(ma), abs(mb)
@@ -247,164 +200,11 @@ def _close(rule: Mapping, table: Table) -> Verdict:
   diff = abs(ma - mb)
   ok = diff <= tol
   text = (
-    f'{_describe(a, metric_a, va)} vs {_describe(b, metric_b, vb)}: difference {fmt(diff)} '
+    f'{describe(a, metric_a, va)} vs {describe(b, metric_b, vb)}: difference {fmt(diff)} '
     f'{"<=" if ok else ">"} tolerance {fmt(tol)}'
   )
   numbers = {'a': ma, 'b': mb, 'difference': diff, 'tolerance': tol}
   return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
-
-
-def _steps(rule: Mapping, labels: list[str], values: list[list[float]]) -> Verdict:
-  """Whether the means of `values` rise (or fall) step by step.
-
-  With one seed somewhere, a step may fall back by up to `tolerance`. With >= 2 seeds everywhere
-  each step has its 95% interval over seeds (Welch's): one wholly against the direction fails the
-  rule; one across 0 makes it inconclusive.
-  """
-  rising = rule.get('direction', 'increasing') == 'increasing'
-  stats = [mean_std(v) for v in values]
-  means = [m for m, _ in stats]
-  seeded = all(len(v) >= 2 for v in values)
-  bad, flat = [], []
-  for i in range(len(means) - 1):
-    step = means[i + 1] - means[i] if rising else means[i] - means[i + 1]
-    pair = (labels[i], labels[i + 1])
-    if not seeded:
-      if not step > -float(rule.get('tolerance', 0.0)):
-        bad.append(pair)
-      continue
-    later, earlier = (values[i + 1], values[i]) if rising else (values[i], values[i + 1])
-    low, high = welch_interval(later, earlier)
-    if high < 0:
-      bad.append(pair)
-    elif low <= 0:
-      flat.append((*pair, low, high))
-  shown = ', '.join(f'{label} {fmt(m, sd)}' for label, (m, sd) in zip(labels, stats))
-  text = f'{rule.get("direction", "increasing")}: {shown}'
-  numbers = dict(zip(labels, means))
-  if bad:
-    text += f'; breaks between {bad[0][0]} and {bad[0][1]}'
-    return Verdict(NOT_REPRODUCED, text, dict(rule), numbers)
-  if flat:
-    first, second, low, high = flat[0]
-    text += (
-      f"; {first} to {second} is within the seeds' noise (its 95% interval over seeds, "
-      f'{fmt(low)} to {fmt(high)}, spans 0)'
-    )
-    return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
-  return Verdict(REPRODUCED, text, dict(rule), numbers)
-
-
-def _ordering(rule: Mapping, table: Table) -> Verdict:
-  metric = rule['metric']
-  values = [_values(table, v, metric) for v in rule['variants']]
-  verdict = _steps(rule, list(rule['variants']), values)
-  return dataclasses.replace(verdict, text=f'{metric} {verdict.text}')
-
-
-def _largest_step(rule: Mapping, table: Table) -> Verdict:
-  """The largest change between neighbouring variants' means (per e-fold of rule['x'] if given),
-  as a share of the sum of all the changes' sizes.
-
-  The share's noise band moves the largest change by 2 pooled stds of its two ends: a threshold
-  inside the band is inconclusive, for at_least_share (a jump) and at_most_share (smooth) alike.
-  """
-  metric, labels = rule['metric'], list(rule['variants'])
-  stats = [mean_std(_values(table, v, metric)) for v in labels]
-  means = np.array([m for m, _ in stats])
-  widths = np.ones(len(labels) - 1)  # each step's width: 1, or its e-folds of x
-  if 'x' in rule:
-    widths = np.diff(np.log([mean_std(_values(table, v, rule['x']))[0] for v in labels]))
-    if not np.all(widths > 0):
-      raise ValueError(f"rule 'largest_step' needs {rule['x']} rising along {', '.join(labels)}")
-  steps = np.diff(means) / widths
-  total = float(np.sum(np.abs(steps)))
-  i = int(np.argmax(np.abs(steps)))
-  size = abs(float(steps[i]))
-  share = size / total if total > 0 else math.nan
-  per = f' per e-fold of {rule["x"]}' if 'x' in rule else ''
-  shown = ', '.join(f'{label} {fmt(m, sd)}' for label, (m, sd) in zip(labels, stats))
-  text = (
-    f'{metric}: {shown}; largest step{per} {labels[i]} -> {labels[i + 1]} {steps[i]:+.4g}, '
-    f'{fmt(share)} of the total change {fmt(total)}'
-  )
-  numbers = {'share': share, 'step': float(steps[i]), 'total': total, 'at': labels[i + 1]}
-  if not total > 0:
-    return Verdict(INCONCLUSIVE, text + ' (the metric does not change)', dict(rule), numbers)
-  noise = 2.0 * math.sqrt((stats[i][1] ** 2 + stats[i + 1][1] ** 2) / 2) / widths[i]
-  low = (size - noise) / (total - noise) if size > noise else 0.0
-  high = (size + noise) / (total + noise) if math.isfinite(noise) else 1.0
-  held, unsure = True, False  # the share against its thresholds, and whether noise could flip it
-  if 'at_least_share' in rule:
-    held &= share >= float(rule['at_least_share'])
-    unsure |= low < float(rule['at_least_share']) <= high
-  if 'at_most_share' in rule:
-    held &= share <= float(rule['at_most_share'])
-    unsure |= low <= float(rule['at_most_share']) < high
-  fixed = abs(means[i + 1] - means[i]) >= float(rule.get('min_step', 0.0))
-  if 'expect_at' in rule:
-    fixed &= labels[i + 1] == rule['expect_at']
-    text += f' (expected at {rule["expect_at"]})'
-  if fixed and unsure:
-    text += f"; within the seeds' noise: the share is {fmt(low)} to {fmt(high)} (2 pooled std)"
-    return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
-  return Verdict(REPRODUCED if fixed and held else NOT_REPRODUCED, text, dict(rule), numbers)
-
-
-def _sigmoid_width(rule: Mapping, table: Table) -> Verdict:
-  """How abruptly `metric` rises with rule['x']: the 10-90% width, in e-folds of x, of the
-  least-squares logistic in ln x through every seed's value (`research.logistic`), with its
-  interval over seeds (a bootstrap of the seeds within each size). A jump: the interval lies
-  below `threshold`; a smooth rise: above it; across it the rule is inconclusive. So is a curve
-  whose best logistic fits no better than one of shuffled values does (no rise beyond the noise).
-  """
-  metric, labels, x_name = rule['metric'], list(rule['variants']), rule['x']
-  groups = [_values(table, v, metric) for v in labels]
-  xs = [mean_std(_values(table, v, x_name))[0] for v in labels]
-  stats = [mean_std(g) for g in groups]
-  shown = ', '.join(f'{label} {fmt(m, sd)}' for label, (m, sd) in zip(labels, stats))
-  text = f'{metric} against ln {x_name}: {shown}'
-  if not all(math.isfinite(v) for g in groups for v in g) or not all(x > 0 for x in xs):
-    return Verdict(NOT_RUN, f'{text}; a logistic needs finite values and {x_name} > 0', dict(rule))
-  if len({v for g in groups for v in g}) == 1:
-    return Verdict(NOT_REPRODUCED, f'{text}; it does not change at all', dict(rule), {})
-  rise = logistic.fit_rise(xs, groups)
-  threshold, shape = float(rule['threshold']), rule['shape']
-  call = 'jump' if rise.high < threshold else 'smooth' if rise.low > threshold else 'neither'
-  numbers = {**dataclasses.asdict(rise), 'call': call}
-  spread = (
-    f'{logistic.LEVEL:.0%} interval over seeds {rise.low:.3g} to {rise.high:.3g}, {rise.resamples} '
-    'resamples'
-    if rise.resamples
-    else 'one seed: no interval'
-  )
-  edge = ''
-  if math.isclose(rise.midpoint, min(xs), rel_tol=1e-9) or math.isclose(
-    rise.midpoint, max(xs), rel_tol=1e-9
-  ):  # the fit would put it outside: the grid holds one side of the rise
-    edge = ' (at the edge of the sizes: the rise is half outside them)'
-  text += (
-    f'; logistic 10-90% width {rise.width:.3g} e-folds of {x_name} ({spread}), midpoint '
-    f'{x_name} {rise.midpoint:.3g}{edge}, change {rise.change:+.3g}, r2 {rise.r2:.3f}'
-  )
-  if rise.p_rise >= logistic.RISE_P:
-    text += (
-      f'; no rise beyond the noise: {rise.p_rise:.2f} of {logistic.SHUFFLES} shuffles of the '
-      'values over the sizes fit a logistic as well'
-    )
-    return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
-  words = {'jump': f'below {threshold:.3g}: a jump', 'smooth': f'above {threshold:.3g}: smooth'}
-  text += f'; the width is {words.get(call, f"across {threshold:.3g}: neither shown")}'
-  if call == 'neither':
-    return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
-  return Verdict(REPRODUCED if call == shape else NOT_REPRODUCED, text, dict(rule), numbers)
-
-
-def _monotone(rule: Mapping, table: Table) -> Verdict:
-  variant = rule['variant']
-  values = [_values(table, variant, m) for m in rule['metrics']]
-  verdict = _steps(rule, list(rule['metrics']), values)
-  return dataclasses.replace(verdict, text=f'{variant}: {verdict.text}')
 
 
 def _variance_greater(rule: Mapping, table: Table) -> Verdict:
@@ -415,7 +215,7 @@ def _variance_greater(rule: Mapping, table: Table) -> Verdict:
   from scipy import stats
 
   a, b, metric = rule['a'], rule['b'], rule['metric']
-  va, vb = _values(table, a, metric), _values(table, b, metric)
+  va, vb = seed_values(table, a, metric), seed_values(table, b, metric)
   if len(va) < 2 or len(vb) < 2:
     text = f'needs >= 2 seeds per variant for a std over seeds (has {len(va)} and {len(vb)})'
     return Verdict(NOT_RUN, text, dict(rule))
@@ -437,69 +237,10 @@ def _variance_greater(rule: Mapping, table: Table) -> Verdict:
   return Verdict(status, text, dict(rule), numbers)
 
 
-def power_law_points(rule: Mapping, table: Table) -> tuple[list[str], list[float], list[float]]:
-  """(labels, xs, ys) of a fit_power_law rule: finite, positive means only."""
-  if 'variant' in rule:
-    variant = rule['variant']
-    raw = [
-      (f'{variant} {m}', x, _values(table, variant, m)) for x, m in zip(rule['xs'], rule['metrics'])
-    ]
-    raw = [(label, float(x), mean_std(v)[0] if v else None) for label, x, v in raw]
-  else:
-    raw = []
-    for v in rule.get('variants') or list(table):
-      x, y = _values(table, v, rule['x']), _values(table, v, rule['y'])
-      raw.append((v, mean_std(x)[0] if x else None, mean_std(y)[0] if y else None))
-  good = [(label, x, y) for label, x, y in raw if x and y and x > 0 and y > 0]
-  good = [(label, x, y) for label, x, y in good if math.isfinite(x) and math.isfinite(y)]
-  return [g[0] for g in good], [g[1] for g in good], [g[2] for g in good]
-
-
-def _fit_power_law(rule: Mapping, table: Table) -> Verdict:
-  labels, xs, ys = power_law_points(rule, table)
-  if len(xs) < 3:
-    return Verdict(NOT_RUN, f'needs >= 3 finite positive points to fit; has {len(xs)}', dict(rule))
-  floor = rule.get('floor')
-  if floor == 'free':
-    fit = estimates.fit_power_law_free_floor(xs, ys)
-  else:
-    below = [(label, y) for label, y in zip(labels, ys) if y <= float(floor or 0.0)]
-    if below:  # log(y - floor) does not exist: no power law above this floor
-      text = f'{below[0][0]} has y = {fmt(below[0][1])}, not above the floor {floor:g}'
-      return Verdict(NOT_REPRODUCED, text, dict(rule), {'points': dict(zip(labels, zip(xs, ys)))})
-    fit = estimates.fit_power_law(xs, ys, float(floor or 0.0))
-  checks = []
-  if 'slope_sign' in rule:
-    checks.append(
-      (np.sign(fit['slope']) == np.sign(rule['slope_sign']), f'sign {rule["slope_sign"]:+d}')
-    )
-  if 'slope_between' in rule:
-    low, high = rule['slope_between']
-    checks.append((low <= fit['slope'] <= high, f'in [{low:g}, {high:g}]'))
-  if 'min_r2' in rule:
-    checks.append((fit['r2'] >= rule['min_r2'], f'r2 >= {rule["min_r2"]:g}'))
-  ok = all(c for c, _ in checks)
-  if 'variant' in rule:  # within one variant: its metrics against the given x values
-    y_name = f'{rule["variant"]} {rule["metrics"][0]} .. {rule["metrics"][-1]}'
-    x_name = f'x = {", ".join(f"{x:g}" for x in rule["xs"])}'
-  else:
-    y_name, x_name = rule['y'], rule['x']
-  if floor == 'free':
-    y_name = f'({y_name} - E), E fitted = {fit["floor"]:.4g},'
-  elif floor:
-    y_name = f'({y_name} - {float(floor):g})'
-  text = (
-    f'{y_name} ∝ ({x_name})^slope over {len(xs)} points: slope {fit["slope"]:.3f}, r2 '
-    f'{fit["r2"]:.3f}; expected slope {", ".join(t for _, t in checks) or "(no condition)"}'
-  )
-  numbers = {**fit, 'points': dict(zip(labels, zip(xs, ys)))}
-  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
-
-
 def _ratio_between(rule: Mapping, table: Table) -> Verdict:
-  (a, metric_a), (b, metric_b) = _pair(rule)
-  ma = mean_std(_values(table, a, metric_a))[0]
-  mb = mean_std(_values(table, b, metric_b))[0]
+  (a, metric_a), (b, metric_b) = pair(rule)
+  ma = mean_std(seed_values(table, a, metric_a))[0]
+  mb = mean_std(seed_values(table, b, metric_b))[0]
   ratio = ma / mb if mb else math.inf
   low, high = float(rule['low']), float(rule['high'])
   ok = low <= ratio <= high
@@ -513,7 +254,9 @@ def _ratio_between(rule: Mapping, table: Table) -> Verdict:
 def _best_or_worst(rule: Mapping, table: Table) -> Verdict:
   metric = rule['metric']
   among = list(rule.get('among') or table)
-  means = {v: mean_std(_values(table, v, metric))[0] for v in among if _values(table, v, metric)}
+  means = {
+    v: mean_std(seed_values(table, v, metric))[0] for v in among if seed_values(table, v, metric)
+  }
   if not means:
     return Verdict(NOT_RUN, f'no recorded {metric} for {", ".join(among)}', dict(rule))
   lower = rule.get('lower_is_better', lower_is_better(metric))
@@ -537,7 +280,7 @@ def _threshold(rule: Mapping, table: Table) -> Verdict:
   above = rule['kind'] == 'at_least'
   if rule.get('interval'):  # the mean's 95% interval: (worst, best) ends; the worst must pass
     order, ok = (1 if above else -1), (lambda x: x >= value if above else x <= value)
-    ends = {v: t_interval(_values(table, v, metric))[::order] for v in rule['variants']}
+    ends = {v: t_interval(seed_values(table, v, metric))[::order] for v in rule['variants']}
     sure, out = all(ok(w) for w, _ in ends.values()), not all(ok(b) for _, b in ends.values())
     shown = ', '.join(f'{v} {fmt(min(e))} to {fmt(max(e))}' for v, e in ends.items())
     text = f'95% interval of the mean {metric} {">=" if above else "<="} {value:g}: {shown}'
@@ -545,10 +288,10 @@ def _threshold(rule: Mapping, table: Table) -> Verdict:
     return Verdict(status, text, dict(rule), {v: sum(e) / 2 for v, e in ends.items()})
   if rule.get('every_seed'):  # the worst seed of each variant
     worst = min if above else max
-    means = {v: float(worst(_values(table, v, metric))) for v in rule['variants']}
+    means = {v: float(worst(seed_values(table, v, metric))) for v in rule['variants']}
     what = f'{"lowest" if above else "highest"} {metric} over seeds'
   else:
-    means = {v: mean_std(_values(table, v, metric))[0] for v in rule['variants']}
+    means = {v: mean_std(seed_values(table, v, metric))[0] for v in rule['variants']}
     what = metric
   failing = [v for v, m in means.items() if not (m >= value if above else m <= value)]
   shown = ', '.join(f'{v} {fmt(m)}' for v, m in means.items())
@@ -563,12 +306,12 @@ _EVALUATORS = {
   'greater': _less_or_greater,
   'no_worse': _no_worse,
   'close': _close,
-  'ordering': _ordering,
-  'largest_step': _largest_step,
-  'sigmoid_width': _sigmoid_width,
-  'monotone': _monotone,
+  'ordering': curves.ordering,
+  'largest_step': curves.largest_step,
+  'sigmoid_width': curves.sigmoid_width,
+  'monotone': curves.monotone,
   'variance_greater': _variance_greater,
-  'fit_power_law': _fit_power_law,
+  'fit_power_law': curves.fit_power_law,
   'ratio_between': _ratio_between,
   'best': _best_or_worst,
   'worst': _best_or_worst,
@@ -613,7 +356,7 @@ def _compared(rule: Mapping, table: Table) -> list[tuple[str, str]]:
       return [(rule['variant'], m) for m in rule['metrics']]
     return [(v, rule['y']) for v in rule.get('variants') or list(table)]
   if 'a' in rule:
-    (a, metric_a), (b, metric_b) = _pair(rule)
+    (a, metric_a), (b, metric_b) = pair(rule)
     return [(a, metric_a), (b, metric_b)]
   names = rule.get('variants') or rule.get('among') or list(table)
   return [(v, rule['metric']) for v in names]
@@ -631,7 +374,7 @@ def _at_chance(rule: Mapping, table: Table, nulls: Mapping[str, Mapping]) -> str
     raise ValueError(f"rule has chance={name!r}, which is not one of the sweep's nulls: {shown}")
   shown = []
   for variant, metric in _compared(rule, table):
-    values = _values(table, variant, metric)
+    values = seed_values(table, variant, metric)
     chance = (nulls[name].get(variant) or {}).get(metric)
     if not values or chance is None:
       continue
@@ -686,7 +429,7 @@ def on_null(rule: Mapping[str, Any], table: Table, null: Mapping[str, Any]) -> V
   nulled = {v: {m: [x] for m, x in row.items()} for v, row in values.items()}
   if 'x' in rule:  # the spacing (a model's size, say) is the variant's unless the null gives it
     for variant in rule.get('variants') or ():
-      nulled.setdefault(variant, {}).setdefault(rule['x'], _values(table, variant, rule['x']))
+      nulled.setdefault(variant, {}).setdefault(rule['x'], seed_values(table, variant, rule['x']))
   verdict = evaluate(plain, nulled)
   return None if verdict.status == NOT_RUN else verdict
 
@@ -772,7 +515,7 @@ def _too_few_seeds(verdict: Verdict, table: Table) -> Verdict:
     return verdict
   rule, where = verdict.rule, verdict.rule.get('where') is not None
   rule, table = _apply_where(rule, table)[:2] if where else (rule, table)
-  values = [v for v in (_values(table, v, m) for v, m in _compared(rule, table)) if v]
+  values = [v for v in (seed_values(table, v, m) for v, m in _compared(rule, table)) if v]
   seeds, n = min(map(len, values), default=0), verdict.numbers
   why = f'{seeds} seed{"s" if seeds != 1 else ""}: a verdict needs {MIN_SEEDS}'
   if seeds >= MIN_SEEDS:
