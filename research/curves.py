@@ -5,6 +5,7 @@ largest step, the width of a logistic rise (`sigmoid_width`) and a power-law fit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
@@ -76,8 +77,9 @@ def largest_step(rule: Mapping, table: Table) -> Verdict:
   """The largest change between neighbouring variants' means (per e-fold of rule['x'] if given),
   as a share of the sum of all the changes' sizes.
 
-  The share's noise band moves the largest change by 2 pooled stds of its two ends: a threshold
-  inside the band is inconclusive, for at_least_share (a jump) and at_most_share (smooth) alike.
+  With two or more seeds everywhere the share has a 95% interval (`estimates.bootstrap_interval`:
+  the seeds within each variant resampled): a threshold inside it is inconclusive, for
+  at_least_share (a jump) and at_most_share (smooth) alike.
   """
   metric, labels = rule['metric'], list(rule['variants'])
   stats = [mean_std(seed_values(table, v, metric)) for v in labels]
@@ -101,9 +103,14 @@ def largest_step(rule: Mapping, table: Table) -> Verdict:
   numbers = {'share': share, 'step': float(steps[i]), 'total': total, 'at': labels[i + 1]}
   if not total > 0:
     return Verdict(INCONCLUSIVE, text + ' (the metric does not change)', dict(rule), numbers)
-  noise = 2.0 * math.sqrt((stats[i][1] ** 2 + stats[i + 1][1] ** 2) / 2) / widths[i]
-  low = (size - noise) / (total - noise) if size > noise else 0.0
-  high = (size + noise) / (total + noise) if math.isfinite(noise) else 1.0
+  groups = [seed_values(table, v, metric) for v in labels]
+
+  def share_of(means):  # the largest step's share, wherever it falls in this draw
+    sizes = np.abs(np.diff(means) / widths)
+    return float(sizes.max() / sizes.sum()) if sizes.sum() > 0 else math.nan
+
+  finite = all(math.isfinite(v) for g in groups for v in g)
+  low, high = (finite and estimates.bootstrap_interval(groups, share_of)) or (share, share)
   held, unsure = True, False  # the share against its thresholds, and whether noise could flip it
   if 'at_least_share' in rule:
     held &= share >= float(rule['at_least_share'])
@@ -116,7 +123,10 @@ def largest_step(rule: Mapping, table: Table) -> Verdict:
     fixed &= labels[i + 1] == rule['expect_at']
     text += f' (expected at {rule["expect_at"]})'
   if fixed and unsure:
-    text += f"; within the seeds' noise: the share is {fmt(low)} to {fmt(high)} (2 pooled std)"
+    text += (
+      f"; within the seeds' noise: the share's 95% interval is {fmt(low)} to {fmt(high)} "
+      f'({_RESAMPLES_WORDS.replace("point", "variant")})'
+    )
     return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
   return Verdict(REPRODUCED if fixed and held else NOT_REPRODUCED, text, dict(rule), numbers)
 
@@ -179,47 +189,66 @@ def monotone(rule: Mapping, table: Table) -> Verdict:
 
 def power_law_points(rule: Mapping, table: Table) -> tuple[list[str], list[float], list[float]]:
   """(labels, xs, ys) of a fit_power_law rule: finite, positive means only."""
+  labels, xs, groups = _power_law_groups(rule, table)
+  return labels, xs, [mean_std(g)[0] for g in groups]
+
+
+def _power_law_groups(rule: Mapping, table: Table) -> tuple[list[str], list[float], list[list]]:
+  """(labels, xs, each point's per-seed ys) of the points whose means are finite and positive."""
   if 'variant' in rule:
-    variant = rule['variant']
-    raw = [
-      (f'{variant} {m}', x, seed_values(table, variant, m))
-      for x, m in zip(rule['xs'], rule['metrics'])
-    ]
-    raw = [(label, float(x), mean_std(v)[0] if v else None) for label, x, v in raw]
+    variant, pairs = rule['variant'], zip(rule['xs'], rule['metrics'])
+    raw = [(f'{variant} {m}', float(x), seed_values(table, variant, m)) for x, m in pairs]
   else:
     raw = []
     for v in rule.get('variants') or list(table):
-      x, y = seed_values(table, v, rule['x']), seed_values(table, v, rule['y'])
-      raw.append((v, mean_std(x)[0] if x else None, mean_std(y)[0] if y else None))
-  good = [(label, x, y) for label, x, y in raw if x and y and x > 0 and y > 0]
-  good = [(label, x, y) for label, x, y in good if math.isfinite(x) and math.isfinite(y)]
+      x = seed_values(table, v, rule['x'])
+      raw.append((v, mean_std(x)[0] if x else None, seed_values(table, v, rule['y'])))
+  good = [(label, x, y) for label, x, y in raw if x and y and x > 0 and mean_std(y)[0] > 0]
+  good = [g for g in good if math.isfinite(g[1]) and all(map(math.isfinite, g[2]))]
   return [g[0] for g in good], [g[1] for g in good], [g[2] for g in good]
 
 
 def fit_power_law(rule: Mapping, table: Table) -> Verdict:
-  labels, xs, ys = power_law_points(rule, table)
+  """A power law through the points' means: its slope against `slope_sign` or `slope_between`,
+  and its r2 against `min_r2`. With two or more seeds at every point, the slope has a 95%
+  interval (`estimates.bootstrap_interval`: the seeds within each point resampled, the law
+  refitted): a condition holds when the whole interval meets it, fails when none of it does, and
+  is inconclusive across. r2 is the means' fit's, judged as it is. One seed: the fitted slope."""
+  labels, xs, groups = _power_law_groups(rule, table)
+  ys = [mean_std(g)[0] for g in groups]
   if len(xs) < 3:
     return Verdict(NOT_RUN, f'needs >= 3 finite positive points to fit; has {len(xs)}', dict(rule))
   floor = rule.get('floor')
   if floor == 'free':
-    fit = estimates.fit_power_law_free_floor(xs, ys)
+    fitter = estimates.fit_power_law_free_floor
   else:
     below = [(label, y) for label, y in zip(labels, ys) if y <= float(floor or 0.0)]
     if below:  # log(y - floor) does not exist: no power law above this floor
       text = f'{below[0][0]} has y = {fmt(below[0][1])}, not above the floor {floor:g}'
       return Verdict(NOT_REPRODUCED, text, dict(rule), {'points': dict(zip(labels, zip(xs, ys)))})
-    fit = estimates.fit_power_law(xs, ys, float(floor or 0.0))
-  checks = []
+    fitter = functools.partial(estimates.fit_power_law, floor=float(floor or 0.0))
+  fit = fitter(xs, ys)
+
+  def slope(means):
+    fine = floor == 'free' or all(m > float(floor or 0.0) for m in means)
+    return fitter(xs, list(means))['slope'] if fine else math.nan
+
+  interval = estimates.bootstrap_interval(groups, slope)
+  lo, hi = interval or (fit['slope'], fit['slope'])
+  checks = []  # (status, words)
   if 'slope_sign' in rule:
-    checks.append(
-      (np.sign(fit['slope']) == np.sign(rule['slope_sign']), f'sign {rule["slope_sign"]:+d}')
-    )
+    sign = float(np.sign(rule['slope_sign']))
+    checks.append((_judged(sign * lo > 0, sign * hi <= 0), f'sign {rule["slope_sign"]:+d}'))
   if 'slope_between' in rule:
     low, high = rule['slope_between']
-    checks.append((low <= fit['slope'] <= high, f'in [{low:g}, {high:g}]'))
+    checks.append(
+      (_judged(low <= lo and hi <= high, hi < low or lo > high), f'in [{low:g}, {high:g}]')
+    )
   if 'min_r2' in rule:
-    checks.append((fit['r2'] >= rule['min_r2'], f'r2 >= {rule["min_r2"]:g}'))
-  ok = all(c for c, _ in checks)
+    ok = fit['r2'] >= rule['min_r2']
+    checks.append((REPRODUCED if ok else NOT_REPRODUCED, f'r2 >= {rule["min_r2"]:g}'))
+  statuses = [s for s, _ in checks]
+  status = next((s for s in (NOT_REPRODUCED, INCONCLUSIVE) if s in statuses), REPRODUCED)
   if 'variant' in rule:  # within one variant: its metrics against the given x values
     y_name = f'{rule["variant"]} {rule["metrics"][0]} .. {rule["metrics"][-1]}'
     x_name = f'x = {", ".join(f"{x:g}" for x in rule["xs"])}'
@@ -229,9 +258,24 @@ def fit_power_law(rule: Mapping, table: Table) -> Verdict:
     y_name = f'({y_name} - E), E fitted = {fit["floor"]:.4g},'
   elif floor:
     y_name = f'({y_name} - {float(floor):g})'
+  spread = f' (95% interval {lo:.3f} to {hi:.3f}, {_RESAMPLES_WORDS})' if interval else ''
+  spread = spread or ' (one seed: no interval)'
+  shown = ', '.join(
+    f'{t} ({"no" if s == NOT_REPRODUCED else "unsure" if s == INCONCLUSIVE else "yes"})'
+    for s, t in checks
+  )
   text = (
-    f'{y_name} ∝ ({x_name})^slope over {len(xs)} points: slope {fit["slope"]:.3f}, r2 '
-    f'{fit["r2"]:.3f}; expected slope {", ".join(t for _, t in checks) or "(no condition)"}'
+    f'{y_name} ∝ ({x_name})^slope over {len(xs)} points: slope {fit["slope"]:.3f}{spread}, r2 '
+    f'{fit["r2"]:.3f}; expected slope {shown or "(no condition)"}'
   )
   numbers = {**fit, 'points': dict(zip(labels, zip(xs, ys)))}
-  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+  if interval:
+    numbers.update(low=lo, high=hi)
+  return Verdict(status, text, dict(rule), numbers)
+
+
+_RESAMPLES_WORDS = 'a bootstrap of the seeds at each point, 1000 resamples'
+
+
+def _judged(holds: bool, fails: bool) -> str:
+  return REPRODUCED if holds else NOT_REPRODUCED if fails else INCONCLUSIVE

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from research import curves
+from research import curves, estimates
 from research import nulls as nulls_lib
 from research.estimates import mean_std, t_interval, welch_interval
 from research.nulls import resolve_null
@@ -191,20 +191,34 @@ def _no_worse(rule: Mapping, table: Table) -> Verdict:
 
 
 def _close(rule: Mapping, table: Table) -> Verdict:
+  """|mean(A) - mean(B)| within the tolerance (`tolerance` + `rel_tolerance` of the larger
+  |mean|). With two or more seeds on each side, an equivalence test (two one-sided tests at 5%):
+  the 90% interval of the difference (Welch's) must lie inside +-tolerance; wholly outside it is
+  not reproduced, across an end inconclusive, so that noise alone never shows two arms alike.
+  One seed on either side: the difference of the means against the tolerance."""
   (a, metric_a), (b, metric_b) = pair(rule)
   va, vb = seed_values(table, a, metric_a), seed_values(table, b, metric_b)
   ma, mb = mean_std(va)[0], mean_std(vb)[0]
-  tol = float(rule.get('tolerance', 0.0)) + float(rule.get('rel_tolerance', 0.0)) * max(
-    abs(ma), abs(mb)
-  )
-  diff = abs(ma - mb)
-  ok = diff <= tol
+  rel = float(rule.get('rel_tolerance', 0.0)) * max(abs(ma), abs(mb))
+  tol = float(rule.get('tolerance', 0.0)) + rel
+  diff = ma - mb
+  numbers = {'a': ma, 'b': mb, 'difference': abs(diff), 'tolerance': tol}
+  head = f'{describe(a, metric_a, va)} vs {describe(b, metric_b, vb)}'
+  interval = welch_interval(va, vb, level=0.90)
+  if interval is None:
+    ok = abs(diff) <= tol
+    text = f'{head}: difference {fmt(abs(diff))} {"<=" if ok else ">"} tolerance {fmt(tol)}'
+    return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+  low, high = interval
+  inside, outside = -tol <= low and high <= tol, high < -tol or low > tol
+  status = REPRODUCED if inside else NOT_REPRODUCED if outside else INCONCLUSIVE
+  word = {REPRODUCED: 'inside it: alike', NOT_REPRODUCED: 'outside it: they differ',
+          INCONCLUSIVE: "across its edge: within the seeds' noise"}  # fmt: skip
   text = (
-    f'{describe(a, metric_a, va)} vs {describe(b, metric_b, vb)}: difference {fmt(diff)} '
-    f'{"<=" if ok else ">"} tolerance {fmt(tol)}'
+    f'{head}: {a} - {b} = {fmt(diff)}, 90% interval {fmt(low)} to {fmt(high)} over seeds '
+    f'(Welch; two one-sided tests at 5%), against +-{fmt(tol)}: {word[status]}'
   )
-  numbers = {'a': ma, 'b': mb, 'difference': diff, 'tolerance': tol}
-  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+  return Verdict(status, text, dict(rule), {**numbers, 'low': low, 'high': high})
 
 
 def _variance_greater(rule: Mapping, table: Table) -> Verdict:
@@ -238,41 +252,75 @@ def _variance_greater(rule: Mapping, table: Table) -> Verdict:
 
 
 def _ratio_between(rule: Mapping, table: Table) -> Verdict:
+  """mean(A) / mean(B) inside [low, high]. With two or more seeds on each side, its 95% interval
+  (`estimates.log_ratio_interval`; paired by seed when A and B are one variant's two metrics)
+  must lie inside; wholly outside is not reproduced, across an end inconclusive. One seed: the
+  ratio of the means."""
   (a, metric_a), (b, metric_b) = pair(rule)
-  ma = mean_std(seed_values(table, a, metric_a))[0]
-  mb = mean_std(seed_values(table, b, metric_b))[0]
+  va, vb = seed_values(table, a, metric_a), seed_values(table, b, metric_b)
+  ma, mb = mean_std(va)[0], mean_std(vb)[0]
   ratio = ma / mb if mb else math.inf
   low, high = float(rule['low']), float(rule['high'])
-  ok = low <= ratio <= high
+  head = f'{a} {metric_a} {fmt(ma)} / {b} {metric_b} {fmt(mb)} = {ratio:.3f}x'
+  paired = a == b and len(va) == len(vb)
+  interval = estimates.log_ratio_interval(va, vb, paired=paired)
+  if interval is None:
+    ok = low <= ratio <= high
+    text = f'{head}, {"inside" if ok else "outside"} [{low:g}, {high:g}]'
+    return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), {'ratio': ratio})
+  lo, hi = interval
+  inside, outside = low <= lo and hi <= high, hi < low or lo > high
+  status = REPRODUCED if inside else NOT_REPRODUCED if outside else INCONCLUSIVE
+  word = {REPRODUCED: 'inside', NOT_REPRODUCED: 'outside', INCONCLUSIVE: 'across an end of'}
+  how = 'paired by seed' if paired else 'delta method on the log, Welch'
   text = (
-    f'{a} {metric_a} {fmt(ma)} / {b} {metric_b} {fmt(mb)} = {ratio:.3f}x, '
-    f'{"inside" if ok else "outside"} [{low:g}, {high:g}]'
+    f'{head}, 95% interval {lo:.3g}x to {hi:.3g}x over seeds ({how}), {word[status]} '
+    f'[{low:g}, {high:g}]'
   )
-  return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), {'ratio': ratio})
+  return Verdict(status, text, dict(rule), {'ratio': ratio, 'low': lo, 'high': hi})
 
 
 def _best_or_worst(rule: Mapping, table: Table) -> Verdict:
+  """The best (or worst) mean among the variants is one of `expect`. With two or more seeds
+  everywhere, an expected variant must beat every unexpected one, each gap's 95% interval
+  (Welch's) clear of 0 (an intersection-union test: no correction for the number of gaps); one
+  that beats every expected variant so is not reproduced; otherwise inconclusive."""
   metric = rule['metric']
   among = list(rule.get('among') or table)
-  means = {
-    v: mean_std(seed_values(table, v, metric))[0] for v in among if seed_values(table, v, metric)
-  }
-  if not means:
+  found = {v: seed_values(table, v, metric) for v in among}
+  found = {v: values for v, values in found.items() if values}
+  if not found:
     return Verdict(NOT_RUN, f'no recorded {metric} for {", ".join(among)}', dict(rule))
+  means = {v: mean_std(values)[0] for v, values in found.items()}
   lower = rule.get('lower_is_better', lower_is_better(metric))
   pick_min = lower if rule['kind'] == 'best' else not lower
   winner = (min if pick_min else max)(means, key=lambda v: means[v])
   tied = [v for v in means if means[v] == means[winner]]  # e.g. a null that scores all alike
-  ok = winner in rule['expect'] and len(tied) == 1
-  shown = ', '.join(f'{v} {fmt(m)}' for v, m in means.items())
+  shown = ', '.join(f'{v} {fmt(m, mean_std(found[v])[1])}' for v, m in means.items())
   text = (
     f'{rule["kind"]} {metric} ({"lower" if lower else "higher"} is better) among {shown}: '
     f'{" = ".join(tied) + " tie" if len(tied) > 1 else winner}; expected one of '
     f'{", ".join(rule["expect"])}'
   )
-  return Verdict(
-    REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), {'winner': winner, **means}
-  )
+  numbers = {'winner': winner, **means}
+  ok = winner in rule['expect'] and len(tied) == 1
+  sign = 1.0 if pick_min else -1.0  # ahead(x, y): x's 95% interval clear of y's, the right way
+
+  def ahead(x: str, y: str) -> bool:
+    interval = welch_interval(found[y], found[x])  # y - x
+    return interval is not None and min(sign * interval[0], sign * interval[1]) > 0
+
+  if min(map(len, found.values())) < 2 or not all(map(math.isfinite, means.values())):
+    return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
+  expected = [v for v in found if v in rule['expect']]
+  others = [v for v in found if v not in rule['expect']]
+  if any(all(ahead(e, o) for o in others) for e in expected):
+    status, why = REPRODUCED, "ahead of every other beyond the seeds' noise (95% intervals)"
+  elif any(all(ahead(o, e) for e in expected) for o in others):
+    status, why = NOT_REPRODUCED, 'an unexpected variant is ahead of every expected one'
+  else:
+    status, why = INCONCLUSIVE, "the leaders are within the seeds' noise (95% intervals)"
+  return Verdict(status, f'{text}; {why}', dict(rule), numbers)
 
 
 def _threshold(rule: Mapping, table: Table) -> Verdict:
