@@ -110,7 +110,8 @@ def largest_step(rule: Mapping, table: Table) -> Verdict:
     return float(sizes.max() / sizes.sum()) if sizes.sum() > 0 else math.nan
 
   finite = all(math.isfinite(v) for g in groups for v in g)
-  low, high = (finite and estimates.bootstrap_interval(groups, share_of)) or (share, share)
+  spread = estimates.bootstrap_interval(groups, share_of) if finite else None
+  low, high = spread or (share, share)
   held, unsure = True, False  # the share against its thresholds, and whether noise could flip it
   if 'at_least_share' in rule:
     held &= share >= float(rule['at_least_share'])
@@ -122,11 +123,14 @@ def largest_step(rule: Mapping, table: Table) -> Verdict:
   if 'expect_at' in rule:
     fixed &= labels[i + 1] == rule['expect_at']
     text += f' (expected at {rule["expect_at"]})'
-  if fixed and unsure:
+  if spread:
+    numbers.update(low=low, high=high)
     text += (
-      f"; within the seeds' noise: the share's 95% interval is {fmt(low)} to {fmt(high)} "
+      f"; the share's 95% interval is {fmt(low)} to {fmt(high)} "
       f'({_RESAMPLES_WORDS.replace("point", "variant")})'
     )
+  if fixed and unsure:
+    text += "; a threshold lies inside it: within the seeds' noise"
     return Verdict(INCONCLUSIVE, text, dict(rule), numbers)
   return Verdict(REPRODUCED if fixed and held else NOT_REPRODUCED, text, dict(rule), numbers)
 

@@ -42,8 +42,8 @@ KINDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
   # asks for a jump, at_most_share for a smooth curve; min_step: that change is also >= this;
   # expect_at: the variant the largest step leads to (e.g. the second: the first gain is largest).
   # x: a recorded metric (e.g. 'params'); each change counts per e-fold of it, as if the variants
-  # were evenly spaced in log x. With >= 2 seeds, a share that its seeds' noise (2 pooled stds on
-  # the largest step) could carry across the threshold is inconclusive, a jump's or a smooth's.
+  # were evenly spaced in log x. With >= 2 seeds, a share whose 95% interval (a bootstrap of the
+  # seeds) holds the threshold is inconclusive, a jump's or a smooth's.
   'largest_step': (
     ('metric', 'variants'),
     ('at_least_share', 'at_most_share', 'min_step', 'expect_at', 'x'),

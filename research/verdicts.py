@@ -214,8 +214,9 @@ def _close(rule: Mapping, table: Table) -> Verdict:
   status = REPRODUCED if inside else NOT_REPRODUCED if outside else INCONCLUSIVE
   word = {REPRODUCED: 'inside it: alike', NOT_REPRODUCED: 'outside it: they differ',
           INCONCLUSIVE: "across its edge: within the seeds' noise"}  # fmt: skip
+  named = f'{a} {metric_a} - {metric_b}' if a == b else f'{a} - {b}'  # one variant, 2 metrics
   text = (
-    f'{head}: {a} - {b} = {fmt(diff)}, 90% interval {fmt(low)} to {fmt(high)} over seeds '
+    f'{head}: {named} = {fmt(diff)}, 90% interval {fmt(low)} to {fmt(high)} over seeds '
     f'(Welch; two one-sided tests at 5%), against +-{fmt(tol)}: {word[status]}'
   )
   return Verdict(status, text, dict(rule), {**numbers, 'low': low, 'high': high})
@@ -306,11 +307,13 @@ def _best_or_worst(rule: Mapping, table: Table) -> Verdict:
   ok = winner in rule['expect'] and len(tied) == 1
   sign = 1.0 if pick_min else -1.0  # ahead(x, y): x's 95% interval clear of y's, the right way
 
-  def ahead(x: str, y: str) -> bool:
+  def ahead(x: str, y: str) -> bool:  # an infinite mean (a run that diverged or could not run)
+    if not (math.isfinite(means[x]) and math.isfinite(means[y])):  # is compared as it is
+      return sign * (means[y] - means[x]) > 0
     interval = welch_interval(found[y], found[x])  # y - x
     return interval is not None and min(sign * interval[0], sign * interval[1]) > 0
 
-  if min(map(len, found.values())) < 2 or not all(map(math.isfinite, means.values())):
+  if min(map(len, found.values())) < 2:
     return Verdict(REPRODUCED if ok else NOT_REPRODUCED, text, dict(rule), numbers)
   expected = [v for v in found if v in rule['expect']]
   others = [v for v in found if v not in rule['expect']]
