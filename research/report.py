@@ -319,8 +319,12 @@ def _group_lines(meta: Mapping, results: Sequence[Mapping]) -> list[str]:
   _, chosen = verdicts.best_of(results_lib.metric_table(results), groups)
   lines = ['Groups (each stands for its member with the best mean of the metric):', '']
   for name, group in groups.items():
-    pick = chosen.get(name, 'none recorded')
-    lines.append(f'- **{name}** = {pick}: best {group["metric"]} of {", ".join(group["best_of"])}')
+    pick, members = chosen.get(name, 'none recorded'), list(group['best_of'])
+    edge = group.get('grid') and pick in (members[0], members[-1]) and len(members) > 2
+    lines.append(
+      f'- **{name}** = {pick}: best {group["metric"]} of {", ".join(members)}'
+      + (' (best at the edge of its grid: a setting beyond it may do better)' if edge else '')
+    )
   return lines + ['']
 
 

@@ -209,12 +209,16 @@ def rule_metrics(rule: Mapping[str, Any]) -> list[str]:
 
 def check_groups(groups: Mapping[str, Mapping[str, Any]], variants: Sequence[str]) -> None:
   """Raises one ValueError for a group named like a variant, without exactly 'best_of' (a
-  non-empty list of the sweep's variants) and 'metric', or naming an unknown variant."""
+  non-empty list of the sweep's variants) and 'metric' (and optionally 'grid': True, for members
+  that are a grid of one setting in order, such as rates), or naming an unknown variant."""
   for name, group in groups.items():
     if name in variants:
       raise ValueError(f'group {name!r} has the name of a variant; name it unlike the variants')
-    if not isinstance(group, Mapping) or sorted(group) != ['best_of', 'metric']:
-      raise ValueError(f"group {name!r} needs exactly 'best_of' (variants) and 'metric'")
+    keys = sorted(set(group) - {'grid'}) if isinstance(group, Mapping) else None
+    if keys != ['best_of', 'metric'] or group.get('grid', True) is not True:
+      raise ValueError(
+        f"group {name!r} needs exactly 'best_of' (variants) and 'metric', and may add 'grid': True"
+      )
     if not group['best_of'] or isinstance(group['best_of'], str):
       raise ValueError(f'group {name!r}: best_of={group["best_of"]!r} must list variants')
     unknown = [v for v in group['best_of'] if v not in variants]

@@ -93,7 +93,8 @@ def _groups(variants) -> dict[str, dict]:
   groups = {}
   for name in variants:
     group = name.rsplit('_', 1)[0]
-    groups.setdefault(group, {'best_of': [], 'metric': 'recall.accuracy'})['best_of'].append(name)
+    entry = {'best_of': [], 'metric': 'recall.accuracy', 'grid': True}  # rates, in order
+    groups.setdefault(group, entry)['best_of'].append(name)
   return groups
 
 

@@ -470,8 +470,34 @@ def test_a_group_stands_for_its_member_with_the_best_mean():
     ({'g': {'best_of': ['a']}}, "group 'g' needs exactly 'best_of' .* and 'metric'"),
     ({'g': {'best_of': [], 'metric': 'acc'}}, 'best_of=.* must list variants'),
     ({'g': {'best_of': ['a', 'c'], 'metric': 'acc'}}, "group 'g' names variant 'c'"),
+    ({'g': {'best_of': ['a'], 'metric': 'acc', 'grid': 'yes'}}, "may add 'grid': True"),
   ],
 )
 def test_bad_groups_are_one_clear_error(groups, message):
   with pytest.raises(ValueError, match=message):
     rules_lib.check_groups(groups, ['a', 'b'])
+
+
+def test_a_grid_group_whose_best_is_at_its_edge_says_so():
+  """A group over a grid in order (rates, say) whose best member is the first or the last says
+  that a setting beyond the grid may do better; one chosen inside it, or a group that is no
+  grid, says nothing of the kind."""
+  from research import report
+
+  table = {f'lr{i}': {'acc': [a, a + 0.01, a - 0.01]} for i, a in enumerate((0.2, 0.5, 0.9))}
+  table.update({f'mid{i}': {'acc': [a] * 3} for i, a in enumerate((0.2, 0.9, 0.5))})
+  groups = {
+    'top': {'best_of': ['lr0', 'lr1', 'lr2'], 'metric': 'acc', 'grid': True},
+    'inside': {'best_of': ['mid0', 'mid1', 'mid2'], 'metric': 'acc', 'grid': True},
+    'plain': {'best_of': ['lr0', 'lr1', 'lr2'], 'metric': 'acc'},
+  }
+  rules_lib.check_groups(groups, list(table))
+  results = [
+    {'variant': v, 'seed': s, 'metrics': {'acc': m['acc'][s]}}
+    for v, m in table.items()
+    for s in range(3)
+  ]
+  lines = report._group_lines({'groups': groups}, results)
+  edge = [line for line in lines if 'edge of its grid' in line]
+  assert len(edge) == 1 and edge[0].startswith('- **top** = lr2')
+  assert any(line.startswith('- **inside** = mid1') for line in lines)
