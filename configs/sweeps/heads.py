@@ -49,7 +49,7 @@ def get_sweep(scale: int = 1) -> dict:
     dict(kind='less', metric='eval.loss', a='grammar_h4', b='grammar_h1',
          text='grammar LM: one head is worse than four'),
     dict(kind='at_least', metric='entropy.layer_spread', variants=['grammar_h4', 'grammar_h8'],
-         value=0.3,
+         value=0.3, interval=True,
          text='grammar LM: within a layer, sharp and nearly uniform heads side by side'),
   ]  # fmt: skip
   return dict(
