@@ -263,8 +263,11 @@ def _ratio_between(rule: Mapping, table: Table) -> Verdict:
   ratio = ma / mb if mb else math.inf
   low, high = float(rule['low']), float(rule['high'])
   head = f'{a} {metric_a} {fmt(ma)} / {b} {metric_b} {fmt(mb)} = {ratio:.3f}x'
-  paired = a == b and len(va) == len(vb)
+  paired = a == b and len(va) == len(vb) and min(va + vb) > 0
   interval = estimates.log_ratio_interval(va, vb, paired=paired)
+  if interval is None and min(len(va), len(vb)) >= 2:
+    text = f'{head}: no interval for a ratio of means that are not both positive'
+    return Verdict(INCONCLUSIVE, text, dict(rule), {'ratio': ratio})
   if interval is None:
     ok = low <= ratio <= high
     text = f'{head}, {"inside" if ok else "outside"} [{low:g}, {high:g}]'

@@ -779,6 +779,9 @@ def test_ratio_between_with_seeds_asks_its_interval_inside_the_band():
   verdict = verdicts.evaluate(paired, drift)
   assert verdict.status == R and verdict.numbers['low'] == pytest.approx(1.25)
   assert 'paired by seed' in verdict.text
+  negative = {'full': {'t': [1.0, 2.0, 3.0]}, 'none': {'t': [-1.0, -2.0, -3.0]}}
+  verdict = verdicts.evaluate(rule, negative)
+  assert verdict.status == I and 'not both positive' in verdict.text
 
 
 def test_best_with_seeds_needs_the_leader_ahead_of_every_other_beyond_their_noise():
