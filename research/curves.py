@@ -238,7 +238,8 @@ def fit_power_law(rule: Mapping, table: Table) -> Verdict:
     return fitter(xs, list(means))['slope'] if fine else math.nan
 
   interval = estimates.bootstrap_interval(groups, slope)
-  lo, hi = interval or (fit['slope'], fit['slope'])
+  seeded = min(map(len, groups)) >= 2  # ... and no draw fitted: no interval, nothing shown
+  lo, hi = interval or ((-math.inf, math.inf) if seeded else (fit['slope'], fit['slope']))
   checks = []  # (status, words)
   if 'slope_sign' in rule:
     sign = float(np.sign(rule['slope_sign']))
@@ -263,7 +264,7 @@ def fit_power_law(rule: Mapping, table: Table) -> Verdict:
   elif floor:
     y_name = f'({y_name} - {float(floor):g})'
   spread = f' (95% interval {lo:.3f} to {hi:.3f}, {_RESAMPLES_WORDS})' if interval else ''
-  spread = spread or ' (one seed: no interval)'
+  spread = spread or (' (no resample could be fitted)' if seeded else ' (one seed: no interval)')
   shown = ', '.join(
     f'{t} ({"no" if s == NOT_REPRODUCED else "unsure" if s == INCONCLUSIVE else "yes"})'
     for s, t in checks
