@@ -16,7 +16,9 @@ or not:
   says with `exact` why its values do not vary with the seed: one seed can mislead;
 - a gap rule (`less`, `greater`, `no_worse`, `ordering`, `monotone`) with >= 2 seeds per variant
   whose effect's 95% interval over seeds (Welch's) lies across the least effect that counts (0
-  unless the rule gives one): neither shown nor refuted;
+  unless the rule gives one): neither shown nor refuted; likewise `close` (a 90% interval, two
+  one-sided tests), `ratio_between`, `best`/`worst` (every gap of the leader), and the curves'
+  `fit_power_law` slope and `largest_step` share (bootstrap intervals, `research.curves`);
 - a `sigmoid_width` rule whose interval of the width over seeds lies across its threshold, or
   whose rise a logistic fits no better than it fits shuffled values (no rise beyond the noise);
 - a rule with `chance=NULL` whose every compared value is indistinguishable from that null's
