@@ -20,7 +20,13 @@ _BLOCK = 8  # attention='compressed': tokens pooled per block
 _RATES = {'lr1e-3': 1e-3, 'lr3e-3': 3e-3, 'lr1e-2': 1e-2}  # peak rates, a third of Zoology's grid
 # ... widened, in order, for the arms whose best mean recall lay at an edge of those three in the
 # runs at fce017b: full attention (at 4 pairs) and linear attention at 1e-2, compressed at 1e-3.
-_WIDER = {'full': {'lr3e-2': 3e-2}, 'linear': {'lr3e-2': 3e-2}, 'compressed': {'lr3e-4': 3e-4}}
+# At 3e-2 and 3e-4 (runs at 24aae32) linear and compressed were best at the new edge again, so
+# they go one step further.
+_WIDER = {
+  'full': {'lr3e-2': 3e-2},
+  'linear': {'lr3e-2': 3e-2, 'lr1e-1': 1e-1},
+  'compressed': {'lr1e-4': 1e-4, 'lr3e-4': 3e-4},
+}
 
 
 def _rates(arm: str) -> dict[str, float]:
@@ -214,7 +220,9 @@ def get_sweep(scale: int = 1) -> dict:
     + ', '.join(str(d) for d in _HEAD_DIMS if d != 16)
     + ' (its state per layer is heads x head_dim^2). Every arm trains at peak rates '
     + ', '.join(f'{r:g}' for r in _RATES.values())
-    + ', full and linear attention also at '
+    + ', full attention also at '
+    + ', '.join(f'{r:g}' for r in _WIDER['full'].values())
+    + ', linear attention at '
     + ', '.join(f'{r:g}' for r in _WIDER['linear'].values())
     + ' and compressed blocks at '
     + ', '.join(f'{r:g}' for r in _WIDER['compressed'].values())

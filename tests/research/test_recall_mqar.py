@@ -16,20 +16,20 @@ def sweep():
 
 
 def test_each_arm_has_its_rate_grid_in_order_and_linear_its_state_sizes(sweep):
-  """Three rates, widened by one for the arms whose best lay at an edge; a group lists its
+  """Three rates, widened for the arms whose best lay at an edge; a group lists its
   rates in increasing order, so that the report can tell a best at the edge."""
   assert sorted(int(g.split('_')[0][1:]) for g in sweep.groups if g.endswith('_full')) == [4, 8]
-  wider = {'full': 3e-2, 'linear': 3e-2, 'compressed': 3e-4}
+  wider = {'full': {3e-2}, 'linear': {3e-2, 1e-1}, 'compressed': {1e-4, 3e-4}}
   for name, group in sweep.groups.items():
     assert group['metric'] == 'recall.accuracy' and group['grid'] is True
     rates = [sweep.variants[v]['optim.learning_rate'] for v in group['best_of']]
     arm = name.split('_')[1]
-    assert rates == sorted({1e-3, 3e-3, 1e-2} | ({wider[arm]} if arm in wider else set()))
+    assert rates == sorted({1e-3, 3e-3, 1e-2} | wider.get(arm, set()))
     assert all(v.startswith(name + '_lr') for v in group['best_of'])
   states = sorted(g for g in sweep.groups if '_linear' in g)
   assert states == ['p4_linear', 'p8_linear', 'p8_linear_h32', 'p8_linear_h64', 'p8_linear_h8']
   assert sweep.variants['p8_linear_h64_lr1e-3']['model.head_dim'] == 64
-  assert len(sweep.variants) == 2 * 4 * 3 + 3 * 3 + 2 * 3 + 3  # + full, linear, compressed
+  assert len(sweep.variants) == 2 * 4 * 3 + 3 * 3 + 2 * 1 + 5 * 2 + 2 * 2  # + the wider rates
 
 
 def test_every_seed_draws_its_own_disjoint_data_from_a_large_vocabulary(sweep):
