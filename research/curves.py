@@ -25,7 +25,7 @@ from research.outcome import (
 )
 
 
-def steps(rule: Mapping, labels: list[str], values: list[list[float]]) -> Verdict:
+def _steps(rule: Mapping, labels: list[str], values: list[list[float]]) -> Verdict:
   """Whether the means of `values` rise (or fall) step by step.
 
   With one seed somewhere, a step may fall back by up to `tolerance`. With >= 2 seeds everywhere
@@ -69,7 +69,7 @@ def steps(rule: Mapping, labels: list[str], values: list[list[float]]) -> Verdic
 def ordering(rule: Mapping, table: Table) -> Verdict:
   metric = rule['metric']
   values = [seed_values(table, v, metric) for v in rule['variants']]
-  verdict = steps(rule, list(rule['variants']), values)
+  verdict = _steps(rule, list(rule['variants']), values)
   return dataclasses.replace(verdict, text=f'{metric} {verdict.text}')
 
 
@@ -126,8 +126,7 @@ def largest_step(rule: Mapping, table: Table) -> Verdict:
   if spread:
     numbers.update(low=low, high=high)
     text += (
-      f"; the share's 95% interval is {fmt(low)} to {fmt(high)} "
-      f'({_RESAMPLES_WORDS.replace("point", "variant")})'
+      f"; the share's 95% interval is {fmt(low)} to {fmt(high)} ({_bootstrap_words('variant')})"
     )
   if fixed and unsure:
     text += "; a threshold lies inside it: within the seeds' noise"
@@ -187,7 +186,7 @@ def sigmoid_width(rule: Mapping, table: Table) -> Verdict:
 def monotone(rule: Mapping, table: Table) -> Verdict:
   variant = rule['variant']
   values = [seed_values(table, variant, m) for m in rule['metrics']]
-  verdict = steps(rule, list(rule['metrics']), values)
+  verdict = _steps(rule, list(rule['metrics']), values)
   return dataclasses.replace(verdict, text=f'{variant}: {verdict.text}')
 
 
@@ -263,7 +262,7 @@ def fit_power_law(rule: Mapping, table: Table) -> Verdict:
     y_name = f'({y_name} - E), E fitted = {fit["floor"]:.4g},'
   elif floor:
     y_name = f'({y_name} - {float(floor):g})'
-  spread = f' (95% interval {lo:.3f} to {hi:.3f}, {_RESAMPLES_WORDS})' if interval else ''
+  spread = f' (95% interval {lo:.3f} to {hi:.3f}, {_bootstrap_words("point")})' if interval else ''
   spread = spread or (' (no resample could be fitted)' if seeded else ' (one seed: no interval)')
   shown = ', '.join(
     f'{t} ({"no" if s == NOT_REPRODUCED else "unsure" if s == INCONCLUSIVE else "yes"})'
@@ -279,7 +278,8 @@ def fit_power_law(rule: Mapping, table: Table) -> Verdict:
   return Verdict(status, text, dict(rule), numbers)
 
 
-_RESAMPLES_WORDS = 'a bootstrap of the seeds at each point, 1000 resamples'
+def _bootstrap_words(unit: str) -> str:
+  return f'a bootstrap of the seeds at each {unit}, {estimates.RESAMPLES} resamples'
 
 
 def _judged(holds: bool, fails: bool) -> str:

@@ -76,8 +76,11 @@ def fit_power_law_free_floor(xs: Sequence[float], ys: Sequence[float]) -> dict[s
   return fit_power_law(x, y, float(floors[best]))
 
 
+RESAMPLES = 1000  # bootstrap draws of the seeds, for `bootstrap_interval`
+
+
 def bootstrap_interval(
-  groups: Sequence[Sequence[float]], statistic, resamples: int = 1000, level: float = 0.95
+  groups: Sequence[Sequence[float]], statistic, resamples: int = RESAMPLES, level: float = 0.95
 ) -> tuple[float, float] | None:
   """The percentile `level` interval of `statistic(means)` (means: one per group) over
   `resamples` bootstrap draws of each group's seeds with replacement (seeded, so a report
