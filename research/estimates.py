@@ -104,13 +104,14 @@ def log_ratio_interval(
 ) -> tuple[float, float] | None:
   """The `level` interval of mean(va) / mean(vb), both positive: the delta method on the log of
   each mean with Welch's degrees of freedom, or with `paired` (one seed's two values side by
-  side) the t-interval of the per-seed log ratios. None with one seed, or a value <= 0."""
+  side) the t-interval of the per-seed log ratios (unpaired when a value is <= 0). None
+  with one seed, or a mean <= 0."""
   from scipy import stats
 
   a, b = np.asarray(va, np.float64), np.asarray(vb, np.float64)
-  if min(len(a), len(b)) < 2 or np.any(a <= 0) or np.any(b <= 0):
+  if min(len(a), len(b)) < 2 or a.mean() <= 0 or b.mean() <= 0:
     return None
-  if paired:
+  if paired and len(a) == len(b) and np.all(a > 0) and np.all(b > 0):
     low, high = t_interval(np.log(a / b), level)
     return math.exp(low), math.exp(high)
   ea, eb = (x.var(ddof=1) / len(x) / x.mean() ** 2 for x in (a, b))  # var of log mean, to 1st order

@@ -62,6 +62,10 @@ def test_ratio_between_with_seeds_asks_its_interval_inside_the_band():
   negative = {'full': {'t': [1.0, 2.0, 3.0]}, 'none': {'t': [-1.0, -2.0, -3.0]}}
   verdict = verdicts.evaluate(rule, negative)
   assert verdict.status == I and 'not both positive' in verdict.text
+  # A value <= 0 whose mean is still positive has an interval (unpaired), not this refusal.
+  one_zero = {'full': {'t': [0.0, 250.0, 125.0]}, 'none': {'t': [100.0, 100.2, 99.8]}}
+  verdict = verdicts.evaluate(rule, one_zero)
+  assert '95% interval' in verdict.text and 'not both positive' not in verdict.text
 
 
 def test_best_with_seeds_needs_the_leader_ahead_of_every_other_beyond_their_noise():
