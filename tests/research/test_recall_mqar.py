@@ -21,7 +21,7 @@ def test_each_arm_has_its_rate_grid_in_order_and_linear_its_state_sizes(sweep):
   assert sorted(int(g.split('_')[0][1:]) for g in sweep.groups if g.endswith('_full')) == [4, 8]
   wider = {'full': {3e-2}, 'linear': {3e-2, 1e-1}, 'compressed': {1e-4, 3e-4}}
   for name, group in sweep.groups.items():
-    assert group['metric'] == 'recall.accuracy' and group['grid'] is True
+    assert group['metric'] == 'train.loss' and group['grid'] is True
     rates = [sweep.variants[v]['optim.learning_rate'] for v in group['best_of']]
     arm = name.split('_')[1]
     assert rates == sorted({1e-3, 3e-3, 1e-2} | wider.get(arm, set()))
