@@ -348,15 +348,15 @@ def test_sinusoidal_positions_over_unscaled_embeddings_warn():
 
 
 def test_norm_bias_false_drops_every_layernorm_bias_and_matches_a_numpy_reference():
-  from transformer.model.layers import Norm
+  from transformer.model.parts import parts
 
-  cfg = tiny('causal_lm', norm_bias=False, use_bias=False, norm_placement='pre')
+  cfg = tiny('causal_lm', norm_bias=False, use_bias=False, norm_placement='pre', norm_eps=1e-5)
   _, params = init(cfg)
   paths = ['/'.join(str(k.key) for k in p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
   assert not [p for p in paths if p.endswith('bias')], paths  # projections and norms alike
   assert sum(p.endswith('scale') for p in paths) == 2 * cfg.num_layers + 1  # the norms remain
   x = np.random.default_rng(0).normal(size=(3, 5, 16)).astype(np.float32) * 3 + 1
-  norm = Norm('layernorm', 1e-5, use_bias=False)
+  norm = parts(cfg).norm()  # the model's own norm part
   variables = norm.init(jax.random.PRNGKey(0), x)
   assert set(variables['params']) == {'scale'}
   scale = np.random.default_rng(1).normal(size=16)

@@ -61,10 +61,13 @@ OPTIONS = {
   'scaled embeddings': (lambda c: c.scale_embeddings, [layers.ScaledEmbed.__call__]),
   'layernorm or rmsnorm': (
     lambda c: c.norm != 'batchnorm' or c.qk_norm,
-    [layers.Norm.__call__],
+    [layers.RMSNorm.__call__],
   ),
+  'layernorm': (lambda c: c.norm == 'layernorm', [layers.LayerNorm._centre]),
+  'rmsnorm': (lambda c: c.norm in ('rmsnorm', 'rmsnorm_offset'), [layers.RMSNorm._centre]),
+  'norm bias': (lambda c: c.norm == 'layernorm' and c.norm_bias, [layers.BiasedLayerNorm._affine]),
   'batchnorm': (lambda c: c.norm == 'batchnorm', [norms.BatchNorm.__call__]),
-  '(1 + w) rmsnorm': (lambda c: c.norm == 'rmsnorm_offset', [layers.OffsetNorm._gain]),
+  '(1 + w) rmsnorm': (lambda c: c.norm == 'rmsnorm_offset', [layers.OffsetNorm._affine]),
   'soft-capped head': (lambda c: c.logit_softcap, [models._Softcapped.__call__]),
   'per-layer windows': (lambda c: c.attention_layers, [layers.patterned]),
   'pre-norm': (

@@ -137,15 +137,14 @@ def dense(cfg, features, axes: tuple, name: str, init=None, use_bias=True, axis=
 
 
 # Norms ---------------------------------------------------------------------------------------
-class Norm(nn.Module):
-  """LayerNorm or RMSNorm with statistics in float32 whatever the compute dtype."""
+class RMSNorm(nn.Module):
+  """RMSNorm, with its statistics in float32 whatever the compute dtype; the base of the other
+  per-token norms, which change how x is centred (`_centre`) or weighted (`_affine`)."""
 
-  kind: str = 'layernorm'
   eps: float = 1e-6
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   axis_name: str = 'embed'  # logical axis of the normalised features ('kv' for q/k head norms)
-  use_bias: bool = True  # LayerNorm's bias (RMSNorm never has one)
 
   @nn.compact
   def __call__(self, x: Array, segments: Array | None = None, deterministic: bool = True) -> Array:
@@ -153,10 +152,8 @@ class Norm(nn.Module):
     so that every norm has one call signature)."""
     features = x.shape[-1]
     # float32 statistics: a bfloat16 mean of squares over D features loses too many digits.
-    x32 = x.astype(jnp.float32)  # [..., D]
-    if self.kind == 'layernorm':
-      x32 = x32 - x32.mean(-1, keepdims=True)  # LayerNorm centres; RMSNorm does not
-    # Centred, the mean of squares is the variance, so one line serves both kinds.
+    x32 = self._centre(x.astype(jnp.float32))  # [..., D]
+    # Centred, the mean of squares is the variance, so one line serves LayerNorm too.
     var = (x32 * x32).mean(-1, keepdims=True) + self.eps  # [..., 1]
     # hook_scale holds the divisor sqrt(var + eps), as in TransformerLens. The forward multiplies
     # by rsqrt (the sqrt is dead code unless a hook reads it); a hook that returns a new divisor
@@ -166,25 +163,39 @@ class Norm(nn.Module):
     y = x32 * jax.lax.rsqrt(var) if hooked is scale else x32 / hooked
     # hook_normalized: before the weight and bias, float32, as in TransformerLens.
     y = HookPoint(name='hook_normalized')(y)
-    y = y * self._gain(features)
-    if self.kind == 'layernorm' and self.use_bias:
-      zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
-      y = y + self.param('bias', zeros, (features,), self.param_dtype)
-    return HookPoint(name='hook_out')(y.astype(self.dtype))  # x's shape, compute dtype
+    return HookPoint(name='hook_out')(self._affine(y, features).astype(self.dtype))
 
-  def _gain(self, features: int) -> Array:
-    """The per-feature weight the normalised x is multiplied by: the parameter 'scale'."""
+  def _centre(self, x32: Array) -> Array:
+    return x32  # RMSNorm does not centre
+
+  def _affine(self, y: Array, features: int) -> Array:
+    """The normalised y times the per-feature weight, the parameter 'scale'."""
     ones = nn.with_logical_partitioning(nn.initializers.ones, (self.axis_name,))
-    return self.param('scale', ones, (features,), self.param_dtype)
+    return y * self.param('scale', ones, (features,), self.param_dtype)
 
 
-class OffsetNorm(Norm):
+class LayerNorm(RMSNorm):
+  """LayerNorm without a bias (norm_bias=False): RMSNorm of x minus its mean."""
+
+  def _centre(self, x32: Array) -> Array:
+    return x32 - x32.mean(-1, keepdims=True)
+
+
+class BiasedLayerNorm(LayerNorm):
+  """LayerNorm: the weighted, normalised x plus the parameter 'bias'."""
+
+  def _affine(self, y: Array, features: int) -> Array:
+    zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
+    return super()._affine(y, features) + self.param('bias', zeros, (features,), self.param_dtype)
+
+
+class OffsetNorm(RMSNorm):
   """RMSNorm whose parameter holds the weight minus 1 (starting at 0), applied as (1 + scale) in
   float32: Gemma's, so that its checkpoints load and export as they are."""
 
-  def _gain(self, features: int) -> Array:
+  def _affine(self, y: Array, features: int) -> Array:
     zeros = nn.with_logical_partitioning(nn.initializers.zeros, (self.axis_name,))
-    return 1.0 + self.param('scale', zeros, (features,), self.param_dtype).astype(jnp.float32)
+    return y * (1.0 + self.param('scale', zeros, (features,), self.param_dtype).astype(jnp.float32))
 
 
 # Embeddings ----------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The norms beside `layers.Norm` (LayerNorm, RMSNorm): `BatchNorm`, and each norm's arithmetic in
-NumPy for the analyses that reapply it outside the model."""
+"""The norms beside `layers.RMSNorm` and `layers.LayerNorm`: `BatchNorm`, and each norm's
+arithmetic in NumPy for the analyses that reapply it outside the model."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ Array = jax.Array
 
 # The norms again, in NumPy, for the analyses that reapply one outside the model (the cache's
 # apply_ln_to_stack, the logit lens, direct logit attribution, the OV readout): the arithmetic of
-# `Norm`, written once per kind. BatchNorm divides by running statistics, not by the token's own,
-# so an analysis cannot reapply it; `reapplied` refuses it in one line.
+# `layers.RMSNorm` and its subclasses, written once per kind. BatchNorm divides by running
+# statistics, not by the token's own, so an analysis cannot reapply it; `reapplied` refuses it in
+# one line.
 CENTRES = {
   'layernorm': True,
   'rmsnorm': False,

@@ -23,7 +23,7 @@ from transformer.model import compressed_attention as compressed
 from transformer.model import linear_attention as linear
 from transformer.model import positions as positions_lib
 from transformer.model.attention import Kind, softmax_attend
-from transformer.model.layers import HookPoint, Norm, OffsetNorm
+from transformer.model.layers import BiasedLayerNorm, HookPoint, LayerNorm, OffsetNorm, RMSNorm
 from transformer.model.norms import BatchNorm
 from transformer.model.short_conv import ShortConv
 
@@ -46,16 +46,14 @@ BLOCKS = {False: layers.sequential, True: layers.parallel}
 
 # Norms: a module class with cfg's settings bound, made as norm(name=...) and called as
 # norm(x [..., D], segments [...] or None, deterministic) -> x's shape in the compute dtype.
-def _norm(cfg: ModelConfig, kind: str, module: type[nn.Module] = Norm) -> Callable[..., nn.Module]:
-  return functools.partial(
-    module, kind, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, use_bias=cfg.norm_bias
-  )
+def _norm(cfg: ModelConfig, module: type[nn.Module]) -> Callable[..., nn.Module]:
+  return functools.partial(module, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype)
 
 
 NORMS: dict[str, Callable[[ModelConfig], Callable[..., nn.Module]]] = {
-  'layernorm': lambda cfg: _norm(cfg, 'layernorm'),
-  'rmsnorm': lambda cfg: _norm(cfg, 'rmsnorm'),
-  'rmsnorm_offset': lambda cfg: _norm(cfg, 'rmsnorm', OffsetNorm),  # Gemma's (1 + w)
+  'layernorm': lambda cfg: _norm(cfg, BiasedLayerNorm if cfg.norm_bias else LayerNorm),
+  'rmsnorm': lambda cfg: _norm(cfg, RMSNorm),  # never a bias
+  'rmsnorm_offset': lambda cfg: _norm(cfg, OffsetNorm),  # Gemma's (1 + w)
   'batchnorm': lambda cfg: functools.partial(
     BatchNorm, cfg.norm_eps, cfg.compute_dtype, cfg.params_dtype, use_bias=cfg.norm_bias
   ),
