@@ -1,12 +1,13 @@
 """Run a sweep: python -m experiments.sweep --sweep=configs/sweeps/<name>.py --workdir=DIR
 
-  [--seeds=3] [--scale=1] [--parallel=1] [--variants=a,b] [--allow_dirty]
+  [--seeds=3] [--scale=1] [--parallel=1] [--variants=a,b] [--allow_dirty] [--allow_mixed]
 
 Each (variant, seed) trains in DIR/<variant>/seed_<k>; results collect in DIR/results.jsonl, and
 `python -m experiments.report --workdir=DIR` writes the report. Rerunning the same command skips
 finished runs and resumes interrupted ones. --parallel=N runs N worker processes at once (each
 logs to its run's log.txt). Runs start only from a clean git tree (each result records the
-commit); --allow_dirty records '<sha>-dirty' instead. A sweep file is Python code: run only
+commit); --allow_dirty records '<sha>-dirty' instead. New runs do not join results of another
+commit in DIR unless --allow_mixed. A sweep file is Python code: run only
 sweeps you trust.
 """
 
@@ -22,6 +23,9 @@ _PARALLEL = flags.DEFINE_integer('parallel', 1, 'Runs at once, each in its own p
 _VARIANTS = flags.DEFINE_list('variants', None, 'Only these variants (default: all).')
 _ALLOW_DIRTY = flags.DEFINE_bool(
   'allow_dirty', False, "Run from a tree with uncommitted changes; results record '<sha>-dirty'."
+)
+_ALLOW_MIXED = flags.DEFINE_bool(
+  'allow_mixed', False, 'Add runs to a DIR whose results come from another commit.'
 )
 _RUN = flags.DEFINE_string('run', None, 'Internal: run one VARIANT:SEED (a --parallel worker).')
 _REVISION = flags.DEFINE_string('revision', 'unknown', 'Internal: the git revision --run records.')
@@ -55,6 +59,7 @@ def main():
     variants=_VARIANTS.value,
     log=lambda text: print(text, flush=True),
     allow_dirty=_ALLOW_DIRTY.value,
+    allow_mixed=_ALLOW_MIXED.value,
   )
   print(
     f'{len(results)} results in {_WORKDIR.value}/results.jsonl; report: python -m '

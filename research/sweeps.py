@@ -306,13 +306,15 @@ def run_sweep(
   allow_dirty: bool = False,
   ignore_changes: Sequence[str] = (),
   source_dir: str = SOURCE_DIR,
+  allow_mixed: bool = False,
 ) -> list[dict]:
   """Runs every (variant, seed) without a line in workdir/results.jsonl yet; returns the lines.
 
   `parallel` > 1 runs that many worker processes at once, each logging to its run's log.txt
   (evaluation-only variants start once their source run is done). Runs start only from a clean
   git tree (`checked_revision`; changes under the workdir, RESULT_ROOTS and `ignore_changes`
-  do not count) unless `allow_dirty`; each line records the revision.
+  do not count) unless `allow_dirty`; each line records the revision. Runs are not added beside
+  results of another revision unless `allow_mixed` (the report then lists the revisions).
   """
   if not isinstance(seeds, int) or seeds < 1:
     raise ValueError(f'seeds={seeds!r} must be a positive integer')
@@ -325,6 +327,7 @@ def run_sweep(
   revision = 'unknown'
   if todo:  # the check comes before anything is written
     revision = checked_revision([workdir, *ignore_changes], allow_dirty, source_dir)
+    _check_one_revision(workdir, lines, revision, allow_mixed)
   _prepare_workdir(sweep, workdir, seeds, revision)
   log(f'sweep {sweep.name}: {len(jobs)} runs, {len(jobs) - len(todo)} already finished')
   # Trained variants first: eval variants read their checkpoints.
@@ -337,6 +340,18 @@ def run_sweep(
   else:
     _run_parallel(sweep, workdir, todo, parallel, log, revision, ignore_changes, source_dir)
   return write_results(workdir)
+
+
+def _check_one_revision(workdir: str, lines: Sequence[Mapping], revision: str, allow_mixed: bool):
+  """One ValueError when new runs would join results of another revision in `workdir`."""
+  others = sorted({str(r.get('git_revision')) for r in lines} - {revision})
+  if others and not allow_mixed:
+    raise ValueError(
+      f'{workdir} holds results of revision {", ".join(others)}, and this checkout is '
+      f'{revision}: new runs would mix code revisions in one sweep. Use a new --workdir, rerun '
+      'the whole sweep at this revision (python -m experiments.regenerate --only=NAME for a '
+      'committed one), or pass --allow_mixed to add them anyway (the report lists the revisions)'
+    )
 
 
 def _run_parallel(

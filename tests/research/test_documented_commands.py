@@ -77,8 +77,8 @@ def test_every_documented_command_names_real_flags_files_and_sweeps(monkeypatch)
     committed = os.path.dirname(workdir) == results_lib.RESULT_ROOTS[0]
     if module == 'sweep':
       # A committed folder's runs should come from one commit, so its documented command is
-      # `experiments.regenerate --only=NAME`; experiments.sweep into it mixes commits (its report
-      # then lists them).
+      # `experiments.regenerate --only=NAME`; experiments.sweep refuses to add runs of another
+      # commit to it without --allow_mixed (the report then lists the commits).
       assert not committed, f'{where}: use experiments.regenerate --only for a committed folder'
       sweep = spec.load_sweep(os.path.join(ROOT, flags['sweep']), int(flags.get('scale', 1)))
       for variant in (flags.get('variants') or '').split(','):

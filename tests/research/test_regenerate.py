@@ -120,10 +120,17 @@ def test_a_runs_revision_leaves_out_its_sweeps_output_as_the_sweep_does(tmp_path
   ]  # the run's own check saw only the sweep's output (and its own files): clean
   with open(os.path.join(run, 'git_revision.txt')) as f:
     assert f.read() == sha + '\n'
-  # A change elsewhere is a dirty run too (the sweep ran only because it was allowed).
+  # A change elsewhere is a dirty run too (the sweep ran only because it was allowed), and
+  # another revision than the folder's results: refused before anything runs, unless mixing
+  # is asked for.
   (tmp_path / 'repo' / 'model.py').write_text('x = 2\n')
+  with pytest.raises(ValueError, match=f'holds results of revision {sha}, and this checkout is '
+                     f'{sha}-dirty: .* --allow_mixed'):  # fmt: skip
+    sweeps.run_sweep(sweep, workdir, seeds=2, log=lambda _: None, allow_dirty=True,
+                     source_dir=source)  # fmt: skip
+  assert not os.path.exists(os.path.join(workdir, 'base', 'seed_1'))
   lines = sweeps.run_sweep(sweep, workdir, seeds=2, log=lambda _: None, allow_dirty=True,
-                           source_dir=source)  # fmt: skip
+                           source_dir=source, allow_mixed=True)  # fmt: skip
   assert [r['git_revision'] for r in lines] == [sha, f'{sha}-dirty']
   second = _revisions(os.path.join(workdir, 'base', 'seed_1'))
   assert [(r['revision'], r['dirty']) for r in second] == [(sha, True)]
