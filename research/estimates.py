@@ -82,21 +82,56 @@ RESAMPLES = 1000  # bootstrap draws of the seeds, for `bootstrap_interval`
 def bootstrap_interval(
   groups: Sequence[Sequence[float]], statistic, resamples: int = RESAMPLES, level: float = 0.95
 ) -> tuple[float, float] | None:
-  """The percentile `level` interval of `statistic(means)` (means: one per group) over
-  `resamples` bootstrap draws of each group's seeds with replacement (seeded, so a report
-  reproduces), or None when a group has one value (no spread to draw from). With 3 seeds the
-  interval is narrower than a t-interval would be; the verdicts that use it say so."""
+  """The `level` interval of `statistic(means)` (means: one per group) from `resamples` bootstrap
+  draws of each group's seeds with replacement (seeded, so a report reproduces), or None when a
+  group has one value (no spread to draw from) or no draw gives a finite statistic.
+
+  A plain percentile bootstrap is too narrow with a few seeds: a draw's mean varies by
+  (n - 1) / n of the seeds' variance, and the variance itself is known only to n - 1 degrees of
+  freedom. So each group's deviations from its mean are first widened by sqrt(n / (n - 1)), and
+  the percentile interval is then stretched about the draws' median by t / z: Student's t at the
+  Welch-Satterthwaite degrees of freedom of the statistic's linearisation (its finite-difference
+  gradient in the means), over the normal quantile. With 3 seeds at each of 7 points this covers
+  a true power-law slope in 96% of simulated sweeps, where the plain bootstrap covers 85%; a
+  largest step's share 93% against 59% (research/coverage.py, python -m
+  experiments.interval_coverage)."""
+  from scipy import stats
+
   if min(map(len, groups)) < 2:
     return None
+  values = [np.asarray(g, np.float64) for g in groups]
+  means = np.array([v.mean() for v in values])
+  wide = [v.mean() + (v - v.mean()) * math.sqrt(len(v) / (len(v) - 1)) for v in values]
   rng = np.random.default_rng(0)
-  draws = [np.asarray(g, np.float64)[rng.integers(0, len(g), (resamples, len(g)))] for g in groups]
-  means = np.stack([d.mean(1) for d in draws], 1)  # [resamples, groups]
-  found = np.array([statistic(row) for row in means], np.float64)
+  draws = np.stack([w[rng.integers(0, len(w), (resamples, len(w)))].mean(1) for w in wide], 1)
+  found = np.array([statistic(row) for row in draws], np.float64)  # draws: [resamples, groups]
   found = found[np.isfinite(found)]
   if not len(found):
     return None
   tail = 50 * (1 - level)
-  return float(np.percentile(found, tail)), float(np.percentile(found, 100 - tail))
+  low, high, middle = np.percentile(found, [tail, 100 - tail, 50])
+  stretch = _t_over_z(statistic, means, values, level, stats)
+  return float(middle - (middle - low) * stretch), float(middle + (high - middle) * stretch)
+
+
+def _t_over_z(statistic, means: np.ndarray, values: list, level: float, stats) -> float:
+  """t / z at the Welch-Satterthwaite degrees of freedom of statistic(means): each group's term
+  is (d statistic / d mean)^2 var / n with n - 1 degrees of freedom; the smallest group's n - 1
+  where the gradient cannot be taken."""
+  var = np.array([v.var(ddof=1) / len(v) for v in values])  # each mean's variance
+  dfs = np.array([len(v) - 1 for v in values], np.float64)
+  df = float(dfs.min())
+  centre = statistic(means)
+  if math.isfinite(centre) and np.any(var > 0):
+    grad = np.zeros(len(means))  # a group without spread adds no term
+    for i in np.flatnonzero(var > 0):
+      h = math.sqrt(var[i]) * 1e-3
+      grad[i] = (statistic(means + np.eye(len(means))[i] * h) - centre) / h
+    terms = grad**2 * var
+    if np.all(np.isfinite(terms)) and terms.sum() > 0:
+      df = float(terms.sum() ** 2 / np.sum(terms**2 / dfs))
+  quantile = 0.5 + level / 2
+  return float(stats.t.ppf(quantile, df) / stats.norm.ppf(quantile))
 
 
 def log_ratio_interval(

@@ -102,3 +102,30 @@ def test_power_law_slope_with_seeds_has_a_bootstrap_interval():
   assert _status(rule, table(0.6)) == I  # the interval is wider than the band
   assert _status({**rule, 'slope_between': (-0.2, 0.0)}, table(0.005)) == N
   assert _status(dict(kind='fit_power_law', x='params', y='loss', slope_sign=-1), table(0.005)) == R
+
+
+def test_the_bootstrap_interval_covers_the_truth_at_three_seeds():
+  """The largest step's share of a logistic rise, 3 seeds at each of 9 points: sparrow's
+  interval (widened deviations, stretched by t at the statistic's Welch-Satterthwaite degrees of
+  freedom) holds the true share in about 93% of simulated sweeps, the plain percentile bootstrap
+  in under 60% (python -m experiments.interval_coverage); 100 sweeps tell the two apart."""
+  from research import coverage
+
+  (row,) = coverage.coverage(100, only='largest step').values()
+  assert row['sparrow'] >= 0.85 and row['plain'] <= 0.75, row
+
+
+def test_the_bootstrap_stretch_follows_the_degrees_of_freedom():
+  """One group's mean: the stretch is t(n - 1) / z; a constant statistic has no interval width;
+  a group without spread is skipped by the gradient, not a division by zero."""
+  values = [1.0, 2.0, 4.0]
+  low, high = estimates.bootstrap_interval([values], lambda m: m[0])
+  wide = [np.mean(values) + (v - np.mean(values)) * math.sqrt(1.5) for v in values]
+  plain = np.array(wide)[np.random.default_rng(0).integers(0, 3, (estimates.RESAMPLES, 3))]
+  p_low, p_high, middle = np.percentile(plain.mean(1), [2.5, 97.5, 50])
+  stretch = stats.t.ppf(0.975, 2) / stats.norm.ppf(0.975)
+  assert low == pytest.approx(middle - (middle - p_low) * stretch)
+  assert high == pytest.approx(middle + (p_high - middle) * stretch)
+  assert estimates.bootstrap_interval([values, values], lambda m: 3.0) == (3.0, 3.0)
+  low, high = estimates.bootstrap_interval([[1.0, 1.0, 1.0], values], lambda m: m[0] + m[1])
+  assert low < 1.0 + np.mean(values) < high
