@@ -1,9 +1,9 @@
 """How often the verdicts' bootstrap intervals cover the truth, on simulated sweeps of 3 seeds.
 
 Each case draws a curve whose true statistic is known (a power law's slope, the largest step's
-share of a logistic rise), adds seed noise, and asks whether the 95% interval holds the truth:
-`estimates.bootstrap_interval` beside a plain percentile bootstrap of the same draws
-(python -m experiments.interval_coverage).
+share of a rise, a logistic's width), adds seed noise, and asks whether the 95% interval holds
+the truth: sparrow's (`estimates.bootstrap_interval`, `logistic.fit_rise`) beside a plain
+percentile bootstrap of the same draws (python -m experiments.interval_coverage).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from research import estimates
+from research import estimates, logistic
 
 SEEDS = 3
 _XS = [2.0**k for k in range(10, 17)]  # 7 sizes, one doubling apart
 _RISE = 1 / (1 + np.exp(-(np.arange(9) - 4) / 1.5))  # a logistic over 9 grid points
+_SIZES = [2.0**k for k in range(3, 12)]  # 9 sizes for the logistic width, midpoint at 2^7
 
 
 def largest_share(means) -> float:
@@ -30,8 +31,31 @@ def _slope(fitter, means) -> float:
   return fitter(_XS, list(means))['slope']
 
 
+def _logistic(width: float) -> np.ndarray:
+  """A rise from 0 to 1 over `width` e-folds (10% to 90%) at the _SIZES, centred on 2^7."""
+  scale = width / logistic.WIDTH_PER_SCALE
+  return 1 / (1 + np.exp(-(np.log(_SIZES) - 7 * np.log(2)) / scale))
+
+
+def _width_intervals(groups) -> tuple[tuple[float, float], tuple[float, float]]:
+  """(sparrow's interval of the logistic's width, `logistic.fit_rise`; the plain percentile
+  interval of the same fit over bootstrap draws of the seeds, read from its candidate grid)."""
+  rise = logistic.fit_rise(_SIZES, groups)
+  lx = np.concatenate([np.full(len(g), np.log(x)) for x, g in zip(_SIZES, groups)])
+  y = np.concatenate([np.asarray(g, np.float64) for g in groups])
+  curves, _, _, widths = logistic._candidates(lx)  # noqa: SLF001 (the same grid, uncorrected)
+  rng, starts = np.random.default_rng(0), np.cumsum([0] + [len(g) for g in groups])[:-1]
+  picks = np.concatenate(
+    [s + rng.integers(0, len(g), (estimates.RESAMPLES, len(g))) for s, g in zip(starts, groups)],
+    axis=1,
+  )
+  drawn = widths[logistic._best(curves, y[picks])[0]]  # noqa: SLF001
+  return (rise.low, rise.high), tuple(float(v) for v in np.percentile(drawn, [2.5, 97.5]))
+
+
 def _cases(rng: np.random.Generator) -> dict[str, tuple[Callable, Callable, float]]:
-  """name -> (a sweep's per-point seed values, the statistic of their means, its true value)."""
+  """name -> (a sweep's per-point seed values, the statistic of their means, its true value);
+  a statistic of None: the logistic's width, whose intervals come from `_width_intervals`."""
   fixed = functools.partial(_slope, functools.partial(estimates.fit_power_law, floor=0.0))
   free = functools.partial(_slope, estimates.fit_power_law_free_floor)
   noisy = lambda y, sd: [y * (1 + sd * rng.standard_normal()) for _ in range(SEEDS)]
@@ -46,6 +70,12 @@ def _cases(rng: np.random.Generator) -> dict[str, tuple[Callable, Callable, floa
       lambda: [[y + 0.03 * rng.standard_normal() for _ in range(SEEDS)] for y in _RISE],
       largest_share,
       largest_share(_RISE),
+    ),
+    "logistic's 10-90% width, 2 e-folds (9 sizes, noise 0.05)": (
+      lambda: [list(y + 0.05 * rng.standard_normal(SEEDS)) for y in _logistic(2.0)], None, 2.0,
+    ),
+    "logistic's 10-90% width, 4 e-folds (9 sizes, noise 0.03)": (
+      lambda: [list(y + 0.03 * rng.standard_normal(SEEDS)) for y in _logistic(4.0)], None, 4.0,
     ),
   }  # fmt: skip
 
@@ -70,9 +100,14 @@ def coverage(sweeps: int, only: str | None = None, seed: int = 1) -> dict[str, d
     hits = {'sparrow': 0, 'plain': 0}
     for _ in range(sweeps):
       groups = draw()
-      low, high = estimates.bootstrap_interval(groups, statistic)
-      hits['sparrow'] += low <= truth <= high
-      low, high = plain_interval(groups, statistic)
-      hits['plain'] += low <= truth <= high
+      if statistic is None:
+        ours, plain = _width_intervals(groups)
+      else:
+        ours, plain = (
+          estimates.bootstrap_interval(groups, statistic),
+          plain_interval(groups, statistic),
+        )
+      hits['sparrow'] += ours[0] <= truth <= ours[1]
+      hits['plain'] += plain[0] <= truth <= plain[1]
     out[name] = {k: v / sweeps for k, v in hits.items()}
   return out

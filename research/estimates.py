@@ -88,50 +88,66 @@ def bootstrap_interval(
 
   A plain percentile bootstrap is too narrow with a few seeds: a draw's mean varies by
   (n - 1) / n of the seeds' variance, and the variance itself is known only to n - 1 degrees of
-  freedom. So each group's deviations from its mean are first widened by sqrt(n / (n - 1)), and
-  the percentile interval is then stretched about the draws' median by t / z: Student's t at the
+  freedom. So each group's deviations from its mean are first widened (`widened`), and the
+  percentile interval is then stretched about the draws' median by `t_over_z` at the
   Welch-Satterthwaite degrees of freedom of the statistic's linearisation (its finite-difference
-  gradient in the means), over the normal quantile. With 3 seeds at each of 7 points this covers
-  a true power-law slope in 96% of simulated sweeps, where the plain bootstrap covers 85%; a
-  largest step's share 93% against 59% (research/coverage.py, python -m
-  experiments.interval_coverage)."""
-  from scipy import stats
-
+  gradient in the means). With 3 seeds at each of 7 points this covers a true power-law slope in
+  96% of simulated sweeps, where the plain bootstrap covers 85%; a largest step's share 93%
+  against 59% (research/coverage.py, python -m experiments.interval_coverage)."""
   if min(map(len, groups)) < 2:
     return None
   values = [np.asarray(g, np.float64) for g in groups]
-  means = np.array([v.mean() for v in values])
-  wide = [v.mean() + (v - v.mean()) * math.sqrt(len(v) / (len(v) - 1)) for v in values]
   rng = np.random.default_rng(0)
+  wide = [widened(v) for v in values]
   draws = np.stack([w[rng.integers(0, len(w), (resamples, len(w)))].mean(1) for w in wide], 1)
   found = np.array([statistic(row) for row in draws], np.float64)  # draws: [resamples, groups]
   found = found[np.isfinite(found)]
   if not len(found):
     return None
-  tail = 50 * (1 - level)
+  return stretched(found, _linearised_df(statistic, values), level)
+
+
+def widened(values: np.ndarray) -> np.ndarray:
+  """The seeds with their deviations from their mean times sqrt(n / (n - 1)), so that a bootstrap
+  draw's mean varies by the unbiased variance / n (not (n - 1) / n of it)."""
+  n = len(values)
+  return values.mean() + (values - values.mean()) * math.sqrt(n / (n - 1)) if n > 1 else values
+
+
+def stretched(found: np.ndarray, df: float, level: float) -> tuple[float, float]:
+  """The central `level` percentile interval of bootstrap draws, stretched about their median by
+  Student's t at `df` over the normal quantile: the few seeds' uncertainty about their own
+  variance, which resampling them cannot show."""
+  from scipy import stats
+
+  tail, quantile = 50 * (1 - level), 0.5 + level / 2
   low, high, middle = np.percentile(found, [tail, 100 - tail, 50])
-  stretch = _t_over_z(statistic, means, values, level, stats)
+  stretch = float(stats.t.ppf(quantile, df) / stats.norm.ppf(quantile))
   return float(middle - (middle - low) * stretch), float(middle + (high - middle) * stretch)
 
 
-def _t_over_z(statistic, means: np.ndarray, values: list, level: float, stats) -> float:
-  """t / z at the Welch-Satterthwaite degrees of freedom of statistic(means): each group's term
-  is (d statistic / d mean)^2 var / n with n - 1 degrees of freedom; the smallest group's n - 1
-  where the gradient cannot be taken."""
+def satterthwaite_df(terms: np.ndarray, dfs: np.ndarray) -> float:
+  """Welch-Satterthwaite degrees of freedom of a sum of variance terms, each known to its own
+  degrees of freedom; the smallest of those where the terms are all 0."""
+  terms, dfs = np.asarray(terms, np.float64), np.asarray(dfs, np.float64)
+  if not (np.all(np.isfinite(terms)) and terms.sum() > 0):
+    return float(dfs.min())
+  return float(terms.sum() ** 2 / np.sum(terms**2 / dfs))
+
+
+def _linearised_df(statistic, values: list) -> float:
+  """The degrees of freedom of statistic(means): each group's term is (d statistic / d mean)^2
+  var / n, with n - 1 degrees of freedom (a group without spread adds no term)."""
+  means = np.array([v.mean() for v in values])
   var = np.array([v.var(ddof=1) / len(v) for v in values])  # each mean's variance
   dfs = np.array([len(v) - 1 for v in values], np.float64)
-  df = float(dfs.min())
-  centre = statistic(means)
-  if math.isfinite(centre) and np.any(var > 0):
-    grad = np.zeros(len(means))  # a group without spread adds no term
-    for i in np.flatnonzero(var > 0):
-      h = math.sqrt(var[i]) * 1e-3
-      grad[i] = (statistic(means + np.eye(len(means))[i] * h) - centre) / h
-    terms = grad**2 * var
-    if np.all(np.isfinite(terms)) and terms.sum() > 0:
-      df = float(terms.sum() ** 2 / np.sum(terms**2 / dfs))
-  quantile = 0.5 + level / 2
-  return float(stats.t.ppf(quantile, df) / stats.norm.ppf(quantile))
+  centre, grad = statistic(means), np.zeros(len(means))
+  if not math.isfinite(centre):
+    return float(dfs.min())
+  for i in np.flatnonzero(var > 0):
+    h = math.sqrt(var[i]) * 1e-3
+    grad[i] = (statistic(means + np.eye(len(means))[i] * h) - centre) / h
+  return satterthwaite_df(grad**2 * var, dfs)
 
 
 def log_ratio_interval(

@@ -21,8 +21,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from research import estimates
+
 WIDTH_PER_SCALE = 2 * math.log(9)  # the 10-90% width of sigmoid(z / s) is this times s
 RESAMPLES = 1000  # bootstrap resamples of the seeds within each size
+BY_SIZE = 200  # ... and of one size's seeds alone, for its share of the variance
 SHUFFLES = 999  # shuffles of the values over the sizes, for the test that there is a rise
 LEVEL = 0.95  # of the interval
 RISE_P = 0.05  # a rise: fewer than this share of shuffles fit a logistic as well
@@ -75,11 +78,37 @@ def _best(curves: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
   return tuple(np.concatenate(x) for x in found)
 
 
+def _width_interval(groups, curves, widths, rng) -> tuple[float, float]:
+  """The LEVEL interval of the width, in e-folds, over RESAMPLES bootstrap draws of every size's
+  seeds, calibrated for few seeds as `estimates.bootstrap_interval` is: each size's deviations
+  widened, and the percentile interval of ln width stretched by t / z at the Welch-Satterthwaite
+  degrees of freedom of the sizes' variance terms. A size's term is the variance of ln width when
+  only its own seeds are drawn (BY_SIZE draws; the fitted width moves on a grid, so it has no
+  gradient to take). On simulated logistic rises of 9 sizes and 3 seeds this covers the true
+  width in 96-97% of sweeps, where the plain percentile bootstrap covers 81-94%
+  (python -m experiments.interval_coverage)."""
+  y = np.concatenate([estimates.widened(np.asarray(g, np.float64)) for g in groups])
+  starts = np.cumsum([0] + [len(g) for g in groups])[:-1]
+  draw = lambda s, g, count: s + rng.integers(0, len(g), (count, len(g)))
+  picks = np.concatenate([draw(s, g, RESAMPLES) for s, g in zip(starts, groups)], axis=1)
+  found = np.log(widths[_best(curves, y[picks])[0]])
+  terms, dfs = [], []
+  for s, g in zip(starts, groups):
+    if len(g) > 1:
+      alone = np.tile(np.arange(len(y)), (BY_SIZE, 1))
+      alone[:, s : s + len(g)] = draw(s, g, BY_SIZE)
+      terms.append(np.var(np.log(widths[_best(curves, y[alone])[0]])))
+      dfs.append(len(g) - 1)
+  low, high = estimates.stretched(found, estimates.satterthwaite_df(terms, dfs), LEVEL)
+  return math.exp(low), math.exp(high)
+
+
 def fit_rise(xs: Sequence[float], groups: Sequence[Sequence[float]], seed: int = 0) -> Rise:
   """The logistic of the values in `groups` (one list of seeds' values per size) against ln xs.
 
-  The interval is the central LEVEL of the widths fitted to RESAMPLES bootstrap resamples, each
-  drawing every size's seeds with replacement (one seed everywhere: no interval). p_rise tests
+  The interval is the LEVEL interval of the widths fitted to RESAMPLES bootstrap resamples, each
+  drawing every size's seeds with replacement, calibrated for few seeds (`_width_interval`; one
+  seed everywhere: no interval). p_rise tests
   that y depends on x at all: the share of SHUFFLES random reassignments of all the values to
   the points whose best logistic explains at least as much. Deterministic for a given `seed`.
 
@@ -102,13 +131,7 @@ def fit_rise(xs: Sequence[float], groups: Sequence[Sequence[float]], seed: int =
   p_rise = (1 + int(np.sum(_best(curves, shuffled)[1] >= explained * (1 - 1e-9)))) / (1 + SHUFFLES)
   width, low, high, resamples = float(widths[i]), float(widths[i]), float(widths[i]), 0
   if any(len(g) > 1 for g in groups):
-    starts = np.cumsum([0] + [len(g) for g in groups])[:-1]
-    picks = np.concatenate(
-      [s + rng.integers(0, len(g), (RESAMPLES, len(g))) for s, g in zip(starts, groups)], axis=1
-    )
-    drawn = widths[_best(curves, y[picks])[0]]
-    tail = 50 * (1 - LEVEL)
-    low, high = (float(v) for v in np.percentile(drawn, [tail, 100 - tail]))
+    low, high = _width_interval(groups, curves, widths, rng)
     resamples = RESAMPLES
   return Rise(
     width=width,

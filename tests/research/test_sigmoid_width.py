@@ -62,10 +62,15 @@ def test_a_sharp_rise_is_a_jump_and_a_wide_one_smooth_on_any_grid(n):
   # 12% to 88% within +-0.2 e-folds: a 10-90% width of 0.44 e-folds; the wide one 4.4.
   assert _logistic(0.2, 0.0, 0.44) == pytest.approx(0.88, abs=0.002)
   for offset in (0.0, 0.5, 1.0):  # on one of the 5 sizes, between two, on another
-    sharp = verdicts.evaluate(_rule(n, 'jump'), _synthetic(n, 0.44, offset, seed=n))
-    assert sharp.status == R and sharp.numbers['high'] < _THRESHOLD, sharp.text
     smooth = verdicts.evaluate(_rule(n, 'smooth'), _synthetic(n, 4.4, offset, seed=n))
     assert smooth.status == R and smooth.numbers['low'] > _THRESHOLD, smooth.text
+    sharp = verdicts.evaluate(_rule(n, 'jump'), _synthetic(n, 0.44, offset, seed=n))
+    if n == 5 and offset == 0.0:
+      # The midpoint on one of 5 sizes: only the neighbours bound the width, and with 3 seeds
+      # its interval reaches past ln 4. Not shown, and not called smooth either.
+      assert sharp.status == I and sharp.numbers['low'] < _THRESHOLD, sharp.text
+    else:
+      assert sharp.status == R and sharp.numbers['high'] < _THRESHOLD, sharp.text
   # The same data under the other expectation fails: a verdict, not a default.
   assert verdicts.evaluate(_rule(n, 'smooth'), _synthetic(n, 0.44, 0.5, seed=n)).status == N
   assert verdicts.evaluate(_rule(n, 'jump'), _synthetic(n, 4.4, 0.5, seed=n)).status == N
@@ -135,5 +140,7 @@ def test_leaving_sizes_out_of_the_emergence_grid_never_flips_a_verdict(emergence
   for key, (coarse, fine) in calls.items():
     assert {coarse, fine} != {'jump', 'smooth'}, key
     assert 'jump' not in (coarse, fine), key  # no metric's rise is shown to be a jump
-  # On all nine, exact match rises smoothly with and without label smoothing.
-  assert calls['eval.exact_match', 'd8'][1] == calls['eval.exact_match', 'd8_ls0'][1] == 'smooth'
+  # On all nine, exact match rises smoothly with label smoothing; without it the interval of its
+  # width (1.30 to 3.45 e-folds) reaches below ln 4.
+  assert calls['eval.exact_match', 'd8'][1] == 'smooth'
+  assert calls['eval.exact_match', 'd8_ls0'][1] == 'neither'
