@@ -268,3 +268,39 @@ def test_late_echoes_that_tensorstore_prints_from_its_thread_are_dropped_after_a
   assert 'RuntimeError: another error' in capsys.readouterr().err
   sys.excepthook(RuntimeError, RuntimeError('Event loop is closed'), None)
   assert 'RuntimeError: Event loop is closed' in capsys.readouterr().err
+
+
+def test_the_other_failed_reads_of_a_failed_restore_are_not_logged_again(monkeypatch, caplog):
+  """A restore reads many arrays at once and raises the first failure as one error; asyncio would
+  log each other orbax task's failure ("Task exception was never retrieved") when it is
+  collected. After a failed read those echoes are dropped; any other task's failure still shows."""
+  import asyncio
+  import gc
+
+  checkpoint._quiet_orbax()
+  namespace = {}
+  source = 'async def read():\n  raise PermissionError("Permission denied")\n'
+  exec(compile(source, os.path.join(os.sep, 'site', 'orbax', 'reader.py'), 'exec'), namespace)
+
+  def unretrieved(read):
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(read())
+    loop.run_until_complete(asyncio.sleep(0))  # the task runs and fails; nobody asks for it
+    loop.close()
+    del task
+    gc.collect()
+
+  other = {}
+  exec(compile(source, os.path.join(os.sep, 'site', 'mine', 'reader.py'), 'exec'), other)
+  monkeypatch.setattr(checkpoint._DropOrbaxLeftovers, 'failures', 1)
+  with caplog.at_level(logging.ERROR, logger='asyncio'):
+    unretrieved(namespace['read'])
+    assert not [r for r in caplog.records if 'never retrieved' in r.getMessage()]
+    unretrieved(other['read'])
+  echoes = [r.getMessage() for r in caplog.records if 'never retrieved' in r.getMessage()]
+  assert len(echoes) == 1 and f'{os.sep}mine{os.sep}' in echoes[0], echoes
+  monkeypatch.setattr(checkpoint._DropOrbaxLeftovers, 'failures', 0)
+  with caplog.at_level(logging.ERROR, logger='asyncio'):
+    unretrieved(namespace['read'])  # no read has failed: shown
+  echoes = [r.getMessage() for r in caplog.records if 'never retrieved' in r.getMessage()]
+  assert len(echoes) == 2 and f'{os.sep}orbax{os.sep}' in echoes[1], echoes

@@ -117,10 +117,25 @@ class _DropLateEcho:
     self.previous(kind, error, traceback)
 
 
+class _DropUnretrievedReads(logging.Filter):
+  """Drops asyncio's "Task exception was never retrieved" for orbax's own tasks once a read has
+  failed or while one runs: a restore reads many arrays at once, the first failure is raised (as
+  one error), and the other tasks' failures are the same cause, logged when they are collected."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    echo = text.startswith('Task exception was never retrieved')
+    echo = echo and f'{os.sep}orbax{os.sep}' in text
+    return not (echo and (_DropOrbaxLeftovers.failures or _DropOrbaxLeftovers.reading))
+
+
 def _quiet_orbax() -> None:
   absl_logger = logging.getLogger('absl')
   if not any(isinstance(f, _DropOrbaxInfo) for f in absl_logger.filters):
     absl_logger.addFilter(_DropOrbaxInfo())
+  asyncio_logger = logging.getLogger('asyncio')
+  if not any(isinstance(f, _DropUnretrievedReads) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_DropUnretrievedReads())
   if not isinstance(sys.unraisablehook, _DropOrbaxLeftovers):
     sys.unraisablehook = _DropOrbaxLeftovers(sys.unraisablehook)
   if not isinstance(sys.excepthook, _DropLateEcho):
