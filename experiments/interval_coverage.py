@@ -3,8 +3,8 @@
 python -m experiments.interval_coverage [--sweeps=400]
 
 Simulates sweeps whose true statistic is known (research/coverage.py) and prints, per case, the
-share whose interval holds it: sparrow's `estimates.bootstrap_interval` beside a plain percentile
-bootstrap of the same draws.
+share whose interval holds it: sparrow's (`estimates.bootstrap_interval`, `logistic.fit_rise`)
+beside a plain percentile bootstrap of the same draws.
 """
 
 from absl import flags

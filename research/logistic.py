@@ -108,9 +108,9 @@ def fit_rise(xs: Sequence[float], groups: Sequence[Sequence[float]], seed: int =
 
   The interval is the LEVEL interval of the widths fitted to RESAMPLES bootstrap resamples, each
   drawing every size's seeds with replacement, calibrated for few seeds (`_width_interval`; one
-  seed everywhere: no interval). p_rise tests
-  that y depends on x at all: the share of SHUFFLES random reassignments of all the values to
-  the points whose best logistic explains at least as much. Deterministic for a given `seed`.
+  seed everywhere: no interval). p_rise tests that y depends on x at all: the share of SHUFFLES
+  random reassignments of all the values to the points whose best logistic explains at least as
+  much. Deterministic for a given `seed`.
 
   Raises:
     ValueError: fewer than 4 sizes, x not positive, or a size without values.
