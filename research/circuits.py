@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.config import ModelConfig
-from transformer.model import hooks, models, norms
+from transformer.model import models, norms, scan
 from transformer.model import positions as positions_lib
 from transformer.model.attention import logit_scale
 from transformer.model.parts import parts
@@ -55,7 +55,7 @@ def check(cfg: ModelConfig) -> None:
 def _layer(cfg: ModelConfig, params: Any, layer: int) -> dict:
   if not 0 <= layer < cfg.num_layers:
     raise ValueError(f'layer={layer} is out of range: the model has {cfg.num_layers} layers')
-  return hooks.unscan_params(cfg, nn.meta.unbox(params))['decoder']['stack'][f'layer_{layer}']
+  return scan.unscan_params(cfg, nn.meta.unbox(params))['decoder']['stack'][f'layer_{layer}']
 
 
 def _rows(cfg: ModelConfig, params: Any, source: str) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 
 from transformer import data, util
 from transformer.config import ModelConfig
-from transformer.model import entropy, hooks, models
+from transformer.model import entropy, hooks, models, scan
 from transformer.model import positions as positions_lib
 from transformer.training.workdir import load_run
 
@@ -64,7 +64,7 @@ def intended_init(cfg: ModelConfig, path: tuple[str, ...], shape: tuple[int, ...
 
 def init_statistics(cfg: ModelConfig, seed: int = 0) -> list[dict[str, Any]]:
   """Mean and std of every freshly initialised parameter, beside what the scheme intends."""
-  params = hooks.unscan_params(cfg, models.init_params(models.build(cfg), jax.random.PRNGKey(seed)))
+  params = scan.unscan_params(cfg, models.init_params(models.build(cfg), jax.random.PRNGKey(seed)))
   rows = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     names = tuple(str(getattr(p, 'key', p)) for p in path)

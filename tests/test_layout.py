@@ -30,6 +30,8 @@ RANKS = {
 # Beside the library, from a clone (never installed): the tools that build on it, in rank order.
 TOOLS = ('bench', 'research')  # device checks and timing; sweeps, verdicts, studies, dissection
 MAX_LINES = 800
+# The model room is the one a researcher reads first: each of its files fits one sitting.
+MAX_MODEL_LINES = 450
 
 
 def _module_name(root: str, path: str) -> str:
@@ -189,6 +191,18 @@ def test_no_source_file_is_over_800_lines():
       if count > MAX_LINES:
         long.append(f'{os.path.relpath(path, ROOT)}: {count} lines')
   assert long == []
+
+
+def test_no_file_of_the_model_room_is_over_450_lines():
+  paths = modules(ROOT, ('transformer',))
+  model = [p for name, p in paths.items() if name.startswith('transformer.model')]
+  assert len(model) > 10  # the room was found
+  long = [
+    f'{os.path.relpath(p, ROOT)}: {n}'
+    for p in model
+    if (n := len(open(p).readlines())) > MAX_MODEL_LINES
+  ]
+  assert long == [], f'over {MAX_MODEL_LINES} lines: {long}'
 
 
 def test_experiments_only_call_the_package():

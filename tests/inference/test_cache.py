@@ -11,7 +11,7 @@ from model_helpers import random_model
 from transformer.config import ModelConfig
 from transformer.inference.api import Model
 from transformer.inference.cache import ActivationCache, get_act_name, loss
-from transformer.model import hooks as hooks_lib
+from transformer.model import scan
 
 LAYERS, HEADS, D, V, T = 3, 4, 32, 50, 9
 
@@ -44,7 +44,7 @@ def test_the_parts_sum_to_the_stream(run):
   assert heads.shape == (LAYERS * HEADS + 1, 2, T, D) and labels[-1] == 'remainder'
   np.testing.assert_allclose(heads.sum(0), final, atol=1e-4)
   # One layer's heads and the output bias make its attention output.
-  stack = hooks_lib.unscan_params(m.cfg, m.params)['decoder']['stack']
+  stack = scan.unscan_params(m.cfg, m.params)['decoder']['stack']
   bias = np.asarray(stack['layer_1']['self_attention']['out']['bias'])  # [D]
   one = cache.stack_head_results(layer=2)[HEADS:].sum(0)
   np.testing.assert_allclose(one + bias, cache['attn_out', 1], atol=1e-4)

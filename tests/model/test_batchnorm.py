@@ -9,8 +9,8 @@ from decode_reference import greedy_uncached_continue
 
 from transformer.config import ModelConfig
 from transformer.model import decode, hooks, models
-from transformer.model.hooks import unscan_params
 from transformer.model.norms import BATCHNORM_MOMENTUM, BatchNorm
+from transformer.model.scan import unscan_params
 
 B, T, D = 3, 7, 24
 LENGTHS = (7, 4, 1)  # real tokens per row: each row padded differently, one with a single token

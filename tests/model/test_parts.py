@@ -26,6 +26,7 @@ from transformer.model import (
   norms,
   parts,
   remat,
+  scan,
   short_conv,
 )
 
@@ -90,7 +91,7 @@ OPTIONS = {
   'sequential block': (lambda c: not c.parallel_residual, [layers.sequential]),
   'parallel block': (lambda c: c.parallel_residual, [layers.parallel]),
   'short convolution': (lambda c: c.short_conv > 0, [short_conv.ShortConv.__call__]),
-  'scan': (lambda c: c.scan_layers, [layers.scan]),
+  'scan': (lambda c: c.scan_layers, [scan.scan]),
   'loop': (lambda c: not c.scan_layers and not c.attention_layers, [layers.loop]),
   'remat': (lambda c: c.remat != 'none', [remat._lift_checkpoint]),
   'softmax': (lambda c: c.attention == 'softmax', [attention.softmax_attend]),

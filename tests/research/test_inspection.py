@@ -12,7 +12,7 @@ import pytest
 
 from research import inspection
 from transformer.config import ModelConfig
-from transformer.model import hooks, models
+from transformer.model import hooks, models, scan
 from transformer.training import loop
 
 
@@ -86,7 +86,7 @@ def test_scanned_and_rematerialised_models_give_the_same_maps():
   cfg, params = _model(scan_layers=False)
   scanned_cfg = cfg.replace(scan_layers=True, remat='full')
   scanned = models.init_params(models.build(scanned_cfg), jax.random.PRNGKey(0))
-  unscanned = hooks.unscan_params(scanned_cfg, scanned)
+  unscanned = scan.unscan_params(scanned_cfg, scanned)
   assert jax.tree_util.tree_structure(unscanned) == jax.tree_util.tree_structure(params)
   _, a = hooks.run_xla(scanned_cfg, scanned, {'inputs': _TOKENS}, _PATTERNS)
   _, b = hooks.run_xla(cfg, unscanned, {'inputs': _TOKENS}, _PATTERNS)

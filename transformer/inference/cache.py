@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from transformer.model import hooks as hooks_lib
-from transformer.model import norms
+from transformer.model import norms, scan
 
 RETURN_TYPES = ('logits', 'loss', 'both', None)
 
@@ -210,7 +210,7 @@ class ActivationCache(Mapping):
     name = f'blocks.{layer}.attn.hook_result'
     if name in self.cache_dict:
       return self.cache_dict[name]
-    params = hooks_lib.unscan_params(self.model.cfg, self.model.params)
+    params = scan.unscan_params(self.model.cfg, self.model.params)
     w_o = np.asarray(_stack(params)[f'layer_{layer}']['self_attention']['out']['kernel'])
     z = self['z', layer]  # [B, T, N, H]
     return np.einsum('...nh,nhd->...nd', z, w_o.astype(z.dtype))  # [B, T, N, D]
@@ -282,7 +282,7 @@ class ActivationCache(Mapping):
   def _final_norm(self, x: np.ndarray) -> np.ndarray:
     """The final norm of the model, weight and bias included, on [..., D]."""
     cfg = self.model.cfg
-    norm = _stack(hooks_lib.unscan_params(cfg, self.model.params))['final_norm']
+    norm = _stack(scan.unscan_params(cfg, self.model.params))['final_norm']
     bias = np.asarray(norm['bias'], np.float32) if 'bias' in norm else None
     scale = np.asarray(norm['scale'], np.float32)
     return norms.normalized(cfg.norm, x, cfg.norm_eps, scale, bias, 'apply_ln_to_stack')

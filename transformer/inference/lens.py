@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from transformer.model import hooks as hooks_lib
+from transformer.model import scan
 
 
 def _np(x: Any) -> np.ndarray:
@@ -159,7 +160,7 @@ class Lens:
       raise AttributeError(
         f"TransformerLens's weight names read a causal_lm's blocks; this is a {self.cfg.family}"
       )
-    stack = hooks_lib.unscan_params(self.cfg, self.params)['decoder']['stack']
+    stack = scan.unscan_params(self.cfg, self.params)['decoder']['stack']
     return [stack[f'layer_{i}'] for i in range(self.cfg.num_layers)]
 
   @property

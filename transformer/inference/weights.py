@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from transformer.config import ModelConfig
-from transformer.model import hooks as hooks_lib
+from transformer.model import scan
 
 
 def process_weights(
@@ -43,7 +43,7 @@ def process_weights(
       "refactor_factored_attn_matrices cannot keep the QK product with position='rope', which "
       'rotates queries and keys by their positions; load without it'
     )
-  p = _numpy(hooks_lib.unscan_params(cfg, params))
+  p = _numpy(scan.unscan_params(cfg, params))
   stack, layers = p['decoder']['stack'], [f'layer_{i}' for i in range(cfg.num_layers)]
   head = {'kernel': p['embedding']['embedding'].T.copy(), 'bias': np.zeros(cfg.vocab_size)}
   for layer in layers:

@@ -86,7 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer.config import ModelConfig
-from transformer.model import jaxpr_cache, models
+from transformer.model import jaxpr_cache, models, scan
 from transformer.model.attention import MultiHeadAttention
 from transformer.model.entropy import (  # noqa: F401  (public here too)
   attention_entropy,
@@ -315,34 +315,6 @@ def _interceptor(cfg: ModelConfig, state: _State):
   return intercept
 
 
-def unscan_params(cfg: ModelConfig, params: Any) -> Any:
-  """Parameters of a `scan_layers` model ([layers, ...] under 'layers') as layer_0, layer_1, ...
-
-  A variables dict (`models.variables`: params and a batchnorm model's running statistics) has
-  each of its collections converted.
-  """
-  if not cfg.scan_layers:
-    return params
-
-  def convert(tree):
-    if not isinstance(tree, dict):
-      return tree
-    out = {}
-    for key, value in tree.items():
-      if key == 'layers' and isinstance(value, dict):
-        count = jax.tree_util.tree_leaves(value)[0].shape[0]  # L, the stacked leading axis
-        for i in range(count):
-          # [L, ...] -> layer i's [...]; the names match Stack's unscanned f'layer_{i}'.
-          out[f'layer_{i}'] = jax.tree_util.tree_map(lambda x, i=i: x[i], value)
-      else:
-        out[key] = convert(value)
-    return out
-
-  if isinstance(params, Mapping) and 'params' in params:  # a variables dict
-    return {collection: convert(dict(tree)) for collection, tree in params.items()}
-  return convert(dict(params))
-
-
 def hook_config(cfg: ModelConfig) -> ModelConfig:
   """The same model with one module per layer (no scan) and no remat: same numbers."""
   return cfg.replace(remat='none', scan_layers=False)
@@ -369,7 +341,7 @@ def _run(cfg, params, inputs, names: tuple[str, ...], hooks: Mapping[str, tuple[
   model = models.build(hook_config(cfg))
   state = _State(frozenset(names), hooks, given)
   with nn.intercept_methods(_interceptor(cfg, state)):
-    variables = models.variables(unscan_params(cfg, params))
+    variables = models.variables(scan.unscan_params(cfg, params))
     logits = model.apply(variables, **inputs, deterministic=True)
   return logits, dict(state.cache)
 

@@ -433,21 +433,3 @@ def patterned(block: Callable, num_layers: int, x: Array, mask, positions, *args
     layer = block.func(cfg, p, *rest, **block.keywords, name=f'layer_{i}')
     x = layer(x, mask.replace(window=cfg.window), positions, *args)
   return x  # [B, T, D]
-
-
-def scan(block: Callable, num_layers: int, x: Array, *args) -> Array:
-  """One block `layers` with stacked [L, ...] parameters, looped by nn.scan: compile time
-  independent of depth."""
-  if not num_layers:  # nn.scan needs a length
-    return x
-  scanned = nn.scan(
-    block.func,
-    # Each layer its own params, KV cache and (norm='batchnorm') running statistics.
-    variable_axes={'params': 0, 'cache': 0, 'batch_stats': 0},
-    split_rngs={'params': True, 'dropout': True},  # each layer its own init and dropout
-    in_axes=(nn.broadcast,) * len(args),  # masks, positions, ...: the same for every layer
-    length=num_layers,
-    metadata_params={nn.PARTITION_NAME: 'layers'},  # stacked params: [layers, ...]
-  )
-  x, _ = scanned(*block.args, **block.keywords, scanned=True, name='layers')(x, *args)  # carry x
-  return x  # [B, T, D]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer.config import ModelConfig
-from transformer.model import attention_paths, layers, remat
+from transformer.model import attention_paths, layers, remat, scan
 from transformer.model import compressed_attention as compressed
 from transformer.model import linear_attention as linear
 from transformer.model import positions as positions_lib
@@ -162,7 +162,7 @@ class Parts(NamedTuple):
   short_conv: Callable[..., nn.Module] | None  # conv(name=...)(x, mask, positions, cache_mode)
   mlp: type[nn.Module] | None  # mlp(cfg, out_init, name=...)(x, deterministic)
   remat: Callable[[type[nn.Module]], type[nn.Module]] | None  # block class -> block class
-  layers: Callable  # layers(block, num_layers, x, *args): layers.loop, scan or patterned
+  layers: Callable  # layers(block, num_layers, x, *args): layers.loop or .patterned, scan.scan
 
 
 def _relative_kind(cfg: ModelConfig) -> str:
@@ -186,7 +186,7 @@ def _layers(cfg: ModelConfig) -> Callable:
   if cfg.attention_layers:
     configs = tuple((c, parts(c)) for c in layer_configs(cfg))
     return functools.partial(layers.patterned, layers=configs)
-  return layers.scan if cfg.scan_layers else layers.loop
+  return scan.scan if cfg.scan_layers else layers.loop
 
 
 @functools.lru_cache(maxsize=256)
