@@ -22,7 +22,7 @@ from flax import traverse_util
 from transformer import util
 from transformer.config import ModelConfig
 from transformer.inference.hf_config import GEMMA, LLAMA_FAMILY, check_arch
-from transformer.model import models
+from transformer.model import models, scan
 
 WEIGHTS = 'model.safetensors'
 # Prefix of the model body in task models (GPT2LMHeadModel, BertForMaskedLM, LlamaForCausalLM).
@@ -511,9 +511,8 @@ def params_from_hf(
 def params_to_hf(arch: str, cfg: ModelConfig, params: Any) -> dict[str, np.ndarray]:
   """Hugging Face tensors (canonical task-model names, the parameters' dtype) from sparrow ones."""
   check_arch(arch)
-  flat = traverse_util.flatten_dict(params)
-  if cfg.scan_layers:  # ('stack', 'layers', ...) [L, ...] -> ('stack', 'layer_i', ...)
-    flat = _unscan(flat, cfg.num_layers)
+  # A scanned stack's ('stack', 'layers', ...) [L, ...] as ('stack', 'layer_i', ...).
+  flat = traverse_util.flatten_dict(scan.unscan_params(cfg, params))
   tensors = {}
   for rule in _rules(arch, cfg):
     inputs = [np.asarray(flat.pop(p)) for p in rule.sparrow]
@@ -524,18 +523,6 @@ def params_to_hf(arch: str, cfg: ModelConfig, params: Any) -> dict[str, np.ndarr
   if flat:
     raise AssertionError(f'no rule exports sparrow parameter {"/".join(next(iter(flat)))}')
   return tensors
-
-
-def _unscan(flat: dict[Path, Any], num_layers: int) -> dict[Path, Any]:
-  out = {}
-  for path, value in flat.items():
-    if 'layers' in path:
-      i = path.index('layers')
-      for layer in range(num_layers):
-        out[path[:i] + (f'layer_{layer}',) + path[i + 1 :]] = value[layer]
-    else:
-      out[path] = value
-  return out
 
 
 def _full(arch: str, cfg: ModelConfig, name: str) -> str:
