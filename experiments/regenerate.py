@@ -1,11 +1,15 @@
 """Regenerate every committed sweep: python -m experiments.regenerate
 
-  [--only=a,b] [--parallel=1] [--gpu] [--root=docs/results]
+  [--only=a,b] [--parallel=1] [--gpu] [--root=docs/results] [--preflight]
 
 Reruns each sweep of SEEDS into ROOT/<name> with its seeds, at the current commit (a dirty tree
 is refused), then writes every report and the index ROOT/report.md. A sweep directory from
 another commit is removed first; rerunning after an interruption resumes. --gpu runs each sweep
 at its file's GPU_SCALE, into docs/results_gpu unless --root says otherwise.
+
+--preflight first: every variant of the chosen sweeps, seed 0, trains 8 steps and is measured as
+its sweep would be, in a temporary directory (nothing under ROOT is touched), and the command
+fails naming each variant that raised (docs/research.md: how long it takes).
 """
 
 from absl import flags
@@ -47,6 +51,9 @@ _ONLY = flags.DEFINE_list('only', None, f'Only these sweeps (default: all): {", 
 _PARALLEL = flags.DEFINE_integer('parallel', 1, 'Runs at once per sweep, each in its own process.')
 _GPU = flags.DEFINE_bool('gpu', False, "Each sweep at its file's GPU_SCALE, into docs/results_gpu.")
 _ROOT = flags.DEFINE_string('root', None, f'Results root (default {ROOT}; --gpu: {GPU_ROOT}).')
+_PREFLIGHT = flags.DEFINE_bool(
+  'preflight', False, 'Only check that every variant still runs: 8 steps each, in a temporary dir.'
+)
 _ALLOW_DIRTY = flags.DEFINE_bool(
   'allow_dirty', False, "Run from a tree with uncommitted changes; results record '<sha>-dirty'."
 )
@@ -55,6 +62,9 @@ _ALLOW_DIRTY = flags.DEFINE_bool(
 def main():
   from research import sweeps  # after flag parsing: keeps --help fast
 
+  if _PREFLIGHT.value:
+    _preflight(sweeps)
+    return
   root = _ROOT.value or (GPU_ROOT if _GPU.value else ROOT)
   index = sweeps.regenerate(
     SEEDS,
@@ -66,6 +76,24 @@ def main():
     log=lambda text: print(text, flush=True),
   )
   print(f'wrote {index}')
+
+
+def _preflight(sweeps) -> None:
+  import tempfile
+
+  from research import spec
+
+  names = _ONLY.value or list(SEEDS)
+  unknown = [n for n in names if n not in SEEDS]
+  if unknown:
+    raise ValueError(f'unknown sweep {unknown[0]!r}; choose from {", ".join(SEEDS)}')
+  with tempfile.TemporaryDirectory(prefix='preflight-') as workdir:
+    paths = [f'{spec.SWEEPS_DIR}/{name}.py' for name in names]
+    failed = sweeps.preflight(paths, workdir, log=lambda text: print(text, flush=True))
+  if failed:
+    listed = '; '.join(f'{name} {variant} ({error})' for name, variant, error in failed)
+    raise ValueError(f'{len(failed)} variants do not run at this commit: {listed}')
+  print(f'every variant of {len(names)} sweeps runs')
 
 
 if __name__ == '__main__':

@@ -110,16 +110,21 @@ class MeasureContext:
 
 
 def finished_result(
-  sweep: Sweep, variant: str, seed: int, workdir: str, lines: Sequence[dict] | None = None
+  sweep: Sweep,
+  variant: str,
+  seed: int,
+  workdir: str,
+  lines: Sequence[dict] | None = None,
+  steps: int | None = None,
 ) -> dict | None:
-  """The run's line of results.jsonl (`lines`, else read) if it has one with the same config;
-  raises if its config differs."""
+  """The run's line of results.jsonl (`lines`, else read) if it has one with the same config
+  (`steps`: as `run_config` cuts it short); raises if its config differs."""
   lines = read_results(workdir) if lines is None else lines
   found = [r for r in lines if r.get('variant') == variant and r.get('seed') == seed]
   if not found:
     return None
   result = found[-1]
-  want = config_dict(resolve_config(sweep, variant, seed))
+  want = config_dict(run_config(sweep, variant, seed, steps))
   if result.get('config') != want:
     diff = _first_difference(result.get('config') or {}, want)
     raise ValueError(
@@ -150,9 +155,10 @@ def execute_run(
   revision: str = 'unknown',
   ignore_changes: Sequence[str] = (),
   source_dir: str = SOURCE_DIR,
+  steps: int | None = None,
 ) -> dict:
   """Trains (or resumes) one run, measures it and appends its line (`revision` its git_revision)
-  to results.jsonl; returns the line.
+  to results.jsonl; returns the line. `steps` cuts the training short (`run_config`).
 
   The run's own record of its code, revisions.jsonl in its directory, leaves out what the
   sweep's check does (`run_source`: the workdir, RESULT_ROOTS and `ignore_changes`). Training
@@ -163,12 +169,12 @@ def execute_run(
   stops being finite (training.faults.NonFiniteError) is recorded with status 'diverged' and
   infinite losses rather than stopping the sweep.
   """
-  done = finished_result(sweep, variant, seed, workdir)
+  done = finished_result(sweep, variant, seed, workdir, steps=steps)
   if done is not None:
     return done
   import jax
 
-  config = resolve_config(sweep, variant, seed)
+  config = run_config(sweep, variant, seed, steps)
   directory = run_dir(workdir, variant, seed)
   os.makedirs(directory, exist_ok=True)
   code = run_source([workdir, *ignore_changes], source_dir)
@@ -177,7 +183,7 @@ def execute_run(
   start = time.time()
   status, error = 'ok', None
   if source is not None:
-    source_result = finished_result(sweep, source, seed, workdir)
+    source_result = finished_result(sweep, source, seed, workdir, steps=steps)
     if source_result is None:
       raise ValueError(f'eval variant {variant!r} needs the finished run of {source!r} first')
     curve = read_curve(checkpoint_dir)
@@ -228,6 +234,46 @@ def execute_run(
   result = util.jsonable(result)
   append_result(workdir, result)
   return result
+
+
+def run_config(sweep: Sweep, variant: str, seed: int, steps: int | None = None):
+  """The run's config; with `steps`, a copy that trains `steps` steps, logging, evaluating and
+  checkpointing at each (the logs a measurement reads included), its warmup within them."""
+  config = resolve_config(sweep, variant, seed)
+  if not steps:
+    return config
+  train = config.train
+  train.steps = train.eval_every = train.checkpoint_every = steps
+  train.log_every = 1
+  for key in ('induction_every', 'head_entropy_every'):
+    if train.get(key):
+      train[key] = 1
+  config.optim.warmup_steps = min(int(config.optim.warmup_steps), steps)
+  return config
+
+
+def preflight(
+  paths: Sequence[str], workdir: str, steps: int = 8, log: Callable[[str], None] = print
+) -> list[tuple[str, str, str]]:
+  """Every variant of each sweep file in `paths`, seed 0, trained `steps` steps and measured as
+  its sweep would, into `workdir`: whether each still runs at this commit, in minutes, before
+  hours of regenerating. Returns (sweep, variant, the first line of its error) for each that
+  fails; a skipped measurement (a kernel this backend cannot time) is not a failure."""
+  failed = []
+  for path in paths:
+    sweep = spec.load_sweep(path)
+    trained = [v for v in sweep.all_variants if v not in sweep.eval_variants]
+    for variant in trained + list(sweep.eval_variants):
+      start = time.time()
+      try:
+        result = execute_run(sweep, variant, 0, os.path.join(workdir, sweep.name), steps=steps)
+        status, error = result['status'], result['error'] or ''
+      except Exception as e:  # noqa: BLE001 - each failure is reported, then the next runs
+        status, error = 'failed', f'{type(e).__name__}: {(str(e).splitlines() or [""])[0]}'
+      log(f'{sweep.name} {variant}: {status} in {time.time() - start:.0f} s {error}'.rstrip())
+      if status == 'failed':  # 'diverged' and 'skipped' are results the sweep records
+        failed.append((sweep.name, variant, error))
+  return failed
 
 
 # The whole sweep -----------------------------------------------------------------------------

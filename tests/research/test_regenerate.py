@@ -332,3 +332,41 @@ def test_the_source_revision_is_that_of_the_checkout_holding_research():
   assert os.path.samefile(sweeps.SOURCE_DIR, ROOT)
   head = subprocess.run(['git', '-C', ROOT, 'rev-parse', 'HEAD'], capture_output=True, text=True)
   assert sweeps.source_state()[0] == head.stdout.strip()
+
+
+_TWO_VARIANT_SWEEP = _ONE_RUN_SWEEP.replace(
+  "variants={'base': {}},",
+  """variants={'base': {}, 'bad': {}},
+    measure='measure_or_fail',""",
+).replace(
+  'GPU_SCALE = 2',
+  """GPU_SCALE = 2
+
+def measure_or_fail(ctx):
+  if ctx.variant == 'bad':
+    raise RuntimeError('this measurement broke')
+  return {'measured': 1.0}""",
+)
+
+
+def test_preflight_runs_every_variant_a_few_steps_and_names_each_that_fails(tmp_path):
+  (tmp_path / 'two.py').write_text(_TWO_VARIANT_SWEEP.replace("name='one'", "name='two'"))
+  messages = []
+  failed = sweeps.preflight([str(tmp_path / 'two.py')], str(tmp_path / 'w'), steps=3,
+                            log=messages.append)  # fmt: skip
+  assert failed == [('two', 'bad', 'RuntimeError: this measurement broke')]
+  assert [m.split(':')[0] for m in messages] == ['two base', 'two bad']
+  assert messages[0].startswith('two base: ok in ')
+  assert messages[1].endswith('RuntimeError: this measurement broke')
+  # Cut short: 3 steps (the file asks for 2 * scale), each logged, the last one evaluated.
+  (line,) = results_lib.read_results(str(tmp_path / 'w' / 'two'))
+  assert line['config']['train']['steps'] == 3 and line['metrics']['measured'] == 1.0
+  curve = [json.loads(x) for x in open(tmp_path / 'w' / 'two' / line['curve'])]
+  assert [r['step'] for r in curve if r['kind'] == 'train'] == [1, 2, 3]
+  assert [r['step'] for r in curve if r['kind'] == 'eval'] == [3]
+  # A name that is not a sweep is one error line before anything runs.
+  out = subprocess.run(
+    [sys.executable, '-m', 'experiments.regenerate', '--preflight', '--only=nope'],
+    cwd=ROOT, capture_output=True, text=True, timeout=120,
+  )  # fmt: skip
+  assert out.returncode == 2 and out.stderr.strip().startswith("error: unknown sweep 'nope'")
