@@ -83,10 +83,7 @@ def _preflight(sweeps) -> None:
 
   from research import spec
 
-  names = _ONLY.value or list(SEEDS)
-  unknown = [n for n in names if n not in SEEDS]
-  if unknown:
-    raise ValueError(f'unknown sweep {unknown[0]!r}; choose from {", ".join(SEEDS)}')
+  names = sweeps.chosen(SEEDS, _ONLY.value)
   with tempfile.TemporaryDirectory(prefix='preflight-') as workdir:
     paths = [f'{spec.SWEEPS_DIR}/{name}.py' for name in names]
     failed = sweeps.preflight(paths, workdir, log=lambda text: print(text, flush=True))

@@ -461,6 +461,15 @@ def seed_passes(sweep: Sweep, seeds: int | Mapping[str, int]) -> list[tuple[list
   return passes
 
 
+def chosen(seeds: Mapping[str, object], only: Sequence[str] | None) -> list[str]:
+  """The sweeps `only` names (all of `seeds` without it); an unknown one is a ValueError."""
+  names = list(only) if only else list(seeds)
+  unknown = [n for n in names if n not in seeds]
+  if unknown:
+    raise ValueError(f'unknown sweep {unknown[0]!r}; choose from {", ".join(seeds)}')
+  return names
+
+
 def regenerate(
   seeds: Mapping[str, int | Mapping[str, int]],
   root: str,
@@ -480,10 +489,7 @@ def regenerate(
   sweep.json names another revision or scale is removed first (its runs are from other code);
   one at this revision resumes. A dirty tree is one ValueError before anything runs.
   """
-  names = list(only) if only else list(seeds)
-  unknown = [n for n in names if n not in seeds]
-  if unknown:
-    raise ValueError(f'unknown sweep {unknown[0]!r}; choose from {", ".join(seeds)}')
+  names = chosen(seeds, only)
   revision = checked_revision([root], allow_dirty, source_dir)
   paths = {n: os.path.join(sweeps_dir, f'{n}.py') for n in names}
   scales = {n: spec.gpu_scale(p) if gpu else 1 for n, p in paths.items()}  # all errors first
